@@ -1,0 +1,36 @@
+"""Graph builders, one per `general.architecture`, found through the `deltarun.graphs` entry points.
+
+Third-party packages add an architecture by declaring an entry point in that group whose object
+is a class taking the opened `GGUFFile`; deltarun's own builders are registered the same way.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+from deltarun.runner.errors import UnsupportedModelError
+
+ENTRY_POINT_GROUP = "deltarun.graphs"
+
+
+def available_architectures() -> dict[str, Any]:
+    """architecture name -> entry point, for every installed graph builder."""
+    found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if "qwen3next" not in found:  # running from a source tree without installed metadata
+        from deltarun.graphs.qwen3next import Qwen3NextGraph
+
+        found["qwen3next"] = Qwen3NextGraph
+    return found
+
+
+def graph_builder_for(gguf_file: Any) -> Any:
+    """The graph builder for the file's architecture, or a clear error listing the supported ones."""
+    arch = gguf_file.architecture
+    builders = available_architectures()
+    if arch not in builders:
+        raise UnsupportedModelError(
+            f"{gguf_file.path}: no graph for architecture {arch!r}; deltarun runs: {', '.join(sorted(builders))}")
+    entry = builders[arch]
+    cls = entry.load() if hasattr(entry, "load") else entry
+    return cls(gguf_file)

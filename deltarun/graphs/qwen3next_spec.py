@@ -1,0 +1,285 @@
+"""What a Qwen3-Next GGUF must hold: hyper-parameters and the tensors they imply.
+
+Everything here is checked in Python before a graph is built, so a malformed file ends in a
+`ModelFileError` that names the key or tensor, never in a GGML_ASSERT that kills the process.
+Key and tensor names are llama.cpp's (`qwen3next.` prefix); shapes are ggml `ne` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gguf
+
+from deltarun.runner.errors import ModelFileError, UnsupportedModelError
+from deltarun.runner.gguf_file import GGUFFile
+
+ARCH = "qwen3next"
+
+# Types ggml's CPU backend multiplies (mul_mat / mul_mat_id / get_rows) for weight matrices.
+MATMUL_TYPES = {
+    gguf.GGMLQuantizationType[n] for n in (
+        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+        "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M",
+        "TQ1_0", "TQ2_0", "MXFP4")
+}
+# Small tensors used in element-wise ops must stay F32.
+F32_ONLY = ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "_norm.weight", "norm.weight")
+
+MAX_DIM = 1 << 20  # far above any real model; guards against absurd metadata
+
+
+@dataclass(frozen=True)
+class HParams:
+    """Qwen3-Next hyper-parameters, named after llama.cpp's."""
+
+    n_layer: int              # trunk layers (block_count minus MTP layers)
+    n_ctx_train: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_freq_base: float
+    n_rot: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    ssm_d_conv: int
+    ssm_d_inner: int
+    ssm_d_state: int
+    ssm_n_v_heads: int        # ssm.time_step_rank
+    ssm_n_k_heads: int        # ssm.group_count
+    recurrent: tuple[bool, ...] = field(default=())
+    n_mtp: int = 0
+    n_vocab: int = 0
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.ssm_d_state
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_n_v_heads
+
+    @property
+    def key_dim(self) -> int:
+        return self.head_k_dim * self.ssm_n_k_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_v_dim * self.ssm_n_v_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_state_size(self) -> int:
+        """Floats of one conv-state snapshot of one layer and sequence."""
+        return (self.ssm_d_conv - 1) * self.conv_dim
+
+    @property
+    def ssm_state_size(self) -> int:
+        """Floats of one SSM-state snapshot of one layer and sequence."""
+        return self.head_v_dim * self.head_v_dim * self.ssm_n_v_heads
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.recurrent[i]]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if not self.recurrent[i]]
+
+
+def _int(f: GGUFFile, key: str, default: int | None = None) -> int:
+    value = f.get(f"{ARCH}.{key}", default)
+    if value is None:
+        raise ModelFileError(f"{f.path}: required metadata key {ARCH}.{key!r} is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFileError(f"{f.path}: {ARCH}.{key} must be an integer, found {value!r}")
+    if not 0 < value <= MAX_DIM * 64:
+        raise ModelFileError(f"{f.path}: {ARCH}.{key} = {value} is out of range")
+    return value
+
+
+def _float(f: GGUFFile, key: str, default: float | None = None) -> float:
+    value = f.get(f"{ARCH}.{key}", default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ModelFileError(f"{f.path}: {ARCH}.{key} must be a positive number, found {value!r}")
+    return float(value)
+
+
+def read_hparams(f: GGUFFile) -> HParams:
+    """Read and sanity-check the hyper-parameters of a qwen3next file."""
+    if f.architecture != ARCH:
+        raise UnsupportedModelError(f"{f.path}: architecture {f.architecture!r} is not {ARCH!r}")
+    n_layer_all = _int(f, "block_count")
+    n_mtp = f.get(f"{ARCH}.nextn_predict_layers", 0) or 0
+    if not isinstance(n_mtp, int) or not 0 <= n_mtp < n_layer_all:
+        raise ModelFileError(f"{f.path}: {ARCH}.nextn_predict_layers = {n_mtp!r} is out of range")
+    n_layer = n_layer_all - n_mtp
+
+    rec = f.get(f"{ARCH}.attention.recurrent_layers")
+    if rec is not None:
+        if not isinstance(rec, list) or len(rec) != n_layer_all:
+            raise ModelFileError(f"{f.path}: {ARCH}.attention.recurrent_layers must hold {n_layer_all} booleans")
+        recurrent = tuple(bool(x) for x in rec[:n_layer])
+    else:
+        interval = _int(f, "full_attention_interval", 4)
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+
+    n_expert_used = _int(f, "expert_used_count")
+    n_ff = _int(f, "feed_forward_length", 0) if f.get(f"{ARCH}.feed_forward_length") else 0
+    n_expert = _int(f, "expert_count")
+    n_ff_exp = f.get(f"{ARCH}.expert_feed_forward_length") or (n_ff // n_expert_used if n_ff else 0)
+    hp = HParams(
+        n_layer=n_layer,
+        n_ctx_train=_int(f, "context_length"),
+        n_embd=_int(f, "embedding_length"),
+        n_ff=n_ff,
+        n_head=_int(f, "attention.head_count"),
+        n_head_kv=_int(f, "attention.head_count_kv"),
+        head_dim=_int(f, "attention.key_length"),
+        rms_eps=_float(f, "attention.layer_norm_rms_epsilon"),
+        rope_freq_base=_float(f, "rope.freq_base", 10000.0),
+        n_rot=_int(f, "rope.dimension_count"),
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=int(n_ff_exp),
+        n_ff_shexp=int(f.get(f"{ARCH}.expert_shared_feed_forward_length") or n_ff_exp),
+        ssm_d_conv=_int(f, "ssm.conv_kernel"),
+        ssm_d_inner=_int(f, "ssm.inner_size"),
+        ssm_d_state=_int(f, "ssm.state_size"),
+        ssm_n_v_heads=_int(f, "ssm.time_step_rank"),
+        ssm_n_k_heads=_int(f, "ssm.group_count"),
+        recurrent=recurrent,
+        n_mtp=n_mtp,
+        n_vocab=len(f.get("tokenizer.ggml.tokens", []) or []) or _vocab_from_embd(f),
+    )
+    check_hparams(hp, str(f.path))
+    return hp
+
+
+def _vocab_from_embd(f: GGUFFile) -> int:
+    info = f.tensors.get("token_embd.weight")
+    if info is None or len(info.ne) != 2:
+        raise ModelFileError(f"{f.path}: tensor 'token_embd.weight' is missing or not 2-D")
+    return info.ne[1]
+
+
+def check_hparams(hp: HParams, where: str) -> None:
+    """Relations between hyper-parameters that the graph relies on."""
+    def bad(msg: str) -> None:
+        raise ModelFileError(f"{where}: {msg}")
+
+    for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used", "n_ff_exp",
+                 "ssm_d_conv", "ssm_d_inner", "ssm_d_state", "ssm_n_v_heads", "ssm_n_k_heads"):
+        value = getattr(hp, name)
+        if not 0 < value <= MAX_DIM:
+            bad(f"{name} = {value} is out of range")
+    if hp.n_layer <= 0:
+        bad("the model has no trunk layers")
+    if hp.n_head % hp.n_head_kv != 0:
+        bad(f"attention.head_count {hp.n_head} is not a multiple of head_count_kv {hp.n_head_kv}")
+    if hp.n_rot > hp.head_dim or hp.n_rot % 2:
+        bad(f"rope.dimension_count {hp.n_rot} must be even and at most key_length {hp.head_dim}")
+    if hp.n_expert_used > hp.n_expert:
+        bad(f"expert_used_count {hp.n_expert_used} exceeds expert_count {hp.n_expert}")
+    if hp.ssm_n_v_heads % hp.ssm_n_k_heads != 0:
+        bad(f"ssm.time_step_rank (value heads) {hp.ssm_n_v_heads} is not a multiple of "
+            f"ssm.group_count (key heads) {hp.ssm_n_k_heads}")
+    if hp.ssm_d_inner % hp.ssm_n_v_heads != 0 or hp.head_v_dim != hp.ssm_d_state:
+        bad(f"ssm.inner_size {hp.ssm_d_inner} must equal time_step_rank {hp.ssm_n_v_heads} x "
+            f"state_size {hp.ssm_d_state}")
+    if hp.ssm_d_conv < 2:
+        bad(f"ssm.conv_kernel {hp.ssm_d_conv} must be at least 2")
+    if hp.n_vocab <= 0:
+        bad("the vocabulary is empty")
+
+
+def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """name -> (ne, required) for every tensor the graph reads; alternatives resolved from the file."""
+    E, V = hp.n_embd, hp.n_vocab
+    t: dict[str, tuple[tuple[int, ...], bool]] = {
+        "token_embd.weight": ((E, V), True),
+        "output_norm.weight": ((E,), True),
+        "output.weight": ((E, V), False),
+    }
+    for il in range(hp.n_layer + hp.n_mtp):
+        p = f"blk.{il}."
+        t[p + "attn_norm.weight"] = ((E,), True)
+        t[p + "post_attention_norm.weight"] = ((E,), True)
+        if il < hp.n_layer and hp.recurrent[il]:
+            if p + "ssm_in.weight" in f.tensors:
+                t[p + "ssm_in.weight"] = ((E, 2 * hp.key_dim + 2 * hp.value_dim), True)
+            else:
+                t[p + "attn_qkv.weight"] = ((E, hp.conv_dim), True)
+                t[p + "attn_gate.weight"] = ((E, hp.value_dim), True)
+            t[p + "ssm_conv1d.weight"] = ((hp.ssm_d_conv, hp.conv_dim), True)
+            t[p + "ssm_dt.bias"] = ((hp.ssm_n_v_heads,), True)
+            t[p + "ssm_a"] = ((hp.ssm_n_v_heads,), True)
+            t[p + "ssm_ba.weight"] = ((E, 2 * hp.ssm_n_v_heads), True)
+            t[p + "ssm_norm.weight"] = ((hp.head_v_dim,), True)
+            t[p + "ssm_out.weight"] = ((hp.value_dim, E), True)
+        else:
+            hd = hp.head_dim
+            t[p + "attn_q.weight"] = ((E, 2 * hd * hp.n_head), True)
+            t[p + "attn_k.weight"] = ((E, hd * hp.n_head_kv), True)
+            t[p + "attn_v.weight"] = ((E, hd * hp.n_head_kv), True)
+            t[p + "attn_output.weight"] = ((hd * hp.n_head, E), True)
+            t[p + "attn_q_norm.weight"] = ((hd,), True)
+            t[p + "attn_k_norm.weight"] = ((hd,), True)
+        ff, ne = hp.n_ff_exp, hp.n_expert
+        t[p + "ffn_gate_inp.weight"] = ((E, ne), True)
+        if p + "ffn_gate_up_exps.weight" in f.tensors:
+            t[p + "ffn_gate_up_exps.weight"] = ((E, 2 * ff, ne), True)
+        else:
+            t[p + "ffn_gate_exps.weight"] = ((E, ff, ne), True)
+            t[p + "ffn_up_exps.weight"] = ((E, ff, ne), True)
+        t[p + "ffn_down_exps.weight"] = ((ff, E, ne), True)
+        t[p + "ffn_gate_inp_shexp.weight"] = ((E,), True)
+        t[p + "ffn_gate_shexp.weight"] = ((E, hp.n_ff_shexp), True)
+        t[p + "ffn_up_shexp.weight"] = ((E, hp.n_ff_shexp), True)
+        t[p + "ffn_down_shexp.weight"] = ((hp.n_ff_shexp, E), True)
+        if il >= hp.n_layer:
+            n = p + "nextn."
+            t[n + "eh_proj.weight"] = ((2 * E, E), True)
+            t[n + "enorm.weight"] = ((E,), True)
+            t[n + "hnorm.weight"] = ((E,), True)
+            t[n + "shared_head_norm.weight"] = ((E,), False)
+            t[n + "shared_head_head.weight"] = ((E, V), False)
+            t[n + "embed_tokens.weight"] = ((E, V), False)
+    return t
+
+
+def _same_shape(found: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Equal up to trailing ones (a [n] tensor may be stored as [n, 1])."""
+    a, b = list(found), list(want)
+    while len(a) > 1 and a[-1] == 1:
+        a.pop()
+    while len(b) > 1 and b[-1] == 1:
+        b.pop()
+    return a == b
+
+
+def validate_tensors(hp: HParams, f: GGUFFile) -> None:
+    """Every required tensor present with the right shape and a type ggml can use for it."""
+    for name, (ne, required) in expected_tensors(hp, f).items():
+        info = f.tensors.get(name)
+        if info is None:
+            if required:
+                raise ModelFileError(f"{f.path}: required tensor {name!r} is missing (expected shape {list(ne)})")
+            continue
+        if not _same_shape(info.ne, ne):
+            raise ModelFileError(f"{f.path}: tensor {name!r} has shape {list(info.ne)}, expected {list(ne)}")
+        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        if any(name.endswith(s) for s in F32_ONLY) or name.endswith("ffn_gate_inp_shexp.weight"):
+            if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or (
+                    "ssm_" in name and qtype != gguf.GGMLQuantizationType.F32):
+                raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}; it must be F32")
+        elif qtype not in MATMUL_TYPES:
+            raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}, which ggml cannot multiply")

@@ -1,0 +1,1 @@
+"""Model runtime: GGUF loading, tokenizer, memory, backends, sessions, sampling."""

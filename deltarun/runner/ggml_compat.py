@@ -1,0 +1,38 @@
+"""Fixes for ggml-python 0.0.45 binding bugs, applied once at import.
+
+Some functions declare a `typing.NewType` as their ctypes restype, so ctypes returns a C int and
+a 64-bit pointer comes back cut to 32 bits. Setting the restype to c_void_p repairs them. Import
+`ggml` through this module (`from deltarun.runner.ggml_compat import ggml`) so the fixes are in
+place before any call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import ggml
+
+#: Functions whose declared restype truncates the returned pointer.
+POINTER_RESTYPE_FIXES: tuple[str, ...] = (
+    "ggml_backend_cpu_buffer_from_ptr",
+    "ggml_backend_cpu_buffer_type",
+    "ggml_backend_alloc_buffer",
+    "ggml_backend_sched_get_tensor_backend",
+    "ggml_backend_vk_buffer_type",
+    "ggml_backend_vk_host_buffer_type",
+)
+
+
+def _apply_fixes() -> list[str]:
+    fixed = []
+    for name in POINTER_RESTYPE_FIXES:
+        fn = getattr(ggml, name, None)
+        if fn is not None and hasattr(fn, "restype"):
+            fn.restype = ctypes.c_void_p
+            fixed.append(name)
+    return fixed
+
+
+FIXED_FUNCTIONS: list[str] = _apply_fixes()
+
+__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES"]

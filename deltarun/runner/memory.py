@@ -1,0 +1,114 @@
+"""The model's memory: KV cache of the full-attention layers and the rollback-slot recurrent state.
+
+Recurrent state, per linear-attention layer and sequence (one cell per sequence), keeps
+K = n_rs_seq + 1 snapshots so that speculative tokens can be rolled back:
+
+- conv states: one row per cell of (d_conv-1) * K * channels floats, viewed as
+  [d_conv-1, K, channels]: slot r of channel c is the window r tokens back.
+- SSM states: [D, n_cells, K] with D = S_v * S_v * H_v; slot-major, so slot 0 of consecutive
+  cells is contiguous (what the graph reads as the live state).
+
+Slot 0 is always the newest state. The KV cache holds n_ctx rows per sequence
+(row = seq * n_ctx + position), written with set_rows through an index input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deltarun.graphs.qwen3next_spec import HParams
+from deltarun.runner.backend import Backend
+from deltarun.runner.errors import BackendError
+from deltarun.runner.ggml_util import Tensor, ggml, new_context, set_name, tensor_to_numpy
+
+KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
+
+
+@dataclass
+class SeqState:
+    """Host-side bookkeeping for one sequence."""
+
+    n_past: int = 0
+    tokens: list[int] = field(default_factory=list)
+    last_ubatch: int = 0   # tokens evaluated by the last ubatch (what a rollback may undo)
+    rolled_back: int = 0   # tokens already undone since that ubatch
+
+
+class Memory:
+    """Backend tensors of the KV cache and recurrent state, plus per-sequence positions."""
+
+    def __init__(self, hp: HParams, backend: Backend, n_ctx: int, n_seq_max: int = 1, n_rs_seq: int = 0,
+                 kv_type: str = "f16"):
+        self.hp = hp
+        self.n_ctx = n_ctx
+        self.n_cells = n_seq_max
+        self.n_slots = n_rs_seq + 1
+        self.kv_type = kv_type
+        layers = hp.n_layer
+        self.ctx = new_context(4 * layers + 4)
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+        self.conv: dict[int, Tensor] = {}
+        self.ssm: dict[int, Tensor] = {}
+        kv_rows = n_ctx * n_seq_max
+        for il in hp.attention_layers:
+            width = hp.head_dim * hp.n_head_kv
+            self.k[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_k_l{il}")
+            self.v[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_v_l{il}")
+        for il in hp.linear_layers:
+            self.conv[il] = set_name(ggml.ggml_new_tensor_2d(
+                self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.n_slots, n_seq_max), f"cache_r_l{il}")
+            self.ssm[il] = set_name(ggml.ggml_new_tensor_3d(
+                self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_seq_max, self.n_slots), f"cache_s_l{il}")
+        self.buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, backend.buffer_type)
+        if not self.buffer:
+            raise BackendError(f"backend {backend.name} could not allocate {self.nbytes_expected()} bytes "
+                               f"for the KV cache and recurrent state")
+        self.seqs = [SeqState() for _ in range(n_seq_max)]
+        self.clear()
+
+    def nbytes_expected(self) -> int:
+        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.n_slots - 1, self.kv_type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(ggml.ggml_backend_buffer_get_size(self.buffer))
+
+    def clear(self) -> None:
+        ggml.ggml_backend_buffer_clear(self.buffer, 0)
+        self.seqs = [SeqState() for _ in range(self.n_cells)]
+
+    # --- reading state back (tests, debugging) ------------------------------------------------
+    def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:
+        """Conv state of one sequence as numpy (K, d_conv-1, channels): slot, then oldest column first."""
+        hp = self.hp
+        row = tensor_to_numpy(self.conv[il])[seq]                       # [(d_conv-1)*K*channels]
+        arr = row.reshape(hp.conv_dim, self.n_slots, hp.ssm_d_conv - 1)   # numpy of ne [dc1, K, ch]
+        return arr.transpose(1, 2, 0).copy()
+
+    def ssm_slots(self, il: int, seq: int = 0) -> np.ndarray:
+        """SSM state of one sequence as numpy (K, H_v, S_k, S_v): M[k, v] per head and slot."""
+        hp = self.hp
+        S, H = hp.head_v_dim, hp.ssm_n_v_heads
+        arr = tensor_to_numpy(self.ssm[il])[:, seq, :]                  # [K, D]
+        # ggml stores each head as ne [S_k, S_v] (k fastest) = numpy (S_v, S_k): transpose to (S_k, S_v)
+        return arr.reshape(self.n_slots, H, S, S).transpose(0, 1, 3, 2).copy()
+
+    def free(self) -> None:
+        if self.buffer:
+            ggml.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, n_rs_seq: int, kv_type: str = "f16") -> int:
+    """Bytes the KV cache and recurrent state take (what `inspect` reports)."""
+    kv_elem = 2 if kv_type == "f16" else 4
+    kv = 2 * len(hp.attention_layers) * hp.head_dim * hp.n_head_kv * n_ctx * n_seq_max * kv_elem
+    slots = n_rs_seq + 1
+    rs = len(hp.linear_layers) * (hp.conv_state_size + hp.ssm_state_size) * slots * n_seq_max * 4
+    return kv + rs

@@ -1,0 +1,240 @@
+"""A loaded model you can feed tokens to: the Python API under every command.
+
+`Model` ties together the GGUF file, the architecture's graph builder, the weights in backend
+buffers, the memory, and a cache of built graphs (one per ubatch shape). `eval` splits tokens
+into ubatches, fills the graph inputs and computes; per-step Python work is setting a few input
+tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from deltarun.graphs import graph_builder_for
+from deltarun.graphs.qwen3next import DELTA_NET_MODES, UbatchShape
+from deltarun.runner.backend import Backend, Scheduler, init_backend
+from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.runner.gguf_file import GGUFFile
+from deltarun.runner.ggml_util import ggml, new_context, numpy_to_tensor, tensor_to_numpy
+from deltarun.runner.memory import Memory
+from deltarun.runner.tokenizer import Tokenizer
+from deltarun.runner.weights import Weights
+
+KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
+NEG_INF = -np.inf
+
+
+@dataclass
+class _Graph:
+    ctx: Any
+    gf: Any
+    io: dict[str, Any]
+
+
+@dataclass
+class EvalStats:
+    """Counters a caller can report (tokens/s) or a test can check (incremental prefill)."""
+
+    n_eval_tokens: int = 0
+    n_eval_calls: int = 0
+    eval_seconds: float = 0.0
+    n_graph_builds: int = 0
+
+
+class Model:
+    """A Qwen3-Next (or other registered architecture) GGUF, ready to evaluate tokens."""
+
+    def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_batch: int = 512,
+                 n_threads: int | None = None, n_rs_seq: int = 0, n_seq_max: int = 1, kv_type: str = "f16",
+                 delta_net: str = "fused"):
+        if delta_net not in DELTA_NET_MODES:
+            raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
+        if n_ctx <= 0 or n_batch <= 0 or n_rs_seq < 0 or n_seq_max <= 0:
+            raise DeltarunError("n_ctx, n_batch and n_seq_max must be positive and n_rs_seq non-negative")
+        if n_batch < n_rs_seq + 1:
+            raise DeltarunError(f"--batch {n_batch} must be at least --rs-slots {n_rs_seq + 1}")
+        self.path = Path(path)
+        self.file = GGUFFile(path)
+        self.graph_builder = graph_builder_for(self.file)
+        self.hp = self.graph_builder.hp
+        self.tokenizer = Tokenizer.from_gguf(self.file.reader)
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.delta_net = delta_net
+        self.backend: Backend = init_backend(backend, n_threads)
+        names = [n for n in self.graph_builder.tensor_names() if n in self.file.tensors]
+        self.weights = Weights(self.file, names, self.backend)
+        self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, n_rs_seq, kv_type)
+        self.sched = Scheduler([self.backend])
+        self._graphs: dict[UbatchShape, _Graph] = {}
+        self.stats = EvalStats()
+
+    # --- public API ---------------------------------------------------------------------------
+    @property
+    def n_rs_seq(self) -> int:
+        return self.memory.n_slots - 1
+
+    def n_past(self, seq: int = 0) -> int:
+        return self.memory.seqs[seq].n_past
+
+    def tokens(self, seq: int = 0) -> list[int]:
+        return list(self.memory.seqs[seq].tokens)
+
+    def reset(self) -> None:
+        """Forget every sequence (KV cache and recurrent state)."""
+        self.memory.clear()
+
+    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
+        """Evaluate tokens appended to sequence `seq`; logits of the last token, or of every token."""
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise DeltarunError("no tokens to evaluate")
+        if not 0 <= seq < self.memory.n_cells:
+            raise DeltarunError(f"sequence {seq} out of range (the model was opened for {self.memory.n_cells})")
+        bad = [t for t in toks if not 0 <= t < self.hp.n_vocab]
+        if bad:
+            raise DeltarunError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
+        state = self.memory.seqs[seq]
+        if state.n_past + len(toks) > self.n_ctx:
+            raise ContextFullError(f"context full: {state.n_past} tokens + {len(toks)} new exceed --ctx {self.n_ctx}")
+        outs = []
+        for ub in self.split_ubatches(len(toks)):
+            chunk = toks[:ub]
+            toks = toks[ub:]
+            want_all = all_logits
+            logits = self._eval_ubatch(chunk, seq, want_all or not toks)
+            if want_all or not toks:
+                outs.append(logits)
+        result = np.concatenate(outs, axis=0)
+        return result if all_logits else result[-1]
+
+    def split_ubatches(self, n: int) -> list[int]:
+        """Sizes of the ubatches for n tokens: at most n_batch each, with the last K tokens together.
+
+        Keeping the final min(n, K) tokens in one ubatch means every rollback slot of the sequence
+        is written by the last ubatch (the rollback-slot design relies on it).
+        """
+        sizes = []
+        left = n
+        while left > 0:
+            take = min(self.n_batch, left)
+            sizes.append(take)
+            left -= take
+        keep = min(n, self.memory.n_slots)
+        if len(sizes) > 1 and sizes[-1] < keep:
+            moved = keep - sizes[-1]
+            sizes[-2] -= moved
+            sizes[-1] += moved
+        return sizes
+
+    def rollback(self, n_tokens: int, seq: int = 0) -> None:
+        """Drop the last n_tokens of a sequence: KV rows forgotten, recurrent state from slot r."""
+        state = self.memory.seqs[seq]
+        if n_tokens == 0:
+            return
+        limit = min(state.last_ubatch, self.n_rs_seq) - state.rolled_back
+        if not 0 < n_tokens <= limit:
+            raise RollbackError(
+                f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.n_rs_seq} rollback "
+                f"slots and the last ubatch had {state.last_ubatch} tokens ({max(limit, 0)} can be undone)")
+        self._restore_slot(n_tokens + state.rolled_back, seq)
+        state.rolled_back += n_tokens
+        state.n_past -= n_tokens
+        del state.tokens[len(state.tokens) - n_tokens:]
+
+    def logits_for(self, tokens: list[int]) -> np.ndarray:
+        """Logits of every token of a fresh sequence (resets the model); handy for tests and perplexity."""
+        self.reset()
+        return self.eval(tokens, all_logits=True)
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            ggml.ggml_free(g.ctx)
+        self._graphs.clear()
+        self.sched.free()
+        self.memory.free()
+        self.weights.free()
+        self.backend.free()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------------
+    def _restore_slot(self, r: int, seq: int) -> None:
+        """Make slot r the live state of `seq`: copy slot r into slot 0 for every linear layer.
+
+        Slots 1..r keep their contents; the graph always reads slot 0, so after this the next
+        ubatch continues from the state r tokens back.
+        """
+        hp, mem = self.hp, self.memory
+        K = mem.n_slots
+        for il in hp.linear_layers:
+            conv = tensor_to_numpy(mem.conv[il])                         # [n_cells, ch, K, dc1] numpy
+            row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
+            row[:, 0, :] = row[:, r, :]
+            numpy_to_tensor(mem.conv[il], row.reshape(-1), offset=seq * row.nbytes)
+            D = hp.ssm_state_size
+            cell = np.empty(D, dtype=np.float32)
+            ssm = mem.ssm[il]
+            slot_stride, cell_stride = ssm.contents.nb[2], ssm.contents.nb[1]
+            ggml.ggml_backend_tensor_get(ssm, cell.ctypes.data, r * slot_stride + seq * cell_stride, cell.nbytes)
+            ggml.ggml_backend_tensor_set(ssm, cell.ctypes.data, seq * cell_stride, cell.nbytes)
+
+    def _graph(self, shape: UbatchShape) -> _Graph:
+        g = self._graphs.get(shape)
+        if g is None:
+            ctx = new_context(2 * 16384)
+            gf = ggml.ggml_new_graph_custom(ctx, 16384, False)
+            io = self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, shape)
+            g = _Graph(ctx, gf, io)
+            self._graphs[shape] = g
+            self.stats.n_graph_builds += 1
+        return g
+
+    def _eval_ubatch(self, tokens: list[int], seq: int, want_all: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        state = self.memory.seqs[seq]
+        n = len(tokens)
+        start = state.n_past
+        n_kv = min(self.n_ctx, -(-(start + n) // KV_PAD) * KV_PAD)
+        n_out = n if want_all else 1
+        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n_out, n_kv=n_kv, seq_head=seq,
+                            delta_net=self.delta_net)
+        g = self._graph(shape)
+        self.sched.allocate(g.gf)
+        self._set_inputs(g.io, tokens, start, seq, shape)
+        self.sched.compute(g.gf)
+        logits = tensor_to_numpy(g.io["result_output"]).reshape(shape.n_outputs, self.hp.n_vocab)
+        state.n_past += n
+        state.tokens.extend(tokens)
+        state.last_ubatch = n
+        state.rolled_back = 0
+        self.stats.n_eval_tokens += n
+        self.stats.n_eval_calls += 1
+        self.stats.eval_seconds += time.perf_counter() - t0
+        return logits
+
+    def _set_inputs(self, io: dict[str, Any], tokens: list[int], start: int, seq: int, shape: UbatchShape) -> None:
+        n = len(tokens)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        numpy_to_tensor(io["inp_tokens"], np.asarray(tokens, dtype=np.int32))
+        numpy_to_tensor(io["inp_pos"], pos)
+        if "inp_out_ids" in io and shape.n_outputs != n:
+            numpy_to_tensor(io["inp_out_ids"], np.arange(n - shape.n_outputs, n, dtype=np.int32))
+        if "kq_mask" in io:
+            cols = np.arange(shape.n_kv)[None, :]
+            mask = np.where(cols <= pos[:, None], 0.0, NEG_INF).astype(np.float32)
+            numpy_to_tensor(io["kq_mask"], mask)
+            numpy_to_tensor(io["kv_idxs"], (seq * self.n_ctx + pos).astype(np.int64))
+        if "rs_s_copy" in io:
+            numpy_to_tensor(io["rs_s_copy"], np.asarray([seq], dtype=np.int32))
+            kw = int(io["rs_s_slot_rev"].contents.ne[0])
+            numpy_to_tensor(io["rs_s_slot_rev"], np.arange(kw - 1, -1, -1, dtype=np.int32))

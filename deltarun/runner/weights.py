@@ -1,0 +1,79 @@
+"""Model weights as ggml tensors, without copying them on the CPU.
+
+On a host-memory backend the mapped GGUF file itself becomes the backend buffer
+(`ggml_backend_cpu_buffer_from_ptr`), and each weight tensor points into it: loading costs no copy
+and resident memory grows only with the pages the graph touches. Other backends get a buffer of
+their own and the bytes are uploaded once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltarun.runner.backend import Backend
+from deltarun.runner.errors import BackendError, ModelFileError
+from deltarun.runner.gguf_file import GGUFFile, TensorInfo
+from deltarun.runner.ggml_util import Tensor, ctypes, ggml, new_context, set_name
+
+TENSOR_ALIGNMENT = 32
+
+
+class Weights:
+    """Every tensor of the file that the graph reads, by GGUF name."""
+
+    def __init__(self, f: GGUFFile, names: list[str], backend: Backend):
+        self.file = f
+        self.ctx = new_context(len(names) + 1)
+        self.tensors: dict[str, Tensor] = {}
+        self.buffer: Any = None
+        infos = [f.tensors[n] for n in names]
+        for info in infos:
+            self.tensors[info.name] = self._new_tensor(info)
+        if backend.is_cpu:
+            self._map_into_cpu_buffer(infos)
+        else:
+            self._upload(infos, backend)
+
+    def _new_tensor(self, info: TensorInfo) -> Tensor:
+        dims = (ctypes.c_int64 * len(info.ne))(*info.ne)
+        t = ggml.ggml_new_tensor(self.ctx, info.ggml_type, len(info.ne), dims)
+        if int(ggml.ggml_nbytes(t)) != info.nbytes:
+            raise ModelFileError(f"{self.file.path}: tensor {info.name!r} size mismatch "
+                                 f"({info.nbytes} bytes in file, ggml expects {ggml.ggml_nbytes(t)})")
+        return set_name(t, info.name)
+
+    def _map_into_cpu_buffer(self, infos: list[TensorInfo]) -> None:
+        base = self.file.data_base_address
+        if base % TENSOR_ALIGNMENT:
+            raise BackendError("the model mapping is not aligned for ggml")
+        self.buffer = ggml.ggml_backend_cpu_buffer_from_ptr(ctypes.c_void_p(base), self.file.file_size)
+        if not self.buffer:
+            raise BackendError("ggml could not wrap the mapped model file in a CPU buffer")
+        ggml.ggml_backend_buffer_set_usage(self.buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        for info in infos:
+            status = ggml.ggml_backend_tensor_alloc(self.buffer, self.tensors[info.name],
+                                                    ctypes.c_void_p(base + info.offset))
+            if status != 0:
+                raise BackendError(f"ggml could not place tensor {info.name!r} in the mapped buffer")
+
+    def _upload(self, infos: list[TensorInfo], backend: Backend) -> None:
+        self.buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, backend.buffer_type)
+        if not self.buffer:
+            total = sum(i.nbytes for i in infos)
+            raise BackendError(f"backend {backend.name} could not allocate {total} bytes for the weights")
+        ggml.ggml_backend_buffer_set_usage(self.buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        base = self.file.data_base_address
+        for info in infos:
+            ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0, info.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(ggml.ggml_nbytes(t)) for t in self.tensors.values())
+
+    def free(self) -> None:
+        if self.buffer:
+            ggml.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None

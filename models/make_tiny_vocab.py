@@ -1,0 +1,149 @@
+"""Regenerate ``models/data/tiny-vocab.json`` from the real Qwen2/Qwen3 vocabulary.
+
+The synthetic test models need a vocabulary that tokenizes like the real one but keeps the
+embedding small. A prefix of a BPE merge list is itself a valid BPE vocabulary: encoding with the
+first N merges gives exactly the intermediate state the full tokenizer passes through, so every
+real token is a concatenation of consecutive tiny tokens. This script cuts such a prefix:
+
+* the 256 byte-level tokens (ids 0..255 in the real vocab),
+* the tokens produced by the first ``N`` merges (real ids 256..256+N-1), renumbered densely in
+  real order, with the merges whose two parts and result are all kept,
+* the added (special) tokens of the Qwen3 family appended at the end with their GGUF token types.
+
+Run from the project root::
+
+    python models/make_tiny_vocab.py [--vocab ../shared/data/vocab/ggml-vocab-qwen2.gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+DEFAULT_MERGES = 2048
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VOCAB = PROJECT_ROOT.parent / "shared" / "data" / "vocab" / "ggml-vocab-qwen2.gguf"
+DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "tiny-vocab.json"
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Qwen3's added tokens (ids 151643..151668, tokenizer_config.json "added_tokens_decoder"), with their
+# HF "special" flag. The reference GGUF is the older Qwen2 export, which only has the first three
+# and fills the rest with "[PAD...]" placeholders, so the Qwen3 list is spelled out here.
+QWEN3_ADDED_TOKENS: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
+
+
+def converter_token_type(text: str, special: bool) -> int:
+    """The GGUF type llama.cpp's convert_hf_to_gguf gives an added token.
+
+    Special tokens and ones that look special (``<|...|>``) become CONTROL; the rest (``<think>``,
+    ``<tool_call>``) USER_DEFINED, which is what real Qwen3-Next GGUF files carry.
+    """
+    looks_special = text.startswith("<|") and text.endswith("|>")
+    return TOKEN_TYPE_CONTROL if special or looks_special else TOKEN_TYPE_USER_DEFINED
+
+
+def read_real_vocab(path: Path) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges of a vocab GGUF."""
+    fields = gguf.GGUFReader(path).fields
+    return (
+        fields["tokenizer.ggml.tokens"].contents(),
+        fields["tokenizer.ggml.token_type"].contents(),
+        fields["tokenizer.ggml.merges"].contents(),
+    )
+
+
+def cut_normal_tokens(
+    tokens: list[str], merges: list[str], n_merges: int
+) -> tuple[list[str], list[str]]:
+    """The byte tokens plus the first ``n_merges`` merge results, in real id order, and their merges."""
+    merge_results = {"".join(m.split(" ")) for m in merges[:n_merges]}
+    kept_ids = [i for i, t in enumerate(tokens) if i < 256 or t in merge_results]
+    kept_tokens = [tokens[i] for i in kept_ids]
+    kept = set(kept_tokens)
+    kept_merges = []
+    for line in merges[:n_merges]:
+        left, right = line.split(" ")
+        if left in kept and right in kept and left + right in kept:
+            kept_merges.append(line)
+    return kept_tokens, kept_merges
+
+
+def added_tokens(tokens: list[str], types: list[int]) -> list[tuple[str, int]]:
+    """Qwen3's added tokens with their real type where the reference vocab has them."""
+    real_types = dict(zip(tokens, types))
+    return [(t, real_types.get(t, converter_token_type(t, s))) for t, s in QWEN3_ADDED_TOKENS]
+
+
+def build_tiny_vocab(vocab_path: Path, n_merges: int = DEFAULT_MERGES) -> dict[str, Any]:
+    """The JSON document ``deltarun.models.vocab.tiny_vocab`` reads."""
+    tokens, types, merges = read_real_vocab(vocab_path)
+    normal, kept_merges = cut_normal_tokens(tokens, merges, n_merges)
+    specials = added_tokens(tokens, types)
+    all_tokens = normal + [t for t, _ in specials]
+    all_types = [1] * len(normal) + [ty for _, ty in specials]
+    endoftext = all_tokens.index("<|endoftext|>")
+    return {
+        "about": (
+            f"Prefix of the Qwen2/Qwen3 BPE vocabulary ({n_merges} merges) plus Qwen3 added tokens; "
+            "generated by models/make_tiny_vocab.py"
+        ),
+        "source": vocab_path.name,
+        "pre": "qwen2",
+        "bos_id": endoftext,
+        "eos_id": endoftext,
+        "pad_id": endoftext,
+        "eot_id": None,
+        "add_bos": False,
+        "tokens": all_tokens,
+        "token_types": all_types,
+        "merges": kept_merges,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=Path, default=DEFAULT_VOCAB, help="real vocab GGUF")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write")
+    parser.add_argument("--merges", type=int, default=DEFAULT_MERGES, help="merges to keep")
+    args = parser.parse_args(argv)
+    doc = build_tiny_vocab(args.vocab, args.merges)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}: {len(doc['tokens'])} tokens, {len(doc['merges'])} merges")
+
+
+if __name__ == "__main__":
+    main()
