@@ -391,7 +391,7 @@ class _Builder:
         U = ggml.ggml_solve_tri(c, lhs, ggml.ggml_mul(c, v, bc), True, True, False)            # [S, C, nc, HN]
         W = ggml.ggml_solve_tri(c, lhs, ggml.ggml_mul(c, k, ggml.ggml_mul(c, bc, eG)), True, True, False)
         QK = ggml.ggml_mul(c, ggml.ggml_mul_mat(c, k, q), L)               # (s, t): e^(G_t-G_s) q_t . k_s
-        G_last = self.view(G, (1, 1, nc, HN), (nb(G)[1], nb(G)[1] * nc, nb(G)[2]), (C - 1) * 4)
+        G_last = self.view(G, (1, 1, nc, HN), (nb(G)[1], nb(G)[1], nb(G)[2]), (C - 1) * 4)
         to_end = ggml.ggml_exp(c, ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_last, 1, C, nc, HN), G_row))
         KdT = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k, to_end)))  # [C, S, nc, HN]
         eG_last = ggml.ggml_exp(c, ggml.ggml_cont(c, G_last))               # [1, 1, nc, HN]

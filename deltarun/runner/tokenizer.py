@@ -80,13 +80,15 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_UNICODE: dict[int, str] = bytes_to_unicode()
 UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_UNICODE.items()}
-# str.translate table: latin-1 decoded bytes -> byte-level characters, for fast word encoding.
-_BYTE_LEVEL_TRANSLATION = {b: c for b, c in BYTE_TO_UNICODE.items()}
 
 
 def _to_byte_level(word: str) -> str:
-    """Spell a text word in the byte-level alphabet the vocabulary uses."""
-    return word.encode("utf-8").decode("latin-1").translate(_BYTE_LEVEL_TRANSLATION)
+    """Spell a text word in the byte-level alphabet the vocabulary uses.
+
+    Decoding as latin-1 maps each byte to the code point of the same value, so one C-level
+    ``str.translate`` does the whole byte -> character mapping.
+    """
+    return word.encode("utf-8").decode("latin-1").translate(BYTE_TO_UNICODE)
 
 
 def _from_byte_level(text: str) -> bytes:
@@ -134,6 +136,7 @@ class Tokenizer:
         self.eot_id = self._check_id(eot_id, "eot")
         self.pad_id = self._check_id(pad_id, "padding")
         self.add_bos = bool(add_bos)
+        self._special_ids: dict[str, int] = _index_specials(self._tokens, self._types)
         self._special_regex = self._compile_special_regex()
         self._eog_ids: frozenset[int] = self._collect_eog_ids()
         self._bpe_cache: dict[str, tuple[int, ...]] = {}
@@ -183,12 +186,9 @@ class Tokenizer:
 
     def _compile_special_regex(self) -> regex.Pattern[str] | None:
         """One alternation of all special token texts, longest first, so the longest one wins."""
-        specials = sorted(
-            {t for t, ty in zip(self._tokens, self._types) if ty in SPECIAL_TOKEN_TYPES and t},
-            key=lambda t: (-len(t), t),
-        )
-        if not specials:
+        if not self._special_ids:
             return None
+        specials = sorted(self._special_ids, key=lambda t: (-len(t), t))
         return regex.compile("(" + "|".join(regex.escape(t) for t in specials) + ")")
 
     def _collect_eog_ids(self) -> frozenset[int]:
@@ -240,7 +240,7 @@ class Tokenizer:
             ids.append(self.bos_id)
         for fragment, is_special in self._split_special(text, parse_special):
             if is_special:
-                ids.append(self._token_to_id[fragment])
+                ids.append(self._special_ids[fragment])
             else:
                 self._encode_ordinary(fragment, ids)
         return ids
@@ -382,6 +382,15 @@ def _index_tokens(tokens: list[str]) -> dict[str, int]:
     index: dict[str, int] = {}
     for token_id, text in enumerate(tokens):
         index.setdefault(text, token_id)
+    return index
+
+
+def _index_specials(tokens: list[str], types: list[int]) -> dict[str, int]:
+    """Map the text of each CONTROL / USER_DEFINED token to its id (first id on duplicates)."""
+    index: dict[str, int] = {}
+    for token_id, (text, token_type) in enumerate(zip(tokens, types)):
+        if token_type in SPECIAL_TOKEN_TYPES and text:
+            index.setdefault(text, token_id)
     return index
 
 
