@@ -164,6 +164,13 @@ def test_longest_special_token_wins() -> None:
     assert short_id not in tok.encode("<a>", parse_special=False)
 
 
+def test_special_token_wins_over_same_normal_text() -> None:
+    tok = mini_tokenizer({"he": TOKEN_TYPE_CONTROL})
+    assert tok.token_id("he") == 256  # plain lookup: the first (normal) entry
+    assert tok.encode("he") == [tok.n_vocab - 1]
+    assert tok.encode("he", parse_special=False) == [256]
+
+
 def test_lone_surrogates_become_replacement_characters() -> None:
     tok = mini_tokenizer()
     assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"

@@ -90,31 +90,26 @@ class Model:
         self.memory.clear()
 
     def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
-        """Evaluate tokens appended to sequence `seq`; logits of the last token, or of every token."""
+        """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
+        token [n, vocab]."""
         toks = [int(t) for t in tokens]
-        if not toks:
-            raise DeltarunError("no tokens to evaluate")
-        if not 0 <= seq < self.memory.n_cells:
-            raise DeltarunError(f"sequence {seq} out of range (the model was opened for {self.memory.n_cells})")
-        bad = [t for t in toks if not 0 <= t < self.hp.n_vocab]
-        if bad:
-            raise DeltarunError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
-        state = self.memory.seqs[seq]
-        if state.n_past + len(toks) > self.n_ctx:
-            raise ContextFullError(f"context full: {state.n_past} tokens + {len(toks)} new exceed --ctx {self.n_ctx}")
+        self._check_tokens(toks, seq)
         outs = []
-        for ub in self.split_ubatches(len(toks)):
-            chunk = toks[:ub]
-            toks = toks[ub:]
-            want_all = all_logits
-            logits = self._eval_ubatch(chunk, seq, want_all or not toks)
-            if want_all or not toks:
+        done = 0
+        for size in self.split_ubatches(len(toks)):
+            last = done + size == len(toks)
+            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits or last)[0]
+            done += size
+            if all_logits or last:
                 outs.append(logits)
-        result = np.concatenate(outs, axis=0)
-        return result if all_logits else result[-1]
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
     def split_ubatches(self, n: int) -> list[int]:
-        """Sizes of the ubatches for n tokens: at most n_batch each, with the last K tokens together.
+        """Sizes of the ubatches for n tokens of one sequence."""
+        return self._split(n, self.n_batch)
+
+    def _split(self, n: int, limit: int) -> list[int]:
+        """At most `limit` tokens per ubatch, with the last K tokens of the sequence together.
 
         Keeping the final min(n, K) tokens in one ubatch means every rollback slot of the sequence
         is written by the last ubatch (the rollback-slot design relies on it).
@@ -122,7 +117,7 @@ class Model:
         sizes = []
         left = n
         while left > 0:
-            take = min(self.n_batch, left)
+            take = min(limit, left)
             sizes.append(take)
             left -= take
         keep = min(n, self.memory.n_slots)
@@ -199,42 +194,85 @@ class Model:
             self.stats.n_graph_builds += 1
         return g
 
-    def _eval_ubatch(self, tokens: list[int], seq: int, want_all: bool) -> np.ndarray:
-        t0 = time.perf_counter()
+    def eval_batch(self, batch: dict[int, list[int]], all_logits: bool = False) -> dict[int, np.ndarray]:
+        """Evaluate several sequences at once: equal-length token lists for consecutive sequence ids
+        share ubatches (one graph with n_seqs > 1); other batches are evaluated sequence by sequence."""
+        seqs = sorted(batch)
+        lengths = {len(batch[s]) for s in seqs}
+        consecutive = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        if len(seqs) == 1 or len(lengths) != 1 or not consecutive:
+            return {s: self.eval(batch[s], s, all_logits) for s in seqs}
+        n = lengths.pop()
+        for s in seqs:
+            self._check_tokens(batch[s], s)
+        per_ubatch = max(self.memory.n_slots, self.n_batch // len(seqs))
+        outs: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
+        done = 0
+        for size in self._split(n, per_ubatch):
+            chunk = [batch[s][done:done + size] for s in seqs]
+            done += size
+            last = done == n
+            logits = self._eval_ubatch(chunk, seqs[0], all_logits or last)
+            if all_logits or last:
+                for i, s in enumerate(seqs):
+                    outs[s].append(logits[i])
+        return {s: (np.concatenate(outs[s]) if all_logits else outs[s][-1][-1]) for s in seqs}
+
+    def _check_tokens(self, toks: list[int], seq: int) -> None:
+        if not toks:
+            raise DeltarunError("no tokens to evaluate")
+        if not 0 <= seq < self.memory.n_cells:
+            raise DeltarunError(f"sequence {seq} out of range (the model was opened for {self.memory.n_cells})")
+        bad = [t for t in toks if not 0 <= int(t) < self.hp.n_vocab]
+        if bad:
+            raise DeltarunError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
         state = self.memory.seqs[seq]
-        n = len(tokens)
-        start = state.n_past
-        n_kv = min(self.n_ctx, -(-(start + n) // KV_PAD) * KV_PAD)
+        if state.n_past + len(toks) > self.n_ctx:
+            raise ContextFullError(
+                f"context full: {state.n_past} tokens + {len(toks)} new exceed the context size {self.n_ctx}")
+
+    def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool) -> np.ndarray:
+        """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab]."""
+        t0 = time.perf_counter()
+        n_seqs, n = len(tokens), len(tokens[0])
+        seqs = [self.memory.seqs[seq_head + i] for i in range(n_seqs)]
+        starts = [st.n_past for st in seqs]
+        n_kv = min(self.n_ctx, -(-(max(starts) + n) // KV_PAD) * KV_PAD)
         n_out = n if want_all else 1
-        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n_out, n_kv=n_kv, seq_head=seq,
-                            delta_net=self.delta_net)
+        shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
+                            seq_head=seq_head, delta_net=self.delta_net)
         g = self._graph(shape)
         self.sched.allocate(g.gf)
-        self._set_inputs(g.io, tokens, start, seq, shape)
+        self._set_inputs(g.io, tokens, starts, seq_head, shape)
         self.sched.compute(g.gf)
-        logits = tensor_to_numpy(g.io["result_output"]).reshape(shape.n_outputs, self.hp.n_vocab)
-        state.n_past += n
-        state.tokens.extend(tokens)
-        state.last_ubatch = n
-        state.rolled_back = 0
-        self.stats.n_eval_tokens += n
+        logits = tensor_to_numpy(g.io["result_output"]).reshape(n_seqs, n_out, self.hp.n_vocab)
+        for st, toks in zip(seqs, tokens):
+            st.n_past += n
+            st.tokens.extend(toks)
+            st.last_ubatch = n
+            st.rolled_back = 0
+        self.stats.n_eval_tokens += n * n_seqs
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0
         return logits
 
-    def _set_inputs(self, io: dict[str, Any], tokens: list[int], start: int, seq: int, shape: UbatchShape) -> None:
-        n = len(tokens)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        numpy_to_tensor(io["inp_tokens"], np.asarray(tokens, dtype=np.int32))
-        numpy_to_tensor(io["inp_pos"], pos)
-        if "inp_out_ids" in io and shape.n_outputs != n:
-            numpy_to_tensor(io["inp_out_ids"], np.arange(n - shape.n_outputs, n, dtype=np.int32))
+    def _set_inputs(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
+                    shape: UbatchShape) -> None:
+        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
+        pos = np.stack([np.arange(s, s + n, dtype=np.int32) for s in starts])          # [n_seqs, n]
+        numpy_to_tensor(io["inp_tokens"], np.asarray(tokens, dtype=np.int32).reshape(-1))
+        numpy_to_tensor(io["inp_pos"], pos.reshape(-1))
+        if "inp_out_ids" in io:
+            per_seq = shape.n_outputs // n_seqs
+            rows = (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).astype(np.int32)
+            numpy_to_tensor(io["inp_out_ids"], rows.reshape(-1))
         if "kq_mask" in io:
-            cols = np.arange(shape.n_kv)[None, :]
-            mask = np.where(cols <= pos[:, None], 0.0, NEG_INF).astype(np.float32)
+            cols = np.arange(shape.n_kv)[None, None, :]
+            mask = np.where(cols <= pos[:, :, None], 0.0, NEG_INF).astype(np.float32)   # [n_seqs, n, n_kv]
             numpy_to_tensor(io["kq_mask"], mask)
-            numpy_to_tensor(io["kv_idxs"], (seq * self.n_ctx + pos).astype(np.int64))
+            seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
+            numpy_to_tensor(io["kv_idxs"], (seq_ids * self.n_ctx + pos).astype(np.int64).reshape(-1))
         if "rs_s_copy" in io:
-            numpy_to_tensor(io["rs_s_copy"], np.asarray([seq], dtype=np.int32))
+            numpy_to_tensor(io["rs_s_copy"], np.arange(seq_head, seq_head + n_seqs, dtype=np.int32))
             kw = int(io["rs_s_slot_rev"].contents.ne[0])
             numpy_to_tensor(io["rs_s_slot_rev"], np.arange(kw - 1, -1, -1, dtype=np.int32))

@@ -1,0 +1,3 @@
+from deltarun.cli.main import cli
+
+cli()

@@ -1,0 +1,60 @@
+"""The `deltarun` command: a click group whose subcommands live one per module in this package.
+
+Every expected failure is a `DeltarunError`; it is printed as one line and mapped to its exit code.
+`--verbose` shows the traceback as well.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from deltarun.runner.errors import DeltarunError
+
+# command name -> "module:attribute"; modules are imported only when their command runs.
+COMMANDS: dict[str, str] = {
+}
+
+
+class LazyGroup(click.Group):
+    """Imports a subcommand's module on first use, so `deltarun --help` and each command start fast."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except DeltarunError as e:
+            if ctx.obj and ctx.obj.get("verbose"):
+                import traceback
+
+                traceback.print_exc()
+            click.secho(f"error: {e}", fg="red", err=True)
+            sys.exit(e.exit_code)
+        except MemoryError as e:
+            click.secho(f"error: out of memory ({e})", fg="red", err=True)
+            sys.exit(6)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--verbose", is_flag=True, help="Show tracebacks for errors.")
+@click.version_option(package_name="deltarun")
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
+    """Run Qwen3-Next GGUF models through ggml graphs."""
+    ctx.ensure_object(dict)
+    ctx.obj["verbose"] = verbose
+
+
+def main() -> None:  # pragma: no cover - console entry
+    cli()

@@ -1,0 +1,79 @@
+"""Token sampling from one row of logits, in llama.cpp's default order.
+
+penalties -> top-k -> top-p -> min-p -> temperature -> draw. Temperature <= 0 is greedy (argmax
+after penalties). Works on the single logits row it is given; never copies more than that row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Sampler:
+    """Draws tokens; one random generator per sampler so a seed reproduces a whole generation."""
+
+    def __init__(self, params: SamplingParams = GREEDY):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def penalized(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        """Logits after the repetition penalty (llama.cpp: divide positive, multiply negative)."""
+        p = self.params
+        if p.repeat_penalty == 1.0 or not history or p.repeat_last_n == 0:
+            return logits
+        recent = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        out = np.array(logits, dtype=np.float32, copy=True)
+        vals = out[ids]
+        out[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        return out
+
+    def distribution(self, logits: np.ndarray, history: list[int] | None = None) -> np.ndarray:
+        """The probabilities the sampler draws from (one-hot when greedy); used by speculative sampling."""
+        p = self.params
+        x = self.penalized(np.asarray(logits, dtype=np.float32), history or [])
+        probs = np.zeros(x.shape[0], dtype=np.float64)
+        if p.greedy:
+            probs[int(np.argmax(x))] = 1.0
+            return probs
+        order = np.argsort(-x, kind="stable")
+        if 0 < p.top_k < order.size:
+            order = order[: p.top_k]
+        kept = x[order].astype(np.float64)
+        w = np.exp(kept - kept[0])
+        w /= w.sum()
+        if p.top_p < 1.0:
+            cut = int(np.searchsorted(np.cumsum(w), p.top_p) + 1)
+            order, kept = order[:cut], kept[:cut]
+        if p.min_p > 0.0:
+            keep = np.exp(kept - kept[0]) >= p.min_p
+            order, kept = order[keep], kept[keep]
+        w = np.exp((kept - kept[0]) / p.temperature)
+        probs[order] = w / w.sum()
+        return probs
+
+    def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        if self.params.greedy:
+            return int(np.argmax(self.penalized(np.asarray(logits), history or [])))
+        probs = self.distribution(logits, history)
+        return int(self.rng.choice(probs.size, p=probs))
