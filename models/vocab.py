@@ -20,7 +20,7 @@ VOCAB_RESOURCE = "tiny-vocab.json"
 
 @dataclass(frozen=True)
 class TinyVocab:
-    """Everything a GGUF writer needs for ``tokenizer.ggml.*`` metadata (immutable: it is shared)."""
+    """What a GGUF writer needs for ``tokenizer.ggml.*`` metadata (immutable: it is shared)."""
 
     tokens: tuple[str, ...]
     token_types: tuple[int, ...]
@@ -54,7 +54,8 @@ class TinyVocab:
 @lru_cache(maxsize=1)
 def tiny_vocab() -> TinyVocab:
     """Load the packaged tiny vocabulary (read once, then shared)."""
-    text = resources.files("deltarun.models").joinpath("data").joinpath(VOCAB_RESOURCE).read_text("utf-8")
+    resource = resources.files("deltarun.models").joinpath("data").joinpath(VOCAB_RESOURCE)
+    text = resource.read_text("utf-8")
     doc = json.loads(text)
     return TinyVocab(
         tokens=tuple(doc["tokens"]),

@@ -15,6 +15,13 @@ from deltarun.runner.errors import DeltarunError
 
 # command name -> "module:attribute"; modules are imported only when their command runs.
 COMMANDS: dict[str, str] = {
+    "graph": "deltarun.cli.graph:graph",
+    "generate": "deltarun.cli.generate:generate",
+    "inspect": "deltarun.cli.inspect:inspect",
+    "make-tiny": "deltarun.cli.make_tiny:make_tiny",
+    "chat": "deltarun.cli.chat:chat",
+    "bench": "deltarun.cli.bench:bench",
+    "perplexity": "deltarun.cli.perplexity:perplexity",
 }
 
 

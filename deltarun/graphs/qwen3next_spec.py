@@ -7,11 +7,12 @@ Key and tensor names are llama.cpp's (`qwen3next.` prefix); shapes are ggml `ne`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import gguf
 
-from deltarun.runner.errors import ModelFileError, UnsupportedModelError
+from deltarun.runner.errors import ModelFileError, TokenizerError, UnsupportedModelError
 from deltarun.runner.gguf_file import GGUFFile
 
 ARCH = "qwen3next"
@@ -23,10 +24,14 @@ MATMUL_TYPES = {
         "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M",
         "TQ1_0", "TQ2_0", "MXFP4")
 }
-# Small tensors used in element-wise ops must stay F32.
+# Small tensors used in element-wise ops must stay F32 (ggml's CPU ggml_mul aborts on an F16
+# norm weight times F32 activations). The shared-expert gate is a matrix product and may be F16.
 F32_ONLY = ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "_norm.weight", "norm.weight")
+F32_OR_F16 = ("ffn_gate_inp_shexp.weight",)
 
 MAX_DIM = 1 << 20  # far above any real model; guards against absurd metadata
+MAX_CONTEXT = 1 << 26
+REDO = "re-download the file or convert the model again"
 
 
 @dataclass(frozen=True)
@@ -95,22 +100,40 @@ class HParams:
         return [i for i in range(self.n_layer) if not self.recurrent[i]]
 
 
-def _int(f: GGUFFile, key: str, default: int | None = None) -> int:
+def _int(f: GGUFFile, key: str, default: int | None = None, limit: int = MAX_DIM) -> int:
+    """A positive integer hyper-parameter no larger than `limit`."""
     value = f.get(f"{ARCH}.{key}", default)
     if value is None:
-        raise ModelFileError(f"{f.path}: required metadata key {ARCH}.{key!r} is missing")
+        raise ModelFileError(f"{f.path}: required metadata key '{ARCH}.{key}' is missing; {REDO}")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ModelFileError(f"{f.path}: {ARCH}.{key} must be an integer, found {value!r}")
-    if not 0 < value <= MAX_DIM * 64:
-        raise ModelFileError(f"{f.path}: {ARCH}.{key} = {value} is out of range")
+        raise ModelFileError(f"{f.path}: {ARCH}.{key} must be an integer, found {_show(value)}; {REDO}")
+    if not 0 < value <= limit:
+        raise ModelFileError(f"{f.path}: {ARCH}.{key} = {value} is out of range (1..{limit}); {REDO}")
     return value
 
 
 def _float(f: GGUFFile, key: str, default: float | None = None) -> float:
     value = f.get(f"{ARCH}.{key}", default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ModelFileError(f"{f.path}: {ARCH}.{key} must be a positive number, found {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ModelFileError(f"{f.path}: {ARCH}.{key} must be a positive finite number, found {_show(value)}; "
+                             f"{REDO}")
     return float(value)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _vocab_size(f: GGUFFile) -> int:
+    """Entries of tokenizer.ggml.tokens, without decoding them; 0 when the file has none."""
+    sig = f.value_type("tokenizer.ggml.tokens")
+    if sig is None:
+        return 0
+    if sig != (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING):
+        raise TokenizerError(f"{f.path}: metadata key 'tokenizer.ggml.tokens' must be an array of strings; "
+                             f"{REDO}")
+    return len(f.reader.fields["tokenizer.ggml.tokens"].data)
 
 
 def read_hparams(f: GGUFFile) -> HParams:
@@ -118,27 +141,44 @@ def read_hparams(f: GGUFFile) -> HParams:
     if f.architecture != ARCH:
         raise UnsupportedModelError(f"{f.path}: architecture {f.architecture!r} is not {ARCH!r}")
     n_layer_all = _int(f, "block_count")
+    # Every block holds several tensors; a block_count above the file's tensor count is damage (and
+    # would make expected_tensors enumerate millions of names).
+    if n_layer_all > len(f.tensors):
+        raise ModelFileError(f"{f.path}: {ARCH}.block_count = {n_layer_all} but the file holds only "
+                             f"{len(f.tensors)} tensors; {REDO}")
     n_mtp = f.get(f"{ARCH}.nextn_predict_layers", 0) or 0
-    if not isinstance(n_mtp, int) or not 0 <= n_mtp < n_layer_all:
-        raise ModelFileError(f"{f.path}: {ARCH}.nextn_predict_layers = {n_mtp!r} is out of range")
+    if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or not 0 <= n_mtp < n_layer_all:
+        raise ModelFileError(f"{f.path}: {ARCH}.nextn_predict_layers = {_show(n_mtp)} is out of range "
+                             f"(0..block_count-1 = {n_layer_all - 1}); {REDO}")
     n_layer = n_layer_all - n_mtp
 
     rec = f.get(f"{ARCH}.attention.recurrent_layers")
     if rec is not None:
-        if not isinstance(rec, list) or len(rec) != n_layer_all:
-            raise ModelFileError(f"{f.path}: {ARCH}.attention.recurrent_layers must hold {n_layer_all} booleans")
+        if not isinstance(rec, list) or len(rec) != n_layer_all or not all(
+                isinstance(x, (bool, int)) for x in rec):
+            raise ModelFileError(f"{f.path}: {ARCH}.attention.recurrent_layers must hold {n_layer_all} booleans "
+                                 f"(one per block), found {_show(rec)}; {REDO}")
         recurrent = tuple(bool(x) for x in rec[:n_layer])
     else:
         interval = _int(f, "full_attention_interval", 4)
         recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
 
     n_expert_used = _int(f, "expert_used_count")
-    n_ff = _int(f, "feed_forward_length", 0) if f.get(f"{ARCH}.feed_forward_length") else 0
+    # A zero (or absent) optional length means "use the fallback", as in llama.cpp.
+    n_ff = _int(f, "feed_forward_length") if f.get(f"{ARCH}.feed_forward_length") else 0
     n_expert = _int(f, "expert_count")
-    n_ff_exp = f.get(f"{ARCH}.expert_feed_forward_length") or (n_ff // n_expert_used if n_ff else 0)
+    if f.get(f"{ARCH}.expert_feed_forward_length"):
+        n_ff_exp = _int(f, "expert_feed_forward_length")
+    elif n_ff:
+        n_ff_exp = n_ff // n_expert_used
+    else:
+        raise ModelFileError(f"{f.path}: required metadata key '{ARCH}.expert_feed_forward_length' is missing; "
+                             f"{REDO}")
+    n_ff_shexp = (_int(f, "expert_shared_feed_forward_length")
+                  if f.get(f"{ARCH}.expert_shared_feed_forward_length") else n_ff_exp)
     hp = HParams(
         n_layer=n_layer,
-        n_ctx_train=_int(f, "context_length"),
+        n_ctx_train=_int(f, "context_length", limit=MAX_CONTEXT),
         n_embd=_int(f, "embedding_length"),
         n_ff=n_ff,
         n_head=_int(f, "attention.head_count"),
@@ -149,8 +189,8 @@ def read_hparams(f: GGUFFile) -> HParams:
         n_rot=_int(f, "rope.dimension_count"),
         n_expert=n_expert,
         n_expert_used=n_expert_used,
-        n_ff_exp=int(n_ff_exp),
-        n_ff_shexp=int(f.get(f"{ARCH}.expert_shared_feed_forward_length") or n_ff_exp),
+        n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff_shexp,
         ssm_d_conv=_int(f, "ssm.conv_kernel"),
         ssm_d_inner=_int(f, "ssm.inner_size"),
         ssm_d_state=_int(f, "ssm.state_size"),
@@ -158,7 +198,7 @@ def read_hparams(f: GGUFFile) -> HParams:
         ssm_n_k_heads=_int(f, "ssm.group_count"),
         recurrent=recurrent,
         n_mtp=n_mtp,
-        n_vocab=len(f.get("tokenizer.ggml.tokens", []) or []) or _vocab_from_embd(f),
+        n_vocab=_vocab_size(f) or _vocab_from_embd(f),
     )
     check_hparams(hp, str(f.path))
     return hp
@@ -167,20 +207,25 @@ def read_hparams(f: GGUFFile) -> HParams:
 def _vocab_from_embd(f: GGUFFile) -> int:
     info = f.tensors.get("token_embd.weight")
     if info is None or len(info.ne) != 2:
-        raise ModelFileError(f"{f.path}: tensor 'token_embd.weight' is missing or not 2-D")
+        raise ModelFileError(f"{f.path}: the file has no vocabulary (tokenizer.ggml.tokens) and its tensor "
+                             f"'token_embd.weight' is missing or not 2-D; {REDO}")
     return info.ne[1]
 
 
 def check_hparams(hp: HParams, where: str) -> None:
     """Relations between hyper-parameters that the graph relies on."""
     def bad(msg: str) -> None:
-        raise ModelFileError(f"{where}: {msg}")
+        raise ModelFileError(f"{where}: {msg}; the hyper-parameters are inconsistent: {REDO}")
 
-    for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used", "n_ff_exp",
-                 "ssm_d_conv", "ssm_d_inner", "ssm_d_state", "ssm_n_v_heads", "ssm_n_k_heads"):
+    for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_rot", "n_expert", "n_expert_used", "n_ff_exp",
+                 "n_ff_shexp", "ssm_d_conv", "ssm_d_inner", "ssm_d_state", "ssm_n_v_heads", "ssm_n_k_heads"):
         value = getattr(hp, name)
-        if not 0 < value <= MAX_DIM:
-            bad(f"{name} = {value} is out of range")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIM:
+            bad(f"{name} = {value!r} is out of range (1..{MAX_DIM})")
+    if not 0 < hp.n_ctx_train <= MAX_CONTEXT:
+        bad(f"context_length {hp.n_ctx_train} is out of range (1..{MAX_CONTEXT})")
+    if len(hp.recurrent) != hp.n_layer:
+        bad(f"{len(hp.recurrent)} layer kinds for {hp.n_layer} layers")
     if hp.n_layer <= 0:
         bad("the model has no trunk layers")
     if hp.n_head % hp.n_head_kv != 0:
@@ -267,19 +312,34 @@ def _same_shape(found: tuple[int, ...], want: tuple[int, ...]) -> bool:
 
 
 def validate_tensors(hp: HParams, f: GGUFFile) -> None:
-    """Every required tensor present with the right shape and a type ggml can use for it."""
+    """Every required tensor present with the right shape and a type ggml can use for it; then the
+    vocabulary and chat template the runner builds from the file, so that every problem with the
+    file surfaces here, with the file's name, before anything reaches ggml."""
+    T = gguf.GGMLQuantizationType
     for name, (ne, required) in expected_tensors(hp, f).items():
         info = f.tensors.get(name)
         if info is None:
             if required:
-                raise ModelFileError(f"{f.path}: required tensor {name!r} is missing (expected shape {list(ne)})")
+                raise ModelFileError(f"{f.path}: required tensor {name!r} is missing (expected shape {list(ne)}); "
+                                     f"the file is incomplete or not a {ARCH} model: {REDO}")
             continue
         if not _same_shape(info.ne, ne):
-            raise ModelFileError(f"{f.path}: tensor {name!r} has shape {list(info.ne)}, expected {list(ne)}")
-        qtype = gguf.GGMLQuantizationType(info.ggml_type)
-        if any(name.endswith(s) for s in F32_ONLY) or name.endswith("ffn_gate_inp_shexp.weight"):
-            if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or (
-                    "ssm_" in name and qtype != gguf.GGMLQuantizationType.F32):
-                raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}; it must be F32")
+            raise ModelFileError(f"{f.path}: tensor {name!r} has shape {list(info.ne)}, expected {list(ne)} "
+                                 f"from the hyper-parameters; the file is inconsistent: {REDO}")
+        qtype = T(info.ggml_type)
+        if name.endswith(F32_OR_F16):
+            if qtype not in (T.F32, T.F16):
+                raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}; it must be F32 or F16 "
+                                     f"(convert the model again, keeping it unquantized)")
+        elif name.endswith(F32_ONLY):
+            if qtype != T.F32:
+                raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}; it must be F32 "
+                                     f"(convert the model again, keeping it unquantized)")
         elif qtype not in MATMUL_TYPES:
-            raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}, which ggml cannot multiply")
+            raise ModelFileError(f"{f.path}: tensor {name!r} has type {qtype.name}, which ggml cannot multiply "
+                                 f"(weights must be one of {', '.join(sorted(t.name for t in MATMUL_TYPES))})")
+    tok = f.tokenizer()
+    if tok.n_vocab != hp.n_vocab:
+        raise ModelFileError(f"{f.path}: the vocabulary has {tok.n_vocab} tokens but the model expects "
+                             f"{hp.n_vocab}; {REDO}")
+    f.chat_templates()

@@ -66,6 +66,16 @@ def init_backend(name: str = "cpu", n_threads: int | None = None) -> Backend:
     return backend
 
 
+def forget_addresses(ctx: Any) -> None:
+    """Clear data and buffer of every tensor created in a graph context (nodes, inputs, views)."""
+    t = ggml.ggml_get_first_tensor(ctx)
+    while t:
+        c = t.contents
+        c.data = None
+        c.buffer = None
+        t = ggml.ggml_get_next_tensor(ctx, t)
+
+
 class Scheduler:
     """ggml_backend_sched over the backend(s); remembers which graph is currently allocated."""
 
@@ -83,10 +93,17 @@ class Scheduler:
         if not ggml.ggml_backend_sched_reserve(self.handle, gf):
             raise BackendError("the backend refused to reserve compute buffers for the graph")
 
-    def allocate(self, gf: Any) -> None:
-        """Allocate `gf` in the compute buffers unless it is the graph allocated last."""
+    def allocate(self, gf: Any, ctx: Any) -> None:
+        """Allocate `gf` (whose tensors live in `ctx`) unless it is the graph allocated last.
+
+        ggml's allocator keeps a tensor's old address when its data pointer is set, which is
+        only right for the graph allocated last: another graph may have moved or reallocated the
+        compute buffer since. So a graph coming back is first stripped of its addresses, and is
+        then laid out as if new.
+        """
         if self._allocated is not None and ctypes.addressof(self._allocated.contents) == ctypes.addressof(gf.contents):
             return
+        forget_addresses(ctx)
         ggml.ggml_backend_sched_reset(self.handle)
         if not ggml.ggml_backend_sched_alloc_graph(self.handle, gf):
             size = self.compute_buffer_size()

@@ -84,7 +84,7 @@ class Memory:
     def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:
         """Conv state of one sequence as numpy (K, d_conv-1, channels): slot, then oldest column first."""
         hp = self.hp
-        row = tensor_to_numpy(self.conv[il])[seq]                       # [(d_conv-1)*K*channels]
+        row = tensor_to_numpy(self.conv[il]).reshape(self.n_cells, -1)[seq]   # [(d_conv-1)*K*channels]
         arr = row.reshape(hp.conv_dim, self.n_slots, hp.ssm_d_conv - 1)   # numpy of ne [dc1, K, ch]
         return arr.transpose(1, 2, 0).copy()
 
@@ -92,7 +92,7 @@ class Memory:
         """SSM state of one sequence as numpy (K, H_v, S_k, S_v): M[k, v] per head and slot."""
         hp = self.hp
         S, H = hp.head_v_dim, hp.ssm_n_v_heads
-        arr = tensor_to_numpy(self.ssm[il])[:, seq, :]                  # [K, D]
+        arr = tensor_to_numpy(self.ssm[il]).reshape(self.n_slots, self.n_cells, -1)[:, seq, :]   # [K, D]
         # ggml stores each head as ne [S_k, S_v] (k fastest) = numpy (S_v, S_k): transpose to (S_k, S_v)
         return arr.reshape(self.n_slots, H, S, S).transpose(0, 1, 3, 2).copy()
 

@@ -98,7 +98,7 @@ class Model:
         done = 0
         for size in self.split_ubatches(len(toks)):
             last = done + size == len(toks)
-            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits or last)[0]
+            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits)[0]
             done += size
             if all_logits or last:
                 outs.append(logits)
@@ -172,7 +172,7 @@ class Model:
         hp, mem = self.hp, self.memory
         K = mem.n_slots
         for il in hp.linear_layers:
-            conv = tensor_to_numpy(mem.conv[il])                         # [n_cells, ch, K, dc1] numpy
+            conv = tensor_to_numpy(mem.conv[il]).reshape(mem.n_cells, -1)
             row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
             row[:, 0, :] = row[:, r, :]
             numpy_to_tensor(mem.conv[il], row.reshape(-1), offset=seq * row.nbytes)
@@ -212,7 +212,7 @@ class Model:
             chunk = [batch[s][done:done + size] for s in seqs]
             done += size
             last = done == n
-            logits = self._eval_ubatch(chunk, seqs[0], all_logits or last)
+            logits = self._eval_ubatch(chunk, seqs[0], all_logits)
             if all_logits or last:
                 for i, s in enumerate(seqs):
                     outs[s].append(logits[i])
@@ -242,7 +242,7 @@ class Model:
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net)
         g = self._graph(shape)
-        self.sched.allocate(g.gf)
+        self.sched.allocate(g.gf, g.ctx)
         self._set_inputs(g.io, tokens, starts, seq_head, shape)
         self.sched.compute(g.gf)
         logits = tensor_to_numpy(g.io["result_output"]).reshape(n_seqs, n_out, self.hp.n_vocab)

@@ -122,7 +122,7 @@ class Tokenizer:
         add_bos: bool = False,
         pre: str = "qwen2",
     ) -> None:
-        """Build lookup tables and validate them, so broken vocabularies fail here, not mid-prompt."""
+        """Build lookup tables and validate them: a broken vocabulary fails here, not mid-prompt."""
         self._tokens: list[str] = list(tokens)
         self._types: list[int] = [int(t) for t in token_types]
         _check_token_lists(self._tokens, self._types)
@@ -205,7 +205,7 @@ class Tokenizer:
         return len(self._tokens)
 
     def token_id(self, text: str) -> int | None:
-        """Id of the vocabulary entry spelled exactly ``text`` (byte-level spelling for normal tokens)."""
+        """Id of the vocabulary entry spelled ``text`` (normal tokens use byte-level spelling)."""
         return self._token_to_id.get(text)
 
     def token_text(self, token_id: int) -> str:
@@ -222,7 +222,9 @@ class Tokenizer:
 
     def _valid_id(self, token_id: int) -> int:
         if not 0 <= token_id < len(self._tokens):
-            raise TokenizerError(f"token id {token_id} is outside the vocabulary (size {self.n_vocab})")
+            raise TokenizerError(
+                f"token id {token_id} is outside the vocabulary (size {self.n_vocab})"
+            )
         return token_id
 
     # ----------------------------------------------------------------- encoding
@@ -246,7 +248,7 @@ class Tokenizer:
         return ids
 
     def _split_special(self, text: str, parse_special: bool) -> Iterable[tuple[str, bool]]:
-        """Yield (fragment, is_special) pieces; the capture group keeps the specials in the split."""
+        """Yield (fragment, is_special) pieces; the capture group keeps specials in the split."""
         if not parse_special or self._special_regex is None:
             yield text, False
             return
@@ -267,7 +269,7 @@ class Tokenizer:
             out.extend(ids)
 
     def _bpe_word(self, word: str) -> tuple[int, ...]:
-        """BPE-merge one pre-tokenized word; pieces missing from the vocab fall back to byte tokens."""
+        """BPE-merge one pre-tokenized word; pieces missing from the vocab fall back to bytes."""
         ids: list[int] = []
         for piece in self._bpe_merge(_to_byte_level(word)):
             token_id = self._token_to_id.get(piece)
@@ -346,7 +348,7 @@ class StreamDecoder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        """Add one token; return the text of all characters completed so far and not yet returned."""
+        """Add one token; return the characters it completed that were not returned yet."""
         return self._decoder.decode(self._tokenizer.token_bytes(token_id))
 
     def flush(self) -> str:
@@ -395,7 +397,7 @@ def _index_specials(tokens: list[str], types: list[int]) -> dict[str, int]:
 
 
 def _check_byte_tokens(token_to_id: dict[str, int]) -> None:
-    """Byte-level BPE needs one token per byte, the fallback for any piece missing from the vocab."""
+    """Byte-level BPE needs one token per byte: the fallback for pieces missing from the vocab."""
     missing = [b for b, ch in BYTE_TO_UNICODE.items() if ch not in token_to_id]
     if missing:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:8])
@@ -416,7 +418,8 @@ def _rank_merges(merges: Sequence[str], token_to_id: dict[str, int]) -> dict[tup
         for name in (left, right, left + right):
             if name not in token_to_id:
                 raise TokenizerError(
-                    f"merge #{rank} {line!r} refers to token {name!r}, which is not in the vocabulary"
+                    f"merge #{rank} {line!r} refers to token {name!r}, "
+                    "which is not in the vocabulary"
                 )
         ranks.setdefault((left, right), rank)
     return ranks
@@ -435,7 +438,9 @@ def _field_value(fields: dict[str, Any], key: str, required: bool = False) -> An
     field = fields.get(key)
     if field is None:
         if required:
-            raise TokenizerError(f"the model file has no {key!r} metadata; cannot build the tokenizer")
+            raise TokenizerError(
+                f"the model file has no {key!r} metadata; cannot build the tokenizer"
+            )
         return None
     try:
         return field.contents()

@@ -1,0 +1,95 @@
+"""`deltarun bench`: llama-bench style prompt-processing and generation throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from deltarun.cli.options import model_argument
+from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.runner.memory import KV_TYPES
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[int]:
+    """-p 128 -p 256,512 -> [128, 256, 512]; each value a non-negative integer (positive for -t/-b)."""
+    out: list[int] = []
+    minimum = 1 if param.name in ("threads", "batch") else 0
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                n = int(part)
+            except ValueError:
+                raise click.BadParameter(f"{part!r} is not an integer", ctx=ctx, param=param)
+            if n < minimum:
+                raise click.BadParameter(f"{n} is below {minimum}", ctx=ctx, param=param)
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for value in values:
+        out += [p.strip() for p in value.split(",") if p.strip() and p.strip() not in out]
+    return out
+
+
+@click.command("bench")
+@model_argument(required=True)
+@click.option("--n-prompt", "-p", multiple=True, callback=_int_list, metavar="N[,N...]",
+              help="Prompt sizes to measure (pp tests) [default: 512]; 0 skips them.")
+@click.option("--n-gen", "-n", multiple=True, callback=_int_list, metavar="N[,N...]",
+              help="Generation lengths to measure (tg tests) [default: 128]; 0 skips them.")
+@click.option("--repetitions", "-r", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Measured runs per test (after one warm-up run).")
+@click.option("--threads", "-t", multiple=True, callback=_int_list, metavar="N[,N...]",
+              help="CPU thread counts [default: physical cores].")
+@click.option("--batch", "-b", multiple=True, callback=_int_list, metavar="N[,N...]",
+              help="Ubatch sizes (tokens per graph) [default: 512].")
+@click.option("--backend", multiple=True, callback=_str_list, metavar="NAME[,NAME...]",
+              help="ggml backends (cpu, cpu-ref) [default: cpu].")
+@click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default="f16", show_default=True,
+              help="Type of the KV cache.")
+@click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
+              help="Gated delta-net kernel.")
+@click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
+              help="Report format (json schema: see deltarun.runner.bench).")
+def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
+          batch: list[int], backend: list[str], kv_type: str, delta_net: str, output: str) -> None:
+    """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
+
+    -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
+    grid. pp<P>: P tokens evaluated from an empty state in ubatches of -b tokens. tg<N>: N
+    single-token evaluations after a 16-token prompt. Each test runs once as a warm-up, then -r
+    times; t/s is the mean ± standard deviation over those runs.
+    """
+    from deltarun.runner.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
+                                       markdown_row, to_csv, to_json)
+
+    cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
+                      batch=batch or [512], backends=backend or ["cpu"], repetitions=repetitions,
+                      kv_type=kv_type, delta_net=delta_net)
+    settings: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    results = []
+    if output == "md":
+        click.echo(markdown_header())
+    for r in iter_bench(cfg, settings, info):
+        results.append(r)
+        if output == "md":
+            click.echo(markdown_row(info, r))
+    report = BenchReport(machine_info(), info, settings, results)
+    if output == "json":
+        click.echo(to_json(report))
+    elif output == "csv":
+        click.echo(to_csv(report), nl=False)
+    else:
+        import deltarun
+
+        click.echo(f"\ndeltarun {deltarun.__version__}, {report.machine['platform']}, "
+                   f"{report.machine['cpu_count']} CPUs", err=True)

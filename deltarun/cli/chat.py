@@ -1,0 +1,314 @@
+"""`deltarun chat`: a multi-turn conversation, interactive or driven through stdin.
+
+The conversation logic is `deltarun.runner.chat.ChatSession`; this module reads lines, runs the
+slash commands and prints the streamed answers (thinking dimmed or hidden).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from deltarun.cli.options import model_argument, model_options, open_model, sampling_options, sampling_params
+from deltarun.runner.errors import ContextFullError, DeltarunError
+
+HELP = """\
+Commands:
+  /help           this list
+  /reset          forget the conversation (the system prompt stays)
+  /system [TEXT]  set the system prompt (without TEXT: show it; /system - removes it)
+  /save FILE      write the conversation as JSON
+  /load FILE      read a conversation written by /save
+  /stats          tokens, speed and context used
+  /exit           quit (Ctrl-D does too)
+Ctrl-C stops an answer. A line starting with // sends it as a message beginning with /.
+End a line with \\ to continue the message on the next line."""
+
+
+def _err(text: str) -> None:
+    click.echo(text, err=True)
+
+
+def _tps(n: int, seconds: float) -> str:
+    return f"{n / seconds:.2f} t/s" if seconds > 0 and n else "-"
+
+
+class ChatUI:
+    """Prints answers and runs slash commands for one ChatSession."""
+
+    def __init__(self, session: Any, hide_thinking: bool = False, context_shift: bool = False):
+        self.session = session
+        self.hide_thinking = hide_thinking
+        self.context_shift = context_shift
+        self._after_think = False
+
+    # --- answers -------------------------------------------------------------------------------
+    def answer(self, text: str, raise_errors: bool = False) -> None:
+        """Stream the answer to `text`; a full context is reported (or raised with raise_errors)."""
+        from deltarun.runner.chat import ThinkingSplitter
+
+        session = self.session
+        stream = session.send(text)
+        splitter = None
+        self._after_think = False
+        try:
+            try:
+                for piece in stream:
+                    if splitter is None:
+                        splitter = ThinkingSplitter(session.turn_opens_thinking)
+                    self._show(splitter.push(piece))
+                if splitter is not None:
+                    self._show(splitter.flush())
+            finally:
+                if splitter is not None or session.last_stop_reason in ("eog", "stop", "length", "context"):
+                    click.echo("")
+        except KeyboardInterrupt:
+            stream.close()  # records the partial answer if the interrupt came while printing
+            _err("[interrupted]")
+            return
+        except ContextFullError as e:
+            if raise_errors:
+                raise
+            _err(f"{e}. Type /reset to start over" +
+                 ("." if self.context_shift else " (or restart with --context-shift to drop old turns)."))
+            return
+        if session.last_stop_reason == "context":
+            _err(f"[context full: {session.n_past}/{session.model.n_ctx} tokens used; the answer was cut. "
+                 "Type /reset to start over" +
+                 ("]" if self.context_shift else " or restart with --context-shift]"))
+        if session.last_turn.dropped_messages:
+            _err(f"[context shift: dropped the {session.last_turn.dropped_messages} oldest messages]")
+
+    def _show(self, parts: list[tuple[bool, str]]) -> None:
+        for thinking, text in parts:
+            if thinking:
+                if self.hide_thinking:
+                    self._after_think = True
+                else:
+                    click.echo(click.style(text, dim=True), nl=False)
+                continue
+            if self._after_think:
+                text = text.lstrip("\n")
+                if not text:
+                    continue
+                self._after_think = False
+            click.echo(text, nl=False)
+
+    # --- lines and commands ----------------------------------------------------------------------
+    def handle(self, line: str) -> bool:
+        """Run one input line (a message or a /command); False means quit."""
+        if line.startswith("//"):
+            line = line[1:]
+        elif line.startswith("/"):
+            name, _, arg = line[1:].partition(" ")
+            command = COMMANDS.get(name.lower())
+            if command is None:
+                _err(f"unknown command /{name}; /help lists the commands")
+                return True
+            try:
+                return command(self, arg.strip()) is not False
+            except DeltarunError as e:
+                _err(f"error: {e}")
+                return True
+        if not line.strip():
+            return True
+        try:
+            self.answer(line)
+        except DeltarunError as e:
+            _err(f"error: {e}")
+        return True
+
+    def cmd_help(self, arg: str) -> None:
+        _err(HELP)
+
+    def cmd_exit(self, arg: str) -> bool:
+        return False
+
+    def cmd_reset(self, arg: str) -> None:
+        self.session.reset()
+        _err("[conversation reset]")
+
+    def cmd_system(self, arg: str) -> None:
+        if not arg:
+            current = self.session.system
+            _err(f"system prompt: {current!r}" if current is not None else "no system prompt")
+            return
+        self.session.set_system(None if arg == "-" else arg)
+        _err("[system prompt removed]" if arg == "-" else "[system prompt set]")
+
+    def cmd_save(self, arg: str) -> None:
+        if not arg:
+            _err("usage: /save FILE")
+            return
+        path = Path(arg).expanduser()
+        self.session.save(path)
+        _err(f"[saved {len(self.session.messages)} messages to {path}]")
+
+    def cmd_load(self, arg: str) -> None:
+        if not arg:
+            _err("usage: /load FILE")
+            return
+        path = Path(arg).expanduser()
+        self.session.load(path)
+        _err(f"[loaded {len(self.session.messages)} messages from {path}]")
+
+    def cmd_stats(self, arg: str) -> None:
+        s = self.session
+        n_ctx, n_past = s.model.n_ctx, s.n_past
+        t, tot = s.last_turn, s.totals
+        lines = [f"context: {n_past} / {n_ctx} tokens ({100.0 * n_past / n_ctx:.1f}%), "
+                 f"{len(s.messages)} messages"]
+        if tot.turns:
+            how = " (recomputed)" if t.recomputed else (f" (rolled back {t.rolled_back})" if t.rolled_back else "")
+            lines.append(f"last turn: prompt {t.prefill_tokens} tokens evaluated, {t.reused_tokens} reused{how}, "
+                         f"{_tps(t.prefill_tokens, t.prefill_seconds)}; generated {t.generated_tokens} tokens, "
+                         f"{_tps(t.generated_tokens, t.generate_seconds)}; stop: {t.stop_reason}")
+            lines.append(f"session: {tot.turns} turns; prompt {tot.prefill_tokens} tokens, "
+                         f"{_tps(tot.prefill_tokens, tot.prefill_seconds)}; generated {tot.generated_tokens} "
+                         f"tokens, {_tps(tot.generated_tokens, tot.generate_seconds)}; "
+                         f"{tot.recomputes} recomputes, {tot.rollbacks} rollbacks")
+        _err("\n".join(lines))
+
+
+COMMANDS: dict[str, Callable[[ChatUI, str], Any]] = {
+    "help": ChatUI.cmd_help, "?": ChatUI.cmd_help, "exit": ChatUI.cmd_exit, "quit": ChatUI.cmd_exit,
+    "reset": ChatUI.cmd_reset, "system": ChatUI.cmd_system, "save": ChatUI.cmd_save, "load": ChatUI.cmd_load,
+    "stats": ChatUI.cmd_stats,
+}
+
+
+# --- interactive input -------------------------------------------------------------------------
+def _history_path() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "deltarun" / "chat_history"
+
+
+def _setup_readline() -> Callable[[], None]:
+    """Line editing and a persistent history; returns the function that saves the history."""
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - no readline (Windows)
+        return lambda: None
+    path = _history_path()
+    try:
+        readline.read_history_file(path)
+    except (OSError, ValueError):
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+    return save
+
+
+def _read_message() -> str:
+    line = input("> ")
+    while line.endswith("\\"):
+        line = line[:-1] + "\n" + input("… ")
+    return line
+
+
+def _repl(ui: ChatUI) -> None:
+    save_history = _setup_readline()
+    _err("Type a message; /help lists the commands, Ctrl-C stops an answer, Ctrl-D or /exit quits.")
+    try:
+        while True:
+            try:
+                line = _read_message()
+            except EOFError:
+                click.echo("")
+                break
+            except KeyboardInterrupt:
+                click.echo("")
+                _err("(Ctrl-D or /exit quits)")
+                continue
+            if not ui.handle(line):
+                break
+    finally:
+        save_history()
+
+
+@click.command("chat")
+@model_argument()
+@click.option("--system", default=None, metavar="TEXT", help="System prompt.")
+@click.option("--think/--no-think", default=None,
+              help="Qwen3 thinking switch (enable_thinking) [default: the template's, thinking on].")
+@click.option("--hide-thinking", is_flag=True, help="Do not show the <think>...</think> part of answers.")
+@click.option("--n-predict", "-n", type=click.IntRange(min=-1), default=-1, show_default=True,
+              help="Most tokens per answer (-1: until the end of the turn or a full context).")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="End the answer at this text (not shown); may be given several times.")
+@click.option("--context-shift", is_flag=True,
+              help="When the context is full, drop the oldest turns (the system prompt stays) and go on.")
+@click.option("--single", is_flag=True, help="Read all of stdin as one message, answer it and exit.")
+@sampling_options
+@model_options
+def chat(model: Path | None, system: str | None, think: bool | None, hide_thinking: bool, n_predict: int,
+         stop: tuple[str, ...], context_shift: bool, single: bool, **opts: Any) -> None:
+    """Chat with MODEL.gguf using the chat template stored in the file.
+
+    On a terminal this is an interactive prompt with line editing and history. Otherwise stdin is
+    read one message (or /command) per line, or as a single message with --single, and the
+    answers are printed one after the other. Without MODEL the built-in tiny test model (random
+    weights) is used.
+    """
+    from deltarun.runner.chat import ChatSession
+    from deltarun.runner.chat_template import ChatTemplate
+    from deltarun.runner.sampling import Sampler
+
+    stdin = click.get_text_stream("stdin")
+    interactive = not single and stdin.isatty()
+    params = sampling_params(**opts)
+    if interactive:
+        _err(f"loading {model or 'the built-in tiny model'} ...")
+    t_load = time.perf_counter()
+    with open_model(model, **opts) as m:
+        template = ChatTemplate.from_model(m)
+        if template.is_builtin:
+            _err("the model file has no chat template: using the built-in Qwen3 ChatML template")
+        session = ChatSession(m, template, Sampler(params), system=system, enable_thinking=think,
+                              n_predict=n_predict, stop=stop, context_shift=context_shift)
+        if interactive:
+            _err(f"{m.path} loaded in {time.perf_counter() - t_load:.2f} s ({m.n_ctx} ctx, {m.backend.name})")
+        ui = ChatUI(session, hide_thinking=hide_thinking, context_shift=context_shift)
+        try:
+            if single:
+                text = stdin.read().rstrip("\n")
+                if not text.strip():
+                    raise click.UsageError("--single: no message on stdin")
+                ui.answer(text, raise_errors=True)
+            elif interactive:
+                _repl(ui)
+            else:
+                for raw in stdin:
+                    if not ui.handle(raw.rstrip("\r\n")):
+                        break
+        except BrokenPipeError:
+            _silence_stdout()
+            raise SystemExit(0)
+        except KeyboardInterrupt:   # while reading input
+            click.echo("", err=True)
+            raise SystemExit(130)
+        tot = session.totals
+        if not interactive and tot.turns:
+            _err(f"chat: {tot.turns} turns; prompt {tot.prefill_tokens} tokens ({_tps(tot.prefill_tokens, tot.prefill_seconds)}), "
+                 f"generated {tot.generated_tokens} tokens ({_tps(tot.generated_tokens, tot.generate_seconds)})"
+                 + ("" if params.greedy else f"; seed {params.seed}"))
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

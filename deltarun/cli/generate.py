@@ -1,0 +1,124 @@
+"""`deltarun generate`: continue a prompt, streaming the text as the tokens come."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from deltarun.cli.options import model_argument, model_options, open_model, sampling_options, sampling_params
+from deltarun.runner.errors import DeltarunError
+
+
+def _read_prompt(prompt: str | None, file: Path | None) -> str:
+    if prompt is not None and file is not None:
+        raise click.UsageError("give the prompt with -p or with -f, not both")
+    if file is not None:
+        try:
+            prompt = file.read_text(encoding="utf-8")
+        except OSError as e:
+            raise click.BadParameter(f"cannot read {file}: {e.strerror or e}", param_hint="'-f' / '--file'")
+        except UnicodeDecodeError as e:
+            raise click.BadParameter(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})",
+                                     param_hint="'-f' / '--file'")
+    if prompt is None:
+        raise click.UsageError("no prompt: give one with -p TEXT or -f FILE")
+    if prompt == "":
+        raise click.UsageError("the prompt is empty")
+    return prompt
+
+
+def _timing(label: str, n: int, seconds: float) -> str:
+    ms = seconds * 1000.0
+    per = ms / n if n else 0.0
+    tps = n / seconds if seconds > 0 else 0.0
+    return f"{label:>13}: {ms:10.2f} ms / {n:5d} tokens ({per:8.2f} ms per token, {tps:9.2f} tokens per second)"
+
+
+@click.command("generate")
+@model_argument()
+@click.option("--prompt", "-p", default=None, help="Prompt text (special tokens like <|im_start|> are parsed).")
+@click.option("--file", "-f", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Read the prompt from this file.")
+@click.option("--n-predict", "-n", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Most tokens to generate (stops earlier at end of generation or a full context).")
+@click.option("--echo/--no-echo", default=False, show_default=True, help="Print the prompt before the output.")
+@sampling_options
+@model_options
+def generate(model: Path | None, prompt: str | None, file: Path | None, n_predict: int, echo: bool,
+             **opts: object) -> None:
+    """Continue a prompt with MODEL.gguf and stream the text to stdout.
+
+    Without MODEL the built-in tiny test model (random weights) is used: it is written on first use.
+    Timings go to stderr at the end, like llama.cpp's.
+    """
+    from deltarun.runner.generation import GenerationStats, generate_tokens
+    from deltarun.runner.sampling import Sampler
+    from deltarun.runner.tokenizer import StreamDecoder
+
+    text = _read_prompt(prompt, file)
+    params = sampling_params(**opts)  # type: ignore[arg-type]
+    t_load = time.perf_counter()
+    with open_model(model, **opts) as m:  # type: ignore[arg-type]
+        load_seconds = time.perf_counter() - t_load
+        tokens = m.tokenizer.encode(text)
+        if not tokens:
+            raise DeltarunError("the prompt encodes to no tokens")
+        if len(tokens) > m.n_ctx:
+            raise DeltarunError(f"the prompt has {len(tokens)} tokens but the context holds {m.n_ctx}; "
+                                f"raise --ctx")
+        if echo:
+            click.echo(text, nl=False)
+        stats = GenerationStats()
+        decoder = StreamDecoder(m.tokenizer)
+        interrupted = False
+        try:
+            for tok in generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats):
+                piece = decoder.push(tok)
+                if piece:
+                    click.echo(piece, nl=False)
+            click.echo(decoder.flush())
+        except KeyboardInterrupt:
+            interrupted = True
+            stats.stop_reason = "interrupted"
+            click.echo(decoder.flush())
+        except BrokenPipeError:  # e.g. `| head`: the reader is gone, stop quietly
+            _silence_stdout()
+            raise SystemExit(0)
+
+        err = dict(err=True)
+        click.echo("", **err)
+        click.echo(f"{'model':>13}: {m.path} ({m.n_ctx} ctx, {m.backend.name}, delta-net {m.delta_net})", **err)
+        if params.greedy:
+            click.echo(f"{'sampling':>13}: greedy", **err)
+        else:
+            click.echo(f"{'sampling':>13}: seed {params.seed}, temp {params.temperature}, top-k {params.top_k}, "
+                       f"top-p {params.top_p}, min-p {params.min_p}, repeat-penalty {params.repeat_penalty} "
+                       f"(last {params.repeat_last_n})", **err)
+        click.echo(f"{'stop':>13}: {_stop_text(stats.stop_reason)}", **err)
+        click.echo(f"{'load time':>13}: {load_seconds * 1000.0:10.2f} ms", **err)
+        click.echo(_timing("prompt eval", stats.n_prompt, stats.prompt_seconds), **err)
+        click.echo(_timing("generation", stats.n_generated, stats.generate_seconds), **err)
+    if interrupted:
+        raise SystemExit(130)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (e.g. under a test runner)
+        pass
+
+
+def _stop_text(reason: str) -> str:
+    return {
+        "eog": "end of generation token",
+        "length": "reached -n",
+        "context": "context full (raise --ctx)",
+        "interrupted": "interrupted",
+    }.get(reason, reason or "-")

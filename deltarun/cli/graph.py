@@ -1,0 +1,123 @@
+"""`deltarun graph`: dump the ggml graph the runner computes for one ubatch shape.
+
+The graph is built through the model's own graph cache (`Model._graph`), so the dump is exactly
+what `eval` runs for that shape. With `--values -p PROMPT` the prompt is run through that graph and
+the values of every node (or those matching `--filter`) are recorded through the scheduler's eval
+callback; `--dump-dir` also saves them as .npy files with a manifest. The JSON schema is
+documented in `deltarun.runner.graph_dump`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.runner.errors import DeltarunError
+
+FORMATS = ("txt", "json", "dot", "svg")
+DEFAULT_TOKENS = 8
+DEFAULT_DECODE_PAST = 32
+
+
+@click.command("graph")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--tokens", "-n", type=click.IntRange(min=1), default=None,
+              help=f"Tokens per sequence in the ubatch [default: {DEFAULT_TOKENS}; 1 with --decode].")
+@click.option("--seqs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences in the ubatch (opens the model with n_seq_max = SEQS).")
+@click.option("--past", type=click.IntRange(min=0), default=None,
+              help=f"Tokens already in the KV cache [default: 0; {DEFAULT_DECODE_PAST} with --decode].")
+@click.option("--decode", is_flag=True, help="The one-token decode graph (n_tokens = 1 after some past).")
+@click.option("--outputs", type=click.Choice(["last", "all"]), default="last", show_default=True,
+              help="Logit rows computed: the last token of each sequence, or every token.")
+@click.option("--rs-slots", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Recurrent-state slots K per sequence (K-1 tokens can be rolled back).")
+@click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
+              help="Gated delta-net kernel: ggml's fused op or primitive ops.")
+@click.option("--ctx", "-c", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Context size in tokens (KV rows per sequence).")
+@click.option("--kv-type", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+              help="Type of the KV cache.")
+@click.option("--threads", "-t", type=click.IntRange(min=1), default=None, help="CPU threads.")
+@click.option("--backend", default="cpu", show_default=True, metavar="NAME", help="ggml backend (cpu, cpu-ref).")
+@click.option("--layer", type=click.IntRange(min=0), default=None,
+              help="Keep only the nodes of layer L (names ending in -L) and their direct sources.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
+              help="txt table, json (stable schema), graphviz dot, or svg (needs graphviz's `dot`).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write to FILE (atomically) instead of stdout.")
+@click.option("--values", "values", is_flag=True,
+              help="Run the prompt (-p) through the graph and record node statistics.")
+@click.option("--prompt", "-p", default=None, help="Prompt text for --values (implies --values).")
+@click.option("--filter", "patterns", multiple=True, metavar="PATTERN",
+              help="With --values: record only nodes whose name matches; a glob (`attn_norm-*`) or "
+                   "`re:REGEX`. May be repeated. With --layer, only that layer's nodes are recorded.")
+@click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="With --values: save the recorded tensors as .npy files plus manifest.json.")
+@click.option("--first", "n_first", type=click.IntRange(min=0), default=8, show_default=True,
+              help="With --values: how many leading elements to show per node.")
+def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: bool, outputs: str,
+          rs_slots: int, delta_net: str, ctx: int, kv_type: str, threads: int | None, backend: str,
+          layer: int | None, fmt: str, output: Path | None, values: bool, prompt: str | None,
+          patterns: tuple[str, ...], dump_dir: Path | None, n_first: int) -> None:
+    """Dump the ggml graph the runner computes for one ubatch shape of MODEL."""
+    from deltarun.runner import graph_dump as gd
+    from deltarun.runner.model import Model
+
+    values = values or prompt is not None
+    if values and prompt is None:
+        raise click.UsageError("--values needs a prompt: -p PROMPT")
+    if not values and (patterns or dump_dir is not None):
+        raise click.UsageError("--filter and --dump-dir go with --values -p PROMPT")
+    if values and (tokens is not None or past is not None):
+        raise click.UsageError("with --values the prompt sets the tokens (and --decode the past): "
+                               "drop --tokens/--past")
+    if decode and tokens not in (None, 1):
+        raise click.UsageError("--decode is the one-token graph: drop --tokens")
+    if fmt == "svg":
+        gd.graphviz_dot()  # fail before loading anything when graphviz is missing
+
+    n_tok = 1 if decode else (tokens or DEFAULT_TOKENS)
+    n_past = (past if past is not None else DEFAULT_DECODE_PAST) if decode else (past or 0)
+    all_outputs = outputs == "all"
+    m = None
+    try:
+        if values:
+            m = Model(model, backend=backend, n_ctx=ctx, n_batch=ctx, n_threads=threads, n_rs_seq=rs_slots - 1,
+                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net)
+            ids = m.tokenizer.encode(prompt or "")
+            if len(ids) > ctx:
+                raise DeltarunError(f"the prompt has {len(ids)} tokens, more than the context {ctx}")
+            dump, arrays = gd.capture_values(m, ids, n_seqs=seqs, decode=decode, all_outputs=all_outputs,
+                                             layer=layer, patterns=patterns, keep_arrays=dump_dir is not None,
+                                             n_first=n_first, prompt=prompt)
+            if dump_dir is not None:
+                manifest = gd.write_dump_dir(dump, arrays, dump_dir)
+                click.echo(f"wrote {len(arrays)} tensors and {manifest}", err=True)
+        else:
+            batch = max(n_tok * seqs, rs_slots)
+            m = Model(model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
+                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net)
+            shape = gd.ubatch_shape(m, n_tok, seqs, n_past, all_outputs)
+            dump = gd.dump_graph(m, shape, layer=layer, n_past=n_past)
+    finally:
+        if m is not None:
+            m.close()
+
+    if fmt == "txt":
+        data: str | bytes = dump.to_txt()
+    elif fmt == "json":
+        data = dump.to_json()
+    elif fmt == "dot":
+        data = dump.to_dot()
+    else:
+        data = gd.render_svg(dump.to_dot())
+    if output is not None:
+        gd.atomic_write(output, data)
+        click.echo(f"wrote {output}", err=True)
+    elif isinstance(data, bytes):
+        click.get_binary_stream("stdout").write(data)
+    else:
+        click.echo(data, nl=False)

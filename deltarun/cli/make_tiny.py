@@ -1,0 +1,40 @@
+"""`deltarun make-tiny`: write a small synthetic Qwen3-Next GGUF (random weights, real layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+
+from deltarun.models.generate import PRESETS, WEIGHT_TYPES, write_model
+from deltarun.runner.errors import DeltarunError
+
+
+@click.command("make-tiny")
+@click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, writable=True, path_type=Path))
+@click.option("--type", "wtype", type=click.Choice(list(WEIGHT_TYPES)), default="f32", show_default=True,
+              help="Type of the 2-D weights (norms, routers, conv and ssm_a stay F32, like converted files).")
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
+              help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
+                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024).")
+@click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
+def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
+    """Write a synthetic Qwen3-Next model to OUT.gguf.
+
+    The file has the keys, tensor names, shapes and stored conventions of a converted real model,
+    so everything deltarun does with real files can be tried on it.
+    """
+    cfg = PRESETS[preset]
+    if mtp and cfg.n_mtp == 0:
+        cfg = dataclasses.replace(cfg, n_mtp=1)
+    try:
+        path = write_model(out, cfg, wtype, seed, name=f"deltarun synthetic qwen3next {preset} {wtype}")
+    except OSError as e:
+        raise DeltarunError(f"cannot write {out}: {e.strerror or e}") from e
+    size = path.stat().st_size
+    layers = cfg.n_layer + cfg.n_mtp
+    extra = f" + {cfg.n_mtp} MTP" if cfg.n_mtp else ""
+    click.echo(f"wrote {path}: preset {preset}, type {wtype}, seed {seed}, {cfg.n_layer} layers{extra} "
+               f"({layers} blocks), {size / 2**20:.1f} MiB")

@@ -1,0 +1,159 @@
+"""Options shared by the commands that open a model (generate, chat, bench, perplexity, ...).
+
+Each group is a decorator, so every command spells an option the same way and validates it with
+the same click type:
+
+    @click.command()
+    @model_argument()
+    @model_options
+    @sampling_options
+    def cmd(model, **opts):
+        with open_model(model=model, **opts) as m:
+            sampler = Sampler(sampling_params(**opts))
+
+`open_model` and `sampling_params` take the command's keyword arguments as they are and ignore
+the ones that are not theirs, so a command can pass `**opts` straight through.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.runner.backend import physical_cores
+from deltarun.runner.errors import DeltarunError
+from deltarun.runner.memory import KV_TYPES
+from deltarun.runner.sampling import SamplingParams
+
+F = Callable[..., Any]
+
+_DEFAULTS = SamplingParams()
+
+#: Defaults of the model options, for callers that open a model without click.
+MODEL_DEFAULTS: dict[str, Any] = {
+    "ctx": 4096, "batch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
+    "backend": "cpu",
+}
+
+
+def _apply(f: F, decorators: list[Callable[[F], F]]) -> F:
+    for d in reversed(decorators):  # reversed so --help lists them in the order written
+        f = d(f)
+    return f
+
+
+def model_argument(required: bool = False) -> Callable[[F], F]:
+    """The MODEL.gguf argument; when optional, a missing model means the built-in tiny one."""
+    return click.argument("model", required=required, metavar="[MODEL]" if not required else "MODEL",
+                          type=click.Path(dir_okay=False, path_type=Path))
+
+
+def model_options(f: F) -> F:
+    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend."""
+    return _apply(f, [
+        click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
+                     help="Context size in tokens (KV cache rows per sequence)."),
+        click.option("--batch", "-b", type=click.IntRange(min=1), default=MODEL_DEFAULTS["batch"],
+                     show_default=True, help="Ubatch size: most tokens evaluated by one graph."),
+        click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
+                     help=f"CPU threads [default: physical cores, here {physical_cores()}]."),
+        click.option("--rs-slots", type=click.IntRange(min=1), default=MODEL_DEFAULTS["rs_slots"],
+                     show_default=True,
+                     help="Recurrent-state slots K per sequence (K-1 tokens can be rolled back)."),
+        click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default=MODEL_DEFAULTS["delta_net"],
+                     show_default=True, help="Gated delta-net kernel: ggml's fused op or primitive ops."),
+        click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default=MODEL_DEFAULTS["kv_type"],
+                     show_default=True, help="Type of the KV cache."),
+        click.option("--backend", default=MODEL_DEFAULTS["backend"], show_default=True, metavar="NAME",
+                     help="ggml backend to run on (cpu, cpu-ref)."),
+    ])
+
+
+def sampling_options(f: F) -> F:
+    """--seed --temp --top-k --top-p --min-p --repeat-penalty --repeat-last-n."""
+    return _apply(f, [
+        click.option("--seed", "-s", type=click.IntRange(min=0), default=None,
+                     help="Random seed of the sampler [default: random, printed at the end]."),
+        click.option("--temp", type=click.FloatRange(min=0.0), default=_DEFAULTS.temperature, show_default=True,
+                     help="Temperature; 0 is greedy (argmax)."),
+        click.option("--top-k", type=click.IntRange(min=0), default=_DEFAULTS.top_k, show_default=True,
+                     help="Keep the k most likely tokens (0 = all)."),
+        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=_DEFAULTS.top_p,
+                     show_default=True, help="Nucleus sampling: smallest set with this probability (1 = off)."),
+        click.option("--min-p", type=click.FloatRange(min=0.0, max=1.0), default=_DEFAULTS.min_p,
+                     show_default=True, help="Drop tokens below min-p x the top probability (0 = off)."),
+        click.option("--repeat-penalty", type=click.FloatRange(min=0.0, min_open=True),
+                     default=_DEFAULTS.repeat_penalty, show_default=True,
+                     help="Penalty for recently seen tokens (1 = off)."),
+        click.option("--repeat-last-n", type=click.IntRange(min=-1), default=_DEFAULTS.repeat_last_n,
+                     show_default=True, help="How many recent tokens the penalty looks at (0 = off, -1 = all)."),
+    ])
+
+
+def sampling_params(temp: float = _DEFAULTS.temperature, top_k: int = _DEFAULTS.top_k,
+                    top_p: float = _DEFAULTS.top_p, min_p: float = _DEFAULTS.min_p,
+                    repeat_penalty: float = _DEFAULTS.repeat_penalty,
+                    repeat_last_n: int = _DEFAULTS.repeat_last_n, seed: int | None = None,
+                    **_other: Any) -> SamplingParams:
+    """SamplingParams from the sampling options; a missing seed is drawn now (so it can be printed)."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**32)
+    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+
+
+def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
+    """The model path to open: the one given, or the built-in tiny model (written on first use).
+
+    Using the built-in model is announced on stderr unless `quiet`.
+    """
+    if model is not None:
+        return Path(model)
+    from deltarun.models import generate as gen
+
+    path = gen.default_model_path()
+    if not quiet:
+        if path.exists():
+            click.echo(f"no model given: using the built-in tiny test model {path} (random weights)", err=True)
+        else:
+            click.echo(f"no model given: writing the built-in tiny test model to {path} (random weights)",
+                       err=True)
+    try:
+        return gen.ensure_default_model()
+    except OSError as e:
+        raise DeltarunError(f"cannot write the built-in tiny model to {path}: {e}") from e
+
+
+def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ctx"],
+               batch: int = MODEL_DEFAULTS["batch"], threads: int | None = None,
+               rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
+               kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
+               n_seq_max: int = 1, quiet: bool = False, **_other: Any):
+    """Open `model` (or the built-in tiny model when None) with the model options' values."""
+    from deltarun.runner.model import Model
+
+    path = resolve_model(model, quiet=quiet)
+    return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
+                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net)
+
+
+def format_bytes(n: int | float) -> str:
+    """1536 -> '1.50 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def format_count(n: int) -> str:
+    """1234567 -> '1.23 M'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)

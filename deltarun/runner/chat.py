@@ -1,0 +1,589 @@
+"""A multi-turn chat with a model: the conversation, incremental prefill, stop strings, save/load.
+
+    session = ChatSession(model, ChatTemplate.from_model(model), Sampler(params), system="Be brief.")
+    for piece in session.send("Hello!"):          # text pieces as the tokens are generated
+        print(piece, end="", flush=True)
+    session.last_prefill_tokens                    # tokens evaluated for this turn's prompt
+    session.save("chat.json"); session.load("chat.json"); session.reset()
+
+How the model's memory follows the conversation
+-----------------------------------------------
+The model always holds a token prefix of the rendered conversation. Each turn renders the whole
+conversation with the chat template, tokenizes it, and compares it with the tokens the model holds:
+the longest common prefix is kept and only the rest is evaluated. Usually that is exactly the new
+user message (plus the end of the previous answer). When the template renders earlier turns
+differently (Qwen3 drops the thinking of earlier answers) or a stop string / interruption left
+tokens that are not part of the conversation, the extra tokens are undone with `Model.rollback`
+when the recurrent rollback slots reach back far enough, and otherwise the model is reset and the
+prompt recomputed (`last_recomputed`). Because the model state is derived from `messages` this
+way, `messages` may also be edited directly between turns.
+
+Ctrl-C: SIGINT is deferred while the model evaluates (so an interrupt never lands between a
+graph compute and its bookkeeping); a KeyboardInterrupt anywhere else in a turn (or closing the
+`send` iterator early) ends the turn with the partial answer kept in the conversation. An
+interrupt before the first token cancels the turn: the user message is removed again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from deltarun.runner.bench import reserve_compute_buffers
+from deltarun.runner.chat_template import ChatTemplate
+from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.runner.sampling import GREEDY, Sampler
+from deltarun.runner.tokenizer import StreamDecoder
+
+FILE_FORMAT = "deltarun-chat"
+FILE_VERSION = 1
+ROLES = ("system", "user", "assistant", "tool")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+#: Why a turn ended: end-of-generation token, a stop string, the n_predict limit, a full context,
+#: Ctrl-C / the iterator closed, an exception.
+STOP_REASONS = ("eog", "stop", "length", "context", "interrupted", "error")
+
+
+class ChatFileError(DeltarunError):
+    """A conversation file cannot be written, read, or understood."""
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost."""
+
+    prefill_tokens: int = 0       # prompt tokens evaluated (new ones, and any recomputed)
+    reused_tokens: int = 0        # prompt tokens the model already held
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    stop_reason: str = ""
+    recomputed: bool = False      # the model was reset and the prompt evaluated from the start
+    rolled_back: int = 0          # tokens undone with Model.rollback
+    dropped_messages: int = 0     # messages dropped by context shift
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def generate_tps(self) -> float:
+        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+
+@dataclass
+class SessionTotals:
+    turns: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    recomputes: int = 0
+    rollbacks: int = 0
+    dropped_messages: int = 0
+
+    def add(self, t: TurnStats) -> None:
+        self.turns += 1
+        self.prefill_tokens += t.prefill_tokens
+        self.prefill_seconds += t.prefill_seconds
+        self.generated_tokens += t.generated_tokens
+        self.generate_seconds += t.generate_seconds
+        self.recomputes += int(t.recomputed)
+        self.rollbacks += int(t.rolled_back > 0)
+        self.dropped_messages += t.dropped_messages
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def _partial_suffix(text: str, needles: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of one of `needles`."""
+    best = 0
+    for s in needles:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back text that may be the start of one.
+
+    `push` returns the text that is safe to show; once a stop string appears, `hit` names it and
+    `kept` is the text before it. `kept` always holds everything accepted so far.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.kept = ""
+        self.hit: str | None = None
+
+    def push(self, text: str) -> str:
+        if self.hit is not None or not text:
+            return ""
+        if not self.stops:
+            self.kept += text
+            return text
+        buf = self.pending + text
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            i, s = min(found, key=lambda f: (f[0], -len(f[1])))
+            self.hit, self.pending = s, ""
+            self.kept += buf[:i]
+            return buf[:i]
+        hold = _partial_suffix(buf, self.stops)
+        out, self.pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        self.kept += out
+        return out
+
+    def flush(self) -> str:
+        """The held-back text (no stop string followed it)."""
+        out, self.pending = self.pending, ""
+        if self.hit is None:
+            self.kept += out
+            return out
+        return ""
+
+
+class ThinkingSplitter:
+    """Splits streamed answer text into thinking (`<think>...</think>`, tags included) and answer.
+
+    `push(text)` returns (is_thinking, text) parts; tags split across pieces are held back.
+    Start with `thinking=True` when the prompt already opened the think block.
+    """
+
+    def __init__(self, thinking: bool = False):
+        self.thinking = thinking
+        self.pending = ""
+
+    def push(self, text: str) -> list[tuple[bool, str]]:
+        buf = self.pending + text
+        out: list[tuple[bool, str]] = []
+        while True:
+            tag = THINK_CLOSE if self.thinking else THINK_OPEN
+            i = buf.find(tag)
+            if i < 0:
+                break
+            if self.thinking:
+                out.append((True, buf[:i + len(tag)]))
+            else:
+                out += [(False, buf[:i]), (True, tag)]
+            buf = buf[i + len(tag):]
+            self.thinking = not self.thinking
+        hold = _partial_suffix(buf, [THINK_CLOSE if self.thinking else THINK_OPEN])
+        out.append((self.thinking, buf[:len(buf) - hold]))
+        self.pending = buf[len(buf) - hold:]
+        return [(k, t) for k, t in out if t]
+
+    def flush(self) -> list[tuple[bool, str]]:
+        out, self.pending = self.pending, ""
+        return [(self.thinking, out)] if out else []
+
+
+def opens_thinking(prompt_text: str) -> bool:
+    """True when the prompt ends inside an open think block (the answer starts with thinking)."""
+    return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+
+
+@contextmanager
+def deferred_sigint() -> Iterator[None]:
+    """Hold SIGINT until the block is done, then raise KeyboardInterrupt.
+
+    Model.eval updates its bookkeeping after the graph computed; an interrupt in between would
+    leave the memory and the token list disagreeing. Only the main thread can handle signals, and
+    a handler someone else installed is left alone.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def _check_messages(data: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(data, dict):
+        fmt = data.get("format", FILE_FORMAT)
+        if fmt != FILE_FORMAT:
+            raise ChatFileError(f"{where}: not a deltarun conversation (format {fmt!r})")
+        version = data.get("version", FILE_VERSION)
+        if not isinstance(version, int) or version > FILE_VERSION:
+            raise ChatFileError(f"{where}: conversation file version {version!r} is newer than this deltarun "
+                                f"understands ({FILE_VERSION})")
+        data = data.get("messages")
+    if not isinstance(data, list):
+        raise ChatFileError(f"{where}: expected a list of messages (or an object with 'messages')")
+    out = []
+    for i, m in enumerate(data, 1):
+        if not isinstance(m, dict):
+            raise ChatFileError(f"{where}: message {i} is not an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ChatFileError(f"{where}: message {i} has role {role!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise ChatFileError(f"{where}: message {i} has no text 'content'")
+        out.append(dict(m))
+    return out
+
+
+def write_atomically(path: str | Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# --------------------------------------------------------------------------------------------- session
+class ChatSession:
+    """A conversation with a model; see the module docstring."""
+
+    def __init__(self, model: Any, template: ChatTemplate | None = None, sampler: Sampler | None = None, *,
+                 system: str | None = None, enable_thinking: bool | None = None, n_predict: int = -1,
+                 stop: Sequence[str] = (), context_shift: bool = False, seq: int = 0):
+        self.model = model
+        self.template = template if template is not None else ChatTemplate.from_model(model)
+        self.sampler = sampler if sampler is not None else Sampler(GREEDY)
+        self.enable_thinking = enable_thinking
+        self.n_predict = n_predict
+        self.stop = [s for s in stop if s]
+        self.context_shift = context_shift
+        self.seq = seq
+        self.messages: list[dict[str, Any]] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.last_turn = TurnStats()
+        self.totals = SessionTotals()
+        self.turn_opens_thinking = False   # set before the first piece of each turn
+        self._active: Iterator[str] | None = None
+        self._logits: tuple[int, int, np.ndarray] | None = None   # (eval calls, n_past, logits)
+        reserve_compute_buffers(model)
+
+    # --- counters ----------------------------------------------------------------------------------
+    @property
+    def last_prefill_tokens(self) -> int:
+        return self.last_turn.prefill_tokens
+
+    @property
+    def last_reused_tokens(self) -> int:
+        return self.last_turn.reused_tokens
+
+    @property
+    def last_generated_tokens(self) -> int:
+        return self.last_turn.generated_tokens
+
+    @property
+    def last_stop_reason(self) -> str:
+        return self.last_turn.stop_reason
+
+    @property
+    def last_recomputed(self) -> bool:
+        return self.last_turn.recomputed
+
+    @property
+    def n_past(self) -> int:
+        """Tokens the model holds for this conversation (context used)."""
+        return self.model.n_past(self.seq)
+
+    def stats(self) -> dict[str, Any]:
+        return {"n_ctx": self.model.n_ctx, "n_past": self.n_past, "messages": len(self.messages),
+                "last_turn": asdict(self.last_turn), "totals": asdict(self.totals)}
+
+    # --- conversation ------------------------------------------------------------------------------
+    @property
+    def system(self) -> str | None:
+        if self.messages and self.messages[0].get("role") == "system":
+            return self.messages[0]["content"]
+        return None
+
+    def set_system(self, text: str | None) -> None:
+        """Set (or with None / "" remove) the system prompt; the history is kept."""
+        self._finish_active()
+        if self.system is not None:
+            del self.messages[0]
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and the model's memory."""
+        self._finish_active()
+        self.messages = [m for m in self.messages[:1] if m.get("role") == "system"]
+        self.model.reset()
+        self._logits = None
+
+    def save(self, path: str | Path) -> None:
+        """Write the conversation as JSON, atomically (a temporary file renamed over `path`)."""
+        self._finish_active()
+        data = {"format": FILE_FORMAT, "version": FILE_VERSION, "messages": self.messages}
+        payload = (json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+        try:
+            write_atomically(path, payload)
+        except OSError as e:
+            raise ChatFileError(f"cannot save the conversation to {path}: {e.strerror or e}") from e
+
+    def load(self, path: str | Path) -> None:
+        """Replace the conversation with the one in `path`; the model catches up on the next turn."""
+        self._finish_active()
+        try:
+            raw = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise ChatFileError(f"cannot load {path}: no such file") from None
+        except OSError as e:
+            raise ChatFileError(f"cannot load {path}: {e.strerror or e}") from e
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ChatFileError(f"cannot load {path}: not UTF-8 text") from e
+        except json.JSONDecodeError as e:
+            raise ChatFileError(f"cannot load {path}: not valid JSON ({e.msg} at line {e.lineno} "
+                                f"column {e.colno})") from e
+        self.messages = _check_messages(data, str(path))
+
+    # --- prompts -----------------------------------------------------------------------------------
+    def render(self, messages: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+        return self.template.render(self.messages if messages is None else messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    enable_thinking=self.enable_thinking)
+
+    def tokenize(self, text: str) -> list[int]:
+        tok = self.model.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        add_special = not (bos and text.startswith(bos))   # the template may have written bos itself
+        return tok.encode(text, add_special=add_special, parse_special=True)
+
+    def prompt_tokens(self, messages: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Tokens of the conversation rendered with the generation prompt (what a turn evaluates)."""
+        return self.tokenize(self.render(messages))
+
+    # --- turns -------------------------------------------------------------------------------------
+    def send(self, user_text: str) -> Iterator[str]:
+        """Add a user message and stream the answer as text pieces.
+
+        The turn runs while the iterator is consumed; the answer is added to `messages` when it
+        ends (or is interrupted). Raises ContextFullError (before any piece) when the conversation
+        does not fit, in which case the user message is not kept.
+        """
+        self._finish_active()
+        turn = self._turn(user_text)
+        self._active = turn
+        return turn
+
+    def ask(self, user_text: str) -> str:
+        """`send` and collect the answer."""
+        return "".join(self.send(user_text))
+
+    def _finish_active(self) -> None:
+        """Close a turn the caller stopped consuming, so its partial answer is recorded."""
+        active, self._active = self._active, None
+        if active is not None:
+            active.close()  # type: ignore[attr-defined]
+
+    def _turn(self, user_text: str) -> Iterator[str]:
+        model, tok = self.model, self.model.tokenizer
+        self.messages.append({"role": "user", "content": user_text})
+        stats = self.last_turn = TurnStats()
+        self.turn_opens_thinking = False
+        decoder = StreamDecoder(tok)
+        stopper = StopMatcher(self.stop)
+        answer: list[int] = []
+        generating = False
+        reason = ""
+        t_gen = 0.0
+        prefill_before = 0.0
+        try:
+            prompt_text, prompt = self._fit_prompt(stats)
+            stats.reused_tokens = self._prefill(prompt, stats)
+            self.turn_opens_thinking = opens_thinking(prompt_text)
+            generating = True
+            t_gen, prefill_before = time.perf_counter(), stats.prefill_seconds
+            history = model.tokens(self.seq)
+            assert self._logits is not None
+            logits = self._logits[2]
+            reason = "length"
+            while self.n_predict < 0 or len(answer) < self.n_predict:
+                token = self.sampler.sample(logits, history)
+                if tok.is_eog(token):
+                    reason = "eog"
+                    break
+                answer.append(token)
+                history.append(token)
+                stats.generated_tokens += 1
+                shown = stopper.push(decoder.push(token))
+                if shown:
+                    yield shown
+                if stopper.hit is not None:
+                    reason = "stop"
+                    break
+                if self.n_predict >= 0 and len(answer) >= self.n_predict:
+                    break  # evaluated at the start of the next turn, if there is one
+                if model.n_past(self.seq) >= model.n_ctx:
+                    if not (self.context_shift and self._shift_during_answer(answer, stats)):
+                        reason = "context"
+                        break
+                else:
+                    self._eval([token])
+                logits = self._logits[2]
+            tail = stopper.push(decoder.flush())
+            if stopper.hit is not None:
+                reason = "stop"
+            tail += stopper.flush()
+            if tail:
+                yield tail
+        except (KeyboardInterrupt, GeneratorExit):
+            reason = "interrupted"
+            raise
+        except BaseException:
+            reason = "error"
+            raise
+        finally:
+            if generating:  # a context shift's re-evaluation counts as prefill, not generation
+                stats.generate_seconds = time.perf_counter() - t_gen - (stats.prefill_seconds - prefill_before)
+            stats.stop_reason = reason or "error"
+            if generating and (answer or reason not in ("interrupted", "error")):
+                stopper.push(decoder.flush())
+                stopper.flush()
+                self.messages.append({"role": "assistant", "content": stopper.kept})
+            elif self.messages and self.messages[-1].get("role") == "user" \
+                    and self.messages[-1].get("content") == user_text:
+                self.messages.pop()      # cancelled before the first token: the turn did not happen
+            self.totals.add(stats)
+
+    # --- model memory ------------------------------------------------------------------------------
+    def _reserve(self) -> int:
+        """Room for the answer that a context shift tries to leave free."""
+        quarter = max(1, self.model.n_ctx // 4)
+        return quarter if self.n_predict < 0 else max(1, min(self.n_predict, quarter))
+
+    def _drop_oldest_turn(self) -> int:
+        """Drop the oldest exchange (keeping system prompts and the last user message); messages dropped."""
+        msgs = self.messages
+        start = 0
+        while start < len(msgs) and msgs[start].get("role") == "system":
+            start += 1
+        last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=-1)
+        if start >= last_user:
+            return 0
+        end = start + 1
+        while end < last_user and msgs[end].get("role") != "user":
+            end += 1
+        del msgs[start:end]
+        return end - start
+
+    def _fit_prompt(self, stats: TurnStats) -> tuple[str, list[int]]:
+        n_ctx = self.model.n_ctx
+        text = self.render()
+        prompt = self.tokenize(text)
+        if self.context_shift:
+            while len(prompt) + self._reserve() > n_ctx:
+                dropped = self._drop_oldest_turn()
+                if not dropped:
+                    break
+                stats.dropped_messages += dropped
+                text = self.render()
+                prompt = self.tokenize(text)
+        if len(prompt) > n_ctx:
+            what = "this message" if len(self.messages) <= 2 else "the conversation"
+            raise ContextFullError(f"context full: {what} needs {len(prompt)} tokens but the context holds "
+                                   f"{n_ctx}")
+        return text, prompt
+
+    def _shift_during_answer(self, answer: list[int], stats: TurnStats) -> bool:
+        """Drop old turns so the answer can go on; re-evaluates the shortened conversation."""
+        saved = list(self.messages)
+        dropped = 0
+        while True:
+            prompt = self.prompt_tokens()
+            if len(prompt) + len(answer) + self._reserve() <= self.model.n_ctx:
+                break
+            d = self._drop_oldest_turn()
+            if not d:
+                break
+            dropped += d
+        if not dropped or len(prompt) + len(answer) >= self.model.n_ctx:
+            self.messages = saved
+            return False
+        stats.dropped_messages += dropped
+        self._prefill(prompt + answer, stats)
+        return True
+
+    def _eval(self, tokens: list[int]) -> np.ndarray:
+        with deferred_sigint():
+            logits = self.model.eval(tokens, self.seq)
+            self._logits = (self.model.stats.n_eval_calls, self.model.n_past(self.seq), logits)
+        return logits
+
+    def _logits_valid(self) -> bool:
+        return (self._logits is not None and self._logits[0] == self.model.stats.n_eval_calls
+                and self._logits[1] == self.model.n_past(self.seq))
+
+    def _sync(self, prompt: list[int], stats: TurnStats) -> int:
+        """Make the model hold a prefix of `prompt`; returns its length (tokens reused)."""
+        held = self.model.tokens(self.seq)
+        n = common_prefix_length(held, prompt)
+        if n == len(prompt) == len(held) and self._logits_valid():
+            return n
+        n = min(n, len(prompt) - 1)    # the last prompt token is evaluated for its logits
+        drop = len(held) - n
+        if drop > 0:
+            self._logits = None
+            try:
+                self.model.rollback(drop, self.seq)
+                stats.rolled_back += drop
+            except RollbackError:
+                self.model.reset()
+                stats.recomputed = True
+                n = 0
+        return n
+
+    def _prefill(self, prompt: list[int], stats: TurnStats) -> int:
+        """Evaluate what the model lacks of `prompt`; returns the tokens reused."""
+        t0 = time.perf_counter()
+        n = self._sync(prompt, stats)
+        new = prompt[n:]
+        done = 0
+        try:
+            # one eval per ubatch (the same split Model.eval makes), so Ctrl-C can stop a long prefill
+            for size in self.model.split_ubatches(len(new)) if new else []:
+                self._eval(new[done:done + size])
+                done += size
+        finally:
+            stats.prefill_tokens += done
+            stats.prefill_seconds += time.perf_counter() - t0
+        return n

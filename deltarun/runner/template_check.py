@@ -1,0 +1,51 @@
+"""Checking a model's chat template when the file is opened, not when the first chat starts.
+
+`validate_chat_template` parses the template with the same Jinja settings chat code uses for
+Hugging Face style templates (sandboxed, `trim_blocks`/`lstrip_blocks`, loop controls, the
+`{% generation %}` tag), so a template with a syntax error is reported with its line at load
+time as a `TokenizerError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltarun.runner.errors import TokenizerError
+
+
+def _environment() -> Any:
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): a no-op."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=["jinja2.ext.loopcontrols", GenerationTag])
+
+
+def validate_chat_template(template: str) -> None:
+    """Raise `TokenizerError` (with the line and Jinja's reason) unless `template` parses."""
+    if not isinstance(template, str):
+        raise TokenizerError(f"the chat template must be a string, found {type(template).__name__}")
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _environment().parse(template)
+    except TemplateSyntaxError as e:
+        line = ""
+        if e.lineno and template:
+            lines = template.splitlines()
+            if 0 < e.lineno <= len(lines):
+                line = f": {lines[e.lineno - 1].strip()[:80]!r}"
+        raise TokenizerError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message}{line}); "
+                             f"fix the template stored in the file or convert the model again") from e
+    except (RecursionError, MemoryError, ValueError) as e:
+        raise TokenizerError(f"the chat template cannot be parsed ({type(e).__name__}: {e})") from e

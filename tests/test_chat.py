@@ -1,0 +1,426 @@
+"""`deltarun chat` and ChatSession: template rendering, incremental prefill, rollback/recompute,
+stop strings, save/load, Ctrl-C and a full context, with the tiny f32 model.
+
+Answers of the tiny model are random-looking text; where a test needs an answer with known
+tokens it scripts the sampler (`Scripted`), so prefill counts do not depend on whether the random
+answer happens to re-tokenize to the same ids.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import click
+import jinja2
+import jinja2.ext
+import pytest
+from click.testing import CliRunner
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from deltarun.cli.main import cli
+from deltarun.runner.chat import ChatSession, StopMatcher, ThinkingSplitter, common_prefix_length
+from deltarun.runner.chat_template import ChatTemplate, qwen3_template_source
+from deltarun.runner.errors import ContextFullError, TokenizerError
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import GREEDY, Sampler
+
+SHIPPED_TEMPLATE = Path("/work/shared/data/templates/Qwen-Qwen3-0.6B.jinja")
+FAST = ["--ctx", "256", "--threads", "1", "--kv-type", "f32", "--temp", "0"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_path) -> Path:
+    return tiny_model_path("tiny", "f32")
+
+
+@pytest.fixture(scope="module")
+def shared_model(model_path):
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32") as m:
+        yield m
+
+
+@pytest.fixture
+def model(shared_model):
+    shared_model.reset()
+    return shared_model
+
+
+class Scripted(Sampler):
+    """Returns the given token ids in order, then falls back to greedy."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__(GREEDY)
+        self.script = list(tokens)
+
+    def sample(self, logits, history=None):
+        return self.script.pop(0) if self.script else super().sample(logits, history)
+
+
+def script(model: Model, text: str, end: bool = True) -> list[int]:
+    toks = model.tokenizer.encode(text)
+    return toks + ([model.tokenizer.token_id("<|im_end|>")] if end else [])
+
+
+def invoke(*args, input: str | None = None, color: bool = False):
+    result = CliRunner().invoke(cli, [str(a) for a in args], input=input, color=color)
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def hf_environment() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in, written out independently."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "<think>\nSimple sum.\n</think>\n\n2+2 is 4."},
+    {"role": "user", "content": "And 3+3? Answer «briefly»."},
+    {"role": "assistant", "content": "6."},
+    {"role": "user", "content": "Thanks!"},
+]
+
+
+# --- template ------------------------------------------------------------------------------------
+def test_template_renders_like_plain_jinja2(model):
+    source = model.file.get("tokenizer.chat_template")
+    if SHIPPED_TEMPLATE.exists():
+        assert source == SHIPPED_TEMPLATE.read_text(encoding="utf-8")
+    assert source == qwen3_template_source()
+    tmpl = ChatTemplate.from_model(model)
+    assert not tmpl.is_builtin
+    reference = hf_environment().from_string(source)
+    for thinking in (False, True, None):
+        for gen in (True, False):
+            extra = {} if thinking is None else {"enable_thinking": thinking}
+            want = reference.render(messages=CONVERSATION, add_generation_prompt=gen, bos_token="<|endoftext|>",
+                                    eos_token="<|endoftext|>", **extra)
+            assert tmpl.render(CONVERSATION, add_generation_prompt=gen, enable_thinking=thinking) == want
+    text = tmpl.render(CONVERSATION, enable_thinking=False)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    assert "Simple sum" not in text                    # earlier turns' thinking is dropped
+    assert "<|im_start|>assistant\n2+2 is 4.<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    session = ChatSession(model, tmpl, enable_thinking=False)
+    session.messages = copy.deepcopy(CONVERSATION)
+    assert session.render() == text
+
+
+def test_template_environment_details():
+    t = ChatTemplate("{{ messages[0].content | tojson }}|{{ {'a': [1, 2]} | tojson(indent=2) }}|"
+                     "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}|"
+                     "{{ bos_token }}{{ strftime_now('%Y') | length }}")
+    out = t.render([{"role": "user", "content": "é<b>"}, {"role": "assistant", "content": "x"}])
+    assert out == '"é<b>"|{\n  "a": [\n    1,\n    2\n  ]\n}|user|4'
+    with pytest.raises(TokenizerError, match="does not parse: line 1"):
+        ChatTemplate("{% if messages %}unclosed")
+    with pytest.raises(TokenizerError, match="no tools here"):
+        ChatTemplate("{{ raise_exception('no tools here') }}").render([])
+    with pytest.raises(TokenizerError):  # the sandbox is immutable
+        ChatTemplate("{{ messages.append(1) }}").render([])
+    fake = SimpleNamespace(file=SimpleNamespace(get=lambda key, default=None: None), path=Path("x.gguf"),
+                           tokenizer=SimpleNamespace(bos_id=None, eos_id=None))
+    builtin = ChatTemplate.from_model(fake)
+    assert builtin.is_builtin and builtin.source == qwen3_template_source()
+
+
+# --- session: incremental prefill, rollback, recompute -----------------------------------------------
+def test_second_turn_evaluates_only_the_new_tokens(model):
+    session = ChatSession(model, sampler=Scripted(script(model, "Hi there, friend!")), system="Be nice.")
+    assert session.ask("Hello") == "Hi there, friend!"
+    first_prompt = session.last_prefill_tokens
+    assert session.last_reused_tokens == 0 and first_prompt == len(session.tokenize(
+        "<|im_start|>system\nBe nice.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"))
+    held = model.tokens()
+    evaluated_before = model.stats.n_eval_tokens
+
+    session.sampler = Scripted(script(model, "Fine."))
+    assert session.ask("How are you?") == "Fine."
+    new_text = "<|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n"
+    assert session.last_reused_tokens == len(held)
+    assert session.last_prefill_tokens == len(session.tokenize(new_text))
+    assert not session.last_recomputed and session.last_turn.rolled_back == 0
+    # the model evaluated the new prompt tokens and the answer's tokens, nothing else
+    assert model.stats.n_eval_tokens - evaluated_before == session.last_prefill_tokens + len(script(model, "Fine.")) - 1
+    assert session.messages[-1] == {"role": "assistant", "content": "Fine."}
+    following = session.prompt_tokens(session.messages + [{"role": "user", "content": "next"}])
+    assert following[:model.n_past()] == model.tokens()          # the next turn will reuse all of it
+
+
+def test_real_answers_keep_the_model_in_step(model):
+    """With the model's own answers: every turn evaluates exactly what it does not hold."""
+    session = ChatSession(model, n_predict=6)
+    for text in ("Hello", "Tell me more", "Thanks"):
+        held = model.tokens()
+        session.ask(text)
+        prompt = session.tokenize(session.render(session.messages[:-1]))
+        reused = 0 if session.last_recomputed else common_prefix_length(held, prompt)
+        assert session.last_reused_tokens == reused
+        assert session.last_prefill_tokens == len(prompt) - reused
+        assert session.last_generated_tokens == 6 and session.last_stop_reason == "length"
+
+
+def test_dropped_thinking_is_recomputed_and_matches_a_fresh_session(model):
+    session = ChatSession(model, sampler=Scripted(script(model, "<think>\nhmm\n</think>\n\nHi!")))
+    assert session.ask("Hello").endswith("Hi!")
+    session.sampler = Sampler(GREEDY)
+    session.n_predict = 6
+    answer = session.ask("Again")
+    # the re-rendered history lacks the thinking: the slots cannot reach back, so recompute
+    assert session.last_recomputed and session.last_reused_tokens == 0
+    assert session.last_prefill_tokens == len(session.tokenize(session.render(session.messages[:-1])))
+    model.reset()
+    fresh = ChatSession(model, n_predict=6)
+    fresh.messages = copy.deepcopy(session.messages[:-2])
+    assert fresh.ask("Again") == answer
+
+
+def test_stop_string_leftover_is_rolled_back_within_the_slots(model_path):
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=1) as m:
+        tok = m.tokenizer
+        answer = tok.encode(" Hi X!")
+        assert [tok.decode([t]) for t in answer[-2:]] == [" X", "!"]
+        # " X" is evaluated before "!" completes the stop string: one token to undo next turn
+        session = ChatSession(m, sampler=Scripted(answer), stop=["X!"])
+        assert session.ask("Hello") == " Hi "
+        assert session.last_stop_reason == "stop" and session.messages[-1]["content"] == " Hi "
+        held = m.tokens()
+        session.sampler = Sampler(GREEDY)
+        session.n_predict = 5
+        after = session.ask("More")
+        assert session.last_turn.rolled_back == 1 and not session.last_recomputed
+        assert session.last_reused_tokens == len(held) - 1
+        m.reset()
+        fresh = ChatSession(m, n_predict=5)
+        fresh.messages = copy.deepcopy(session.messages[:-2])
+        assert fresh.ask("More") == after
+
+
+def test_stop_strings(model):
+    free = ChatSession(model, n_predict=10).ask("Hello")
+    stop = free[4:7]
+    assert len(stop) == 3
+    model.reset()
+    session = ChatSession(model, n_predict=10, stop=["never appears", stop])
+    cut = session.ask("Hello")
+    assert cut == free[:free.index(stop)]
+    assert session.last_stop_reason == "stop" and session.messages[-1]["content"] == cut
+
+    m = StopMatcher(["</s>", "END"])
+    shown = [m.push(p) for p in ["abc<", "/", "s", "> more"]]
+    assert "".join(shown) == "abc" and m.hit == "</s>" and m.kept == "abc"
+    m = StopMatcher(["END"])
+    assert m.push("xEN") == "x" and m.push("x") == "ENx" and m.flush() == "" and m.kept == "xENx"
+
+
+def test_interrupt_keeps_the_partial_answer_and_a_consistent_model(model, monkeypatch):
+    session = ChatSession(model, n_predict=8)
+    session.ask("Hello")
+    calls = {"n": 0}
+    real_sample = Sampler.sample
+
+    def flaky(self, logits, history=None):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real_sample(self, logits, history)
+
+    monkeypatch.setattr(Sampler, "sample", flaky)
+    pieces = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in session.send("Tell me more"):
+            pieces.append(piece)
+    monkeypatch.undo()
+    assert session.last_stop_reason == "interrupted" and session.last_generated_tokens == 3
+    assert session.messages[-2] == {"role": "user", "content": "Tell me more"}
+    partial = session.messages[-1]["content"]
+    assert session.messages[-1]["role"] == "assistant" and partial.startswith("".join(pieces))
+    assert model.n_past() == len(model.tokens())
+    history = copy.deepcopy(session.messages)
+
+    answer = session.ask("Next")
+    model.reset()
+    fresh = ChatSession(model, n_predict=8)
+    fresh.messages = history
+    assert fresh.ask("Next") == answer
+
+
+def test_interrupt_while_printing_and_before_the_first_token(model, monkeypatch):
+    session = ChatSession(model, n_predict=8)
+    stream = session.send("Hello")
+    first = next(stream)
+    try:
+        raise KeyboardInterrupt          # arrives in the caller, between two pieces
+    except KeyboardInterrupt:
+        stream.close()
+    assert session.last_stop_reason == "interrupted"
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    assert session.messages[-1]["content"].startswith(first)
+
+    def interrupted_eval(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "eval", interrupted_eval)
+    with pytest.raises(KeyboardInterrupt):
+        session.ask("Cancelled during the prompt")
+    monkeypatch.undo()
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]   # the turn did not happen
+    assert session.ask("Go on")                                              # and the session still works
+
+
+def test_context_full_and_context_shift(model_path):
+    with Model(model_path, n_ctx=48, n_threads=1, kv_type="f32") as m:
+        session = ChatSession(m, n_predict=4, system="S")
+        with pytest.raises(ContextFullError, match="context full"):
+            session.ask("word " * 60)
+        assert [x["role"] for x in session.messages] == ["system"]
+        session.n_predict = -1
+        session.ask("Hi")
+        assert session.last_stop_reason == "context" and m.n_past() == m.n_ctx
+
+        shifting = ChatSession(m, n_predict=6, system="S", context_shift=True)
+        m.reset()
+        dropped = 0
+        for i in range(5):
+            shifting.ask(f"Question number {i}")
+            dropped += shifting.last_turn.dropped_messages
+        assert dropped > 0 and shifting.messages[0] == {"role": "system", "content": "S"}
+        assert shifting.messages[-2]["content"] == "Question number 4"
+        shifting.n_predict = -1                    # an answer that fills the context shifts mid-answer
+        shifting.ask("Long answer please")
+        assert shifting.last_stop_reason == "context" and shifting.last_generated_tokens > 0
+
+
+def test_save_and_load(model, tmp_path):
+    session = ChatSession(model, n_predict=4, system="sys")
+    session.ask("Hello")
+    path = tmp_path / "chat.json"
+    session.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]          # no temporary file left
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["format"] == "deltarun-chat" and data["messages"] == session.messages
+    saved = copy.deepcopy(session.messages)
+    session.reset()
+    assert session.messages == [{"role": "system", "content": "sys"}] and model.n_past() == 0
+    session.load(path)
+    assert session.messages == saved
+    (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
+    (tmp_path / "wrong.json").write_text('[{"role": "robot", "content": "x"}]', encoding="utf-8")
+    for name, message in [("missing.json", "no such file"), ("bad.json", "not valid JSON"),
+                          ("wrong.json", "role 'robot'")]:
+        with pytest.raises(Exception, match=message):
+            session.load(tmp_path / name)
+    assert session.messages == saved
+    with pytest.raises(Exception, match="cannot save"):
+        session.save(tmp_path / "no-such-dir" / "x.json")
+
+
+def test_splitters():
+    s = ThinkingSplitter()
+    parts = s.push("a<thi") + s.push("nk>deep</th") + s.push("ink>b") + s.flush()
+    merged: list[tuple[bool, str]] = []
+    for kind, text in parts:
+        if merged and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + text)
+        else:
+            merged.append((kind, text))
+    assert merged == [(False, "a"), (True, "<think>deep</think>"), (False, "b")]
+    s = ThinkingSplitter(thinking=True)
+    assert s.push("x</think>y") == [(True, "x</think>"), (False, "y")]
+
+
+# --- the command --------------------------------------------------------------------------------------
+def expected_answers(path: Path, texts: list[str], n: int, **kw) -> list[str]:
+    with Model(path, n_ctx=256, n_threads=1, kv_type="f32") as m:
+        session = ChatSession(m, n_predict=n, **kw)
+        return [session.ask(t) for t in texts]
+
+
+def test_cli_two_turns_through_stdin(model_path):
+    r = invoke("chat", model_path, "-n", "6", "--system", "Be brief", *FAST, input="Hello\n\nHow are you?\n")
+    a, b = expected_answers(model_path, ["Hello", "How are you?"], 6, system="Be brief")
+    assert r.stdout == f"{a}\n{b}\n"
+    assert "2 turns" in r.stderr
+    single = invoke("chat", model_path, "-n", "6", "--single", *FAST, input="line one\nline two\n")
+    assert single.stdout == expected_answers(model_path, ["line one\nline two"], 6)[0] + "\n"
+
+
+def test_cli_commands_save_load(model_path, tmp_path):
+    f = tmp_path / "conv.json"
+    lines = ["Hello", f"/save {f}", "/reset", "/stats", f"/load {f}", "/load missing.json", "/bogus", "/help",
+             "/system Be kind", "/system", "//slash", "/stats", "/exit", "never read"]
+    r = invoke("chat", model_path, "-n", "5", *FAST, input="\n".join(lines) + "\n")
+    a = expected_answers(model_path, ["Hello"], 5)[0]
+    saved = json.loads(f.read_text(encoding="utf-8"))["messages"]
+    assert saved == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": a}]
+    # after /reset + /load the conversation goes on as if nothing happened
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32") as m:
+        s = ChatSession(m, n_predict=5)
+        s.messages = [{"role": "system", "content": "Be kind"}] + saved
+        b = s.ask("/slash")
+    assert r.stdout == f"{a}\n{b}\n"
+    for fragment in ["[saved 2 messages", "[conversation reset]", "context: 0 / 256", "[loaded 2 messages",
+                     "no such file", "unknown command /bogus", "/save FILE", "[system prompt set]",
+                     "system prompt: 'Be kind'", "5 messages"]:
+        assert fragment in r.stderr, fragment
+
+
+def test_cli_interrupt_continues_with_the_next_line(model_path, monkeypatch):
+    calls = {"n": 0}
+    real_sample = Sampler.sample
+
+    def flaky(self, logits, history=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_sample(self, logits, history)
+
+    monkeypatch.setattr(Sampler, "sample", flaky)
+    r = invoke("chat", model_path, "-n", "5", *FAST, input="Hello\nAgain\n")
+    assert "[interrupted]" in r.stderr
+    lines = r.stdout.split("\n")
+    assert len(lines) >= 3 and lines[-1] == ""
+
+
+def test_cli_stop_thinking_and_context_messages(model_path, monkeypatch):
+    a = expected_answers(model_path, ["Hello"], 10)[0]
+    r = invoke("chat", model_path, "-n", "10", "--stop", "never", "--stop", a[4:7], *FAST, input="Hello\n")
+    assert r.stdout == a[:a.index(a[4:7])] + "\n"
+
+    thinking = "<think>\nhmm\n</think>\n\nHi!"
+    state = {}
+
+    def scripted(self, logits, history=None):
+        if "queue" not in state:
+            state["queue"] = list(state["ids"])
+        return state["queue"].pop(0)
+
+    with Model(model_path, n_ctx=64, n_threads=1) as m:
+        state["ids"] = script(m, thinking)
+    monkeypatch.setattr(Sampler, "sample", scripted)
+    shown = invoke("chat", model_path, *FAST, input="Hello\n", color=True)
+    assert "\x1b[2m" in shown.stdout and click.unstyle(shown.stdout) == thinking + "\n"
+    state.pop("queue")
+    hidden = invoke("chat", model_path, "--hide-thinking", *FAST, input="Hello\n")
+    assert hidden.stdout == "Hi!\n"
+    monkeypatch.undo()
+
+    full = invoke("chat", model_path, "-n", "4", "--ctx", "40", "--threads", "1", "--temp", "0",
+                  input="word " * 50 + "\nHi\n")
+    assert "context full" in full.stderr and "/reset" in full.stderr and "--context-shift" in full.stderr
+    cut = invoke("chat", model_path, "--ctx", "40", "--threads", "1", "--temp", "0", input="Hi\n")
+    assert "[context full: 40/40 tokens" in cut.stderr

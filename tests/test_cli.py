@@ -1,0 +1,381 @@
+"""The `generate`, `inspect` and `make-tiny` commands, run in-process with click's CliRunner
+(and once through the real console entry point)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from deltarun.cli.main import cli
+from deltarun.graphs.qwen3next_spec import read_hparams, validate_tensors
+from deltarun.models import generate as gen
+from deltarun.runner.generation import generate_tokens
+from deltarun.runner.gguf_file import GGUFFile
+from deltarun.runner.memory import memory_bytes
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams
+
+PROMPT = "Hello world, this is a test"
+FAST = ["--ctx", "256", "--threads", "1"]  # one thread: ggml spin-waits, so more threads than idle cores is slow
+
+
+def run(*args: str | Path):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return result
+
+
+def ok(*args: str | Path):
+    result = run(*args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def expected_text(path: Path, prompt: str, n: int, params: SamplingParams) -> str:
+    with Model(path, n_ctx=256, n_threads=1) as m:
+        toks = list(generate_tokens(m, m.tokenizer.encode(prompt), n, Sampler(params)))
+        return m.tokenizer.decode(toks)
+
+
+# --- generate -----------------------------------------------------------------------------------
+def test_generate_greedy_is_deterministic_and_matches_the_api(tiny_model):
+    a = ok("generate", tiny_model, "-p", PROMPT, "-n", "24", "--temp", "0", *FAST)
+    b = ok("generate", tiny_model, "-p", PROMPT, "-n", "24", "--temp", "0", *FAST)
+    assert a.stdout == b.stdout
+    want = expected_text(tiny_model, PROMPT, 24, GREEDY)
+    assert len(want) > 0
+    assert a.stdout == want + "\n"
+    assert "greedy" in a.stderr
+    assert "prompt eval" in a.stderr and "tokens per second" in a.stderr
+
+
+def test_generate_sampled_is_reproducible_with_a_seed(tiny_model):
+    args = ["generate", tiny_model, "-p", PROMPT, "-n", "24", "--temp", "0.8", *FAST]
+    a = ok(*args, "--seed", "1")
+    b = ok(*args, "--seed", "1")
+    c = ok(*args, "--seed", "2")
+    assert a.stdout == b.stdout
+    assert a.stdout != c.stdout
+    want = expected_text(tiny_model, PROMPT, 24, SamplingParams(temperature=0.8, seed=1))
+    assert a.stdout == want + "\n"
+    assert "seed 1" in a.stderr
+
+
+def test_generate_options_reach_the_model_and_sampler(tiny_model):
+    """Every model option is accepted; greedy output does not depend on ubatch size or kernel."""
+    base = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", "--kv-type", "f32", *FAST)
+    other = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", "--kv-type", "f32",
+               "--batch", "3", "--rs-slots", "2", "--delta-net", "primitive", "--backend", "cpu", *FAST)
+    assert other.stdout == base.stdout
+    penalized = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--seed", "3", "--top-k", "5",
+                   "--top-p", "0.5", "--min-p", "0.1", "--repeat-penalty", "1.3", "--repeat-last-n", "-1", *FAST)
+    assert "top-k 5" in penalized.stderr and "repeat-penalty 1.3" in penalized.stderr
+
+
+def test_generate_reads_the_prompt_from_a_file(tiny_model, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT, encoding="utf-8")
+    a = ok("generate", tiny_model, "-f", prompt_file, "-n", "8", "--temp", "0", *FAST)
+    b = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", *FAST)
+    assert a.stdout == b.stdout
+    echoed = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", "--echo", *FAST)
+    assert echoed.stdout == PROMPT + b.stdout
+
+
+def test_generate_n_zero_only_evaluates_the_prompt(tiny_model):
+    r = ok("generate", tiny_model, "-p", PROMPT, "-n", "0", "--temp", "0", *FAST)
+    assert r.stdout == "\n"
+    assert "0 tokens" in r.stderr
+
+
+def test_generate_stops_when_the_context_is_full(tiny_model):
+    r = ok("generate", tiny_model, "-p", PROMPT, "-n", "100", "--temp", "0", "--ctx", "12", "--threads", "1")
+    assert "context full" in r.stderr
+
+
+def test_generate_without_a_model_uses_the_built_in_one(tmp_path, monkeypatch, tiny_model):
+    target = tmp_path / "default" / "tiny-q8_0.gguf"
+    monkeypatch.setattr(gen, "default_model_path", lambda: target)
+    first = ok("generate", "-p", PROMPT, "-n", "6", "--temp", "0", *FAST)
+    assert target.is_file()
+    assert "no model given" in first.stderr and "writing" in first.stderr and str(target) in first.stderr
+    second = ok("generate", "-p", PROMPT, "-n", "6", "--temp", "0", *FAST)
+    assert "using the built-in tiny test model" in second.stderr
+    assert first.stdout == second.stdout
+    # the built-in model is the tiny Q8_0 preset
+    assert target.read_bytes() == Path(tiny_model).read_bytes()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--temp", "-1"], "--temp"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--min-p", "-0.1"], "--min-p"),
+    (["--min-p", "2"], "--min-p"),
+    (["--threads", "0"], "--threads"),
+    (["--ctx", "0"], "--ctx"),
+    (["--batch", "0"], "--batch"),
+    (["--rs-slots", "0"], "--rs-slots"),
+    (["-n", "-1"], "--n-predict"),
+    (["--top-k", "-2"], "--top-k"),
+    (["--repeat-penalty", "0"], "--repeat-penalty"),
+    (["--delta-net", "magic"], "--delta-net"),
+    (["--kv-type", "q8_0"], "--kv-type"),
+    (["--temp", "hot"], "--temp"),
+])
+def test_generate_rejects_bad_options(tiny_model, args, fragment):
+    r = run("generate", tiny_model, "-p", "hi", *args)
+    assert r.exit_code == 2
+    assert fragment in r.stderr and "Invalid value" in r.stderr
+    assert "Traceback" not in r.output
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args, fragment, code", [
+    ([], "no prompt", 2),
+    (["-p", ""], "empty", 2),
+    (["-p", "hi", "-f", "x.txt"], "not both", 2),
+    (["-f", "/nonexistent/prompt.txt"], "cannot read", 2),
+    (["-p", "hi", "--backend", "quantum"], "unknown backend 'quantum'", 5),
+    (["-p", "hi", "--batch", "1", "--rs-slots", "3"], "--batch 1 must be at least --rs-slots 3", 1),
+    (["-p", PROMPT * 20, "--ctx", "16"], "context holds 16", 1),
+])
+def test_generate_usage_and_run_errors_are_one_clean_line(tiny_model, args, fragment, code):
+    r = run("generate", tiny_model, *args)
+    assert r.exit_code == code, r.output
+    assert fragment in r.stderr
+    assert "Traceback" not in r.output
+    assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit)
+
+
+def test_generate_on_a_file_that_is_not_gguf(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is not a model at all")
+    r = run("generate", bad, "-p", "hi")
+    assert r.exit_code == 2
+    assert "not a GGUF file" in r.stderr and "Traceback" not in r.output
+    missing = run("generate", tmp_path / "missing.gguf", "-p", "hi")
+    assert missing.exit_code == 2 and "no such file" in missing.stderr
+
+
+def test_console_entry_point_errors_without_traceback(tmp_path):
+    """Through a real process: a bad value and a bad file each end in one line, no traceback."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x63\x00\x00\x00" + b"\x00" * 32)
+    for args, code, text in [(["generate", str(bad), "-p", "hi", "--top-p", "2"], 2, "--top-p"),
+                             (["inspect", str(bad)], 2, "unsupported GGUF version 99")]:
+        p = subprocess.run([sys.executable, "-m", "deltarun", *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == code, p.stderr
+        assert text in p.stderr and "Traceback" not in p.stderr
+        assert p.stdout == ""
+
+
+def test_console_entry_point_generates(tiny_model):
+    p = subprocess.run([sys.executable, "-m", "deltarun", "generate", str(tiny_model), "-p", PROMPT, "-n", "12",
+                        "--temp", "0", *FAST], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == expected_text(tiny_model, PROMPT, 12, GREEDY) + "\n"
+    assert "generation:" in p.stderr
+
+
+# --- inspect ------------------------------------------------------------------------------------
+def test_inspect_shows_layers_tensors_and_memory(tiny_model):
+    r = ok("inspect", tiny_model)
+    out = r.stdout
+    assert "runnable      yes" in out
+    assert "LLLA" in out and "linear attention   0-2" in out and "full attention     3" in out
+    for name in ("token_embd.weight", "blk.0.attn_qkv.weight", "blk.3.attn_q.weight", "blk.2.ssm_a"):
+        assert name in out
+    assert "Q8_0" in out and "F32" in out
+    assert "[2330 items]" in out          # token list summarised, not printed
+    assert "chars)" in out                # the chat template is cut short
+    assert "KV cache" in out and "recurrent state" in out
+
+
+def test_inspect_json_numbers(tiny_model):
+    r = ok("inspect", tiny_model, "--json", "--ctx", "1000", "--rs-slots", "3")
+    d = json.loads(r.stdout)
+    f = GGUFFile(tiny_model)
+    hp = read_hparams(f)
+    assert d["runnable"] is True and d["problems"] == []
+    assert d["architecture"] == "qwen3next"
+    assert d["layers"]["pattern"] == "LLLA"
+    assert d["layers"]["linear_attention"] == [0, 1, 2] and d["layers"]["full_attention"] == [3]
+    assert {t["name"] for t in d["tensors"]} == set(f.tensors)
+    by_name = {t["name"]: t for t in d["tensors"]}
+    assert by_name["blk.0.attn_qkv.weight"]["shape"] == [256, 2 * 4 * 32 + 8 * 32]
+    assert by_name["blk.0.attn_qkv.weight"]["type"] == "Q8_0"
+    assert d["parameters"]["total"] == sum(t.n_elements for t in f.tensors.values())
+    mem = d["memory"]
+    assert mem["weights"] == sum(t.nbytes for t in f.tensors.values())
+    assert mem["kv_cache"] + mem["recurrent_state"] == memory_bytes(hp, 1000, 1, 2, "f16")
+    assert mem["recurrent_state"] == memory_bytes(hp, 0, 1, 2)
+    assert mem["kv_cache"] == 2 * 1 * 64 * 2 * 1000 * 2   # K and V, one attention layer, f16
+    assert d["metadata"]["tokenizer.ggml.tokens"] == "[2330 items]"
+    # the memory figure is what a Model really allocates
+    with Model(tiny_model, n_ctx=1000, n_rs_seq=2, n_threads=1) as m:
+        assert m.memory.nbytes >= mem["kv_cache"] + mem["recurrent_state"]
+        assert m.memory.nbytes - (mem["kv_cache"] + mem["recurrent_state"]) < 4096
+
+
+def test_inspect_mtp_and_legacy_layers(tiny_model_path):
+    d = json.loads(ok("inspect", tiny_model_path("tiny-mtp"), "--json").stdout)
+    assert d["layers"]["pattern"] == "LLLAM" and d["layers"]["mtp"] == [4]
+    assert d["parameters"]["mtp"] > 0
+    assert d["parameters"]["trunk"] + d["parameters"]["mtp"] == d["parameters"]["total"]
+    text = ok("inspect", tiny_model_path("tiny-legacy")).stdout
+    assert "blk.0.ssm_in.weight" in text and "LLLA" in text
+
+
+def test_inspect_a_file_deltarun_cannot_run(tmp_path):
+    path = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((8, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = ok("inspect", path)
+    assert "runnable      no" in r.stdout and "no graph for architecture 'llama'" in r.stdout
+    assert "blk.1.attn_q.weight" in r.stdout
+    d = json.loads(ok("inspect", path, "--json").stdout)
+    assert d["runnable"] is False
+    assert d["layers"]["pattern"] == "AA" and d["layers"]["source"] == "tensor names"
+    assert d["parameters"]["total"] == 80 + 2 * 64
+    assert "kv_cache" not in d["memory"]
+
+
+def test_inspect_a_qwen3next_file_missing_a_tensor(tmp_path, monkeypatch):
+    full = gen.model_tensors
+
+    def without_ssm_a(*a, **k):
+        t = full(*a, **k)
+        del t["blk.1.ssm_a"]
+        return t
+
+    monkeypatch.setattr(gen, "model_tensors", without_ssm_a)
+    path = gen.write_model(tmp_path / "broken.gguf", "tiny", "f32")
+    d = json.loads(ok("inspect", path, "--json").stdout)
+    assert d["runnable"] is False
+    assert any("blk.1.ssm_a" in p for p in d["problems"])
+    assert d["layers"]["pattern"] == "LLLA" and d["layers"]["source"] == "metadata"
+    assert "kv_cache" in d["memory"]   # hyper-parameters were readable
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"", "too short"),
+    (b"PK\x03\x04 a zip file, not a model", "not a GGUF file"),
+    (b"GGUF\x03\x00\x00\x00\xff\xff", "damaged GGUF"),
+])
+def test_inspect_rejects_non_gguf_cleanly(tmp_path, content, fragment):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(content)
+    r = run("inspect", path)
+    assert r.exit_code == 2
+    assert fragment in r.stderr and r.stderr.startswith("error: ")
+    assert "Traceback" not in r.output and r.stdout == ""
+    assert run("inspect", tmp_path).exit_code == 2
+    assert "is a directory" in run("inspect", tmp_path).stderr
+
+
+# --- make-tiny ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("wtype", list(gen.WEIGHT_TYPES))
+def test_make_tiny_writes_a_loadable_file_for_each_type(tmp_path, tiny_model_path, wtype):
+    out = tmp_path / f"m-{wtype}.gguf"
+    r = ok("make-tiny", out, "--type", wtype)
+    assert str(out) in r.stdout
+    f = GGUFFile(out)
+    hp = read_hparams(f)
+    validate_tensors(hp, f)
+    assert f.tensors["blk.0.ssm_out.weight"].type_name == gen.WEIGHT_TYPES[wtype].name
+    assert f.get("general.file_type") == gen._FILE_TYPES[wtype]
+    with Model(out, n_ctx=64, n_threads=1) as m:
+        logits = m.eval(m.tokenizer.encode(PROMPT))
+        assert logits.shape == (hp.n_vocab,) and np.isfinite(logits).all()
+    # same tensors as the generator's own output for that preset, type and seed
+    ref = GGUFFile(tiny_model_path("tiny", wtype))
+    assert [(t.name, t.ggml_type, t.ne) for t in f.tensors.values()] == \
+           [(t.name, t.ggml_type, t.ne) for t in ref.tensors.values()]
+    for name in ("token_embd.weight", "blk.3.attn_q.weight"):
+        assert np.array_equal(f.tensor_bytes(f.tensors[name]), ref.tensor_bytes(ref.tensors[name]))
+
+
+def test_make_tiny_presets_mtp_and_seed(tmp_path):
+    a = tmp_path / "a.gguf"
+    ok("make-tiny", a, "--preset", "tiny-eqheads", "--mtp", "--seed", "5")
+    f = GGUFFile(a)
+    hp = read_hparams(f)
+    assert hp.n_mtp == 1 and hp.ssm_n_v_heads == hp.ssm_n_k_heads == 8
+    assert "blk.4.nextn.eh_proj.weight" in f.tensors
+    b = tmp_path / "b.gguf"
+    ok("make-tiny", b, "--preset", "tiny-eqheads", "--mtp", "--seed", "6")
+    name = "blk.0.attn_qkv.weight"
+    assert not np.array_equal(f.tensor_array(name), GGUFFile(b).tensor_array(name))
+    tied = tmp_path / "t.gguf"
+    ok("make-tiny", tied, "--preset", "tiny-tied")
+    assert "output.weight" not in GGUFFile(tied).tensors
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--type", "q3_k"], "--type"),
+    (["--preset", "huge"], "--preset"),
+    (["--seed", "-1"], "--seed"),
+])
+def test_make_tiny_rejects_bad_options(tmp_path, args, fragment):
+    r = run("make-tiny", tmp_path / "x.gguf", *args)
+    assert r.exit_code == 2 and fragment in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_make_tiny_unwritable_destination_is_a_clean_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = run("make-tiny", blocker / "sub" / "m.gguf")
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "error" in r.stderr.lower()
+
+
+def test_help_lists_the_commands():
+    r = ok("--help")
+    for name in ("generate", "inspect", "make-tiny"):
+        assert name in r.stdout
+    for name in ("generate", "inspect", "make-tiny"):
+        assert ok(name, "--help").stdout.startswith("Usage:")
+
+
+# --- README -------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    import re
+
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_setup_is_what_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1]
+    commands = _blocks(setup, "sh")[0].strip().splitlines()
+    assert commands == ["pip install -e '.[test]'", "python -m pytest -q"]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert "set -euo pipefail" in ci
+    assert [line for line in ci if line in commands] == commands
+
+
+def test_readme_python_example_runs(tiny_model, capsys):
+    readme = (REPO / "README.md").read_text()
+    code = _blocks(readme.split("## Python API", 1)[1], "python")[0]
+    assert len(code.strip().splitlines()) <= 7
+    code = code.replace('"model.gguf"', repr(str(tiny_model))).replace("n_ctx=4096", "n_ctx=4096, n_threads=1")
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
