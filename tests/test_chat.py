@@ -189,25 +189,54 @@ def test_dropped_thinking_is_recomputed_and_matches_a_fresh_session(model):
     assert fresh.ask("Again") == answer
 
 
-def test_stop_string_leftover_is_rolled_back_within_the_slots(model_path):
+def test_stop_string_leftover_is_recomputed_and_matches_a_fresh_session(model_path):
     with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=1) as m:
         tok = m.tokenizer
         answer = tok.encode(" Hi X!")
         assert [tok.decode([t]) for t in answer[-2:]] == [" X", "!"]
-        # " X" is evaluated before "!" completes the stop string: one token to undo next turn
+        # " X" is evaluated before "!" completes the stop string: the model holds a token that is
+        # not in the conversation. It came from a one-token decode ubatch, which no rollback
+        # slot can undo, so the next turn recomputes.
         session = ChatSession(m, sampler=Scripted(answer), stop=["X!"])
         assert session.ask("Hello") == " Hi "
         assert session.last_stop_reason == "stop" and session.messages[-1]["content"] == " Hi "
-        held = m.tokens()
+        assert tok.decode(m.tokens()[-3:]) == " Hi X"
         session.sampler = Sampler(GREEDY)
         session.n_predict = 5
         after = session.ask("More")
-        assert session.last_turn.rolled_back == 1 and not session.last_recomputed
-        assert session.last_reused_tokens == len(held) - 1
+        assert session.last_recomputed and session.last_reused_tokens == 0
         m.reset()
         fresh = ChatSession(m, n_predict=5)
         fresh.messages = copy.deepcopy(session.messages[:-2])
         assert fresh.ask("More") == after
+
+
+def test_cancelled_turn_is_rolled_back_within_the_slots(model_path, monkeypatch):
+    """Ctrl-C before the first token leaves the cancelled prompt in the model; the next message
+    shares the prefix up to it, and the rest lies in the last prefill ubatch: a rollback undoes it."""
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=12) as m:
+        session = ChatSession(m, n_predict=5, system="S")
+        session.ask("Hello")
+        real_sample = Sampler.sample
+
+        def interrupted(self, logits, history=None):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Sampler, "sample", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            session.ask("Never mind")
+        monkeypatch.setattr(Sampler, "sample", real_sample)
+        assert [x["role"] for x in session.messages] == ["system", "user", "assistant"]
+        held = m.tokens()
+        after = session.ask("Something else")
+        prompt = session.prompt_tokens(session.messages[:-1])
+        kept = common_prefix_length(held, prompt)
+        assert not session.last_recomputed and session.last_turn.rolled_back == len(held) - kept > 0
+        assert session.last_reused_tokens == kept and session.last_prefill_tokens == len(prompt) - kept
+        m.reset()
+        fresh = ChatSession(m, n_predict=5)
+        fresh.messages = copy.deepcopy(session.messages[:-2])
+        assert fresh.ask("Something else") == after
 
 
 def test_stop_strings(model):
@@ -300,9 +329,16 @@ def test_context_full_and_context_shift(model_path):
             dropped += shifting.last_turn.dropped_messages
         assert dropped > 0 and shifting.messages[0] == {"role": "system", "content": "S"}
         assert shifting.messages[-2]["content"] == "Question number 4"
-        shifting.n_predict = -1                    # an answer that fills the context shifts mid-answer
-        shifting.ask("Long answer please")
-        assert shifting.last_stop_reason == "context" and shifting.last_generated_tokens > 0
+
+        m.reset()                                  # an answer that fills the context shifts mid-answer
+        mid = ChatSession(m, n_predict=3, system="S", context_shift=True)
+        mid.ask("Hi")
+        mid.n_predict = 40
+        mid.ask("Go")
+        turn = mid.last_turn
+        assert turn.dropped_messages == 2 and turn.recomputed and turn.stop_reason == "context"
+        assert turn.reused_tokens + turn.generated_tokens > m.n_ctx       # it went on past the first fill
+        assert [x["role"] for x in mid.messages] == ["system", "user", "assistant"]
 
 
 def test_save_and_load(model, tmp_path):

@@ -48,8 +48,11 @@ class ChatUI:
         self._after_think = False
 
     # --- answers -------------------------------------------------------------------------------
-    def answer(self, text: str, raise_errors: bool = False) -> None:
-        """Stream the answer to `text`; a full context is reported (or raised with raise_errors)."""
+    def answer(self, text: str, raise_errors: bool = False) -> bool:
+        """Stream the answer to `text`; False when Ctrl-C stopped it or the context had no room.
+
+        A full context is reported (or raised with raise_errors).
+        """
         from deltarun.runner.chat import ThinkingSplitter
 
         session = self.session
@@ -70,19 +73,20 @@ class ChatUI:
         except KeyboardInterrupt:
             stream.close()  # records the partial answer if the interrupt came while printing
             _err("[interrupted]")
-            return
+            return False
         except ContextFullError as e:
             if raise_errors:
                 raise
             _err(f"{e}. Type /reset to start over" +
                  ("." if self.context_shift else " (or restart with --context-shift to drop old turns)."))
-            return
+            return False
         if session.last_stop_reason == "context":
             _err(f"[context full: {session.n_past}/{session.model.n_ctx} tokens used; the answer was cut. "
                  "Type /reset to start over" +
                  ("]" if self.context_shift else " or restart with --context-shift]"))
         if session.last_turn.dropped_messages:
             _err(f"[context shift: dropped the {session.last_turn.dropped_messages} oldest messages]")
+        return True
 
     def _show(self, parts: list[tuple[bool, str]]) -> None:
         for thinking, text in parts:
@@ -286,7 +290,8 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
                 text = stdin.read().rstrip("\n")
                 if not text.strip():
                     raise click.UsageError("--single: no message on stdin")
-                ui.answer(text, raise_errors=True)
+                if not ui.answer(text, raise_errors=True):
+                    raise SystemExit(130)
             elif interactive:
                 _repl(ui)
             else:

@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "chat": "deltarun.cli.chat:chat",
     "bench": "deltarun.cli.bench:bench",
     "perplexity": "deltarun.cli.perplexity:perplexity",
+    "compare": "deltarun.cli.compare:compare",
+    "devices": "deltarun.cli.devices:devices",
 }
 
 

@@ -36,7 +36,7 @@ _DEFAULTS = SamplingParams()
 #: Defaults of the model options, for callers that open a model without click.
 MODEL_DEFAULTS: dict[str, Any] = {
     "ctx": 4096, "batch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
-    "backend": "cpu",
+    "backend": "cpu", "gpu_layers": None,
 }
 
 
@@ -53,7 +53,7 @@ def model_argument(required: bool = False) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend."""
+    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend --gpu-layers."""
     return _apply(f, [
         click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
@@ -69,7 +69,12 @@ def model_options(f: F) -> F:
         click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default=MODEL_DEFAULTS["kv_type"],
                      show_default=True, help="Type of the KV cache."),
         click.option("--backend", default=MODEL_DEFAULTS["backend"], show_default=True, metavar="NAME",
-                     help="ggml backend to run on (cpu, cpu-ref)."),
+                     help="ggml backend to run on: cpu, cpu-ref (reference kernels), vulkan[:N], cuda[:N], or "
+                          "auto (the best device found, CPU last); `deltarun devices` lists them."),
+        click.option("--gpu-layers", "-ngl", type=click.IntRange(min=0), default=MODEL_DEFAULTS["gpu_layers"],
+                     help="With a device backend: keep the first layers on the CPU and put the last N on the "
+                          "device (the output layer too when N > layers), like llama.cpp -ngl [default: all on "
+                          "the device]."),
     ])
 
 
@@ -132,13 +137,14 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                batch: int = MODEL_DEFAULTS["batch"], threads: int | None = None,
                rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
-               n_seq_max: int = 1, quiet: bool = False, **_other: Any):
+               gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
+               **_other: Any):
     """Open `model` (or the built-in tiny model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
     path = resolve_model(model, quiet=quiet)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
-                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net)
+                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
 
 
 def format_bytes(n: int | float) -> str:

@@ -51,6 +51,12 @@ def perplexity(model: Path, file: Path | None, chunks: int | None, kl_base: Path
     if file is None and (kl_base is None or not kl_base.exists()):
         raise click.UsageError("give the text with -f FILE (or an existing --kl-base file to reuse its tokens)")
     text = _read_text(file) if file is not None else None
+    if text is None:  # the windows come from the base: open the model with their size
+        from deltarun.runner.perplexity import KLBaseReader
+
+        reader = KLBaseReader(kl_base)  # type: ignore[arg-type]
+        opts["ctx"] = reader.n_ctx
+        reader.close()
     with open_model(model, **opts) as m:
         tokens = tokenize_text(m, text) if text is not None else None
         windows = prepare_windows(m, tokens, n_ctx=opts["ctx"], max_windows=chunks, kl_base=kl_base)

@@ -33,6 +33,7 @@ class UbatchShape:
     n_kv: int           # KV positions visible to attention (padded)
     seq_head: int = 0   # first state cell of the ubatch
     delta_net: str = "fused"
+    mtp: bool = False   # the multi-token-prediction block instead of the trunk
 
     @property
     def n_tokens(self) -> int:
@@ -57,7 +58,7 @@ class Qwen3NextGraph:
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> dict[str, Tensor]:
         """Add the forward pass of one ubatch to `gf`; returns the graph inputs and outputs by name."""
         b = _Builder(ctx, gf, self.hp, w, mem, ub)
-        return b.forward()
+        return b.forward_mtp() if ub.mtp else b.forward()
 
 
 class _Builder:
@@ -101,16 +102,31 @@ class _Builder:
         return ggml.ggml_view_4d(c, t, *shape, *strides, offset)
 
     # --- the model ----------------------------------------------------------------------------
+    def attention_inputs(self) -> None:
+        ub = self.ub
+        self.inp_pos = self.input("inp_pos", ggml.GGML_TYPE_I32, ub.n_tokens)
+        if ub.n_outputs != ub.n_tokens:
+            self.out_ids = self.input("inp_out_ids", ggml.GGML_TYPE_I32, ub.n_outputs)
+        if self.hp.attention_layers or ub.mtp:
+            self.kq_mask = self.input("kq_mask", ggml.GGML_TYPE_F32, ub.n_kv, ub.n_seq_tokens, 1, ub.n_seqs)
+            self.kv_idxs = self.input("kv_idxs", ggml.GGML_TYPE_I64, ub.n_tokens)
+
+    def head(self, x: Tensor, norm: Tensor, lm_head: Tensor) -> None:
+        """Final norm (kept as output `result_norm`: the hidden state MTP drafts from) and LM head."""
+        x = self.rms_norm(x, norm, "result_norm", -1)
+        ggml.ggml_set_output(x)
+        self.expand(x)
+        self.io["result_norm"] = x
+        logits = self.cb(self.mm(lm_head, x), "result_output")
+        ggml.ggml_set_output(logits)
+        self.expand(logits)
+        self.io["result_output"] = logits
+
     def forward(self) -> dict[str, Tensor]:
         hp, ub, c = self.hp, self.ub, self.ctx
         n_tokens = ub.n_tokens
         tokens = self.input("inp_tokens", ggml.GGML_TYPE_I32, n_tokens)
-        self.inp_pos = self.input("inp_pos", ggml.GGML_TYPE_I32, n_tokens)
-        if ub.n_outputs != n_tokens:
-            self.out_ids = self.input("inp_out_ids", ggml.GGML_TYPE_I32, ub.n_outputs)
-        if hp.attention_layers:
-            self.kq_mask = self.input("kq_mask", ggml.GGML_TYPE_F32, ub.n_kv, ub.n_seq_tokens, 1, ub.n_seqs)
-            self.kv_idxs = self.input("kv_idxs", ggml.GGML_TYPE_I64, n_tokens)
+        self.attention_inputs()
         if hp.linear_layers:
             self.s_copy = self.input("rs_s_copy", ggml.GGML_TYPE_I32, ub.n_seqs)
             self.kw = min(ub.n_seq_tokens + 1, self.mem.n_slots)
@@ -119,26 +135,51 @@ class _Builder:
         x = ggml.ggml_get_rows(c, self.w["token_embd.weight"], tokens)
         self.cb(x, "inp_embd")
         for il in range(hp.n_layer):
-            residual = x
-            cur = self.rms_norm(x, self.w[f"blk.{il}.attn_norm.weight"], "attn_norm", il)
-            if hp.recurrent[il]:
-                cur = self.linear_attention(cur, il)
-            else:
-                cur = self.full_attention(cur, il)
-            if il == hp.n_layer - 1 and ub.n_outputs != n_tokens:
-                cur = ggml.ggml_get_rows(c, cur, self.out_ids)
-                residual = ggml.ggml_get_rows(c, residual, self.out_ids)
-            cur = self.cb(ggml.ggml_add(c, cur, residual), "attn_residual", il)
-            ffn_in = self.rms_norm(cur, self.w[f"blk.{il}.post_attention_norm.weight"], "attn_post_norm", il)
-            x = self.cb(ggml.ggml_add(c, self.moe(ffn_in, il), cur), "l_out", il)
+            x = self.block(x, il, last=il == hp.n_layer - 1)
+        self.head(x, self.w["output_norm.weight"], self.w.get("output.weight", self.w["token_embd.weight"]))
+        return self.io
 
-        x = self.rms_norm(x, self.w["output_norm.weight"], "result_norm", -1)
-        self.io["result_norm"] = x
-        lm_head = self.w.get("output.weight", self.w["token_embd.weight"])
-        logits = self.cb(self.mm(lm_head, x), "result_output")
-        ggml.ggml_set_output(logits)
-        self.expand(logits)
-        self.io["result_output"] = logits
+    def block(self, x: Tensor, il: int, last: bool) -> Tensor:
+        """One decoder block: norm, token mixer, residual, norm, MoE, residual."""
+        c, ub = self.ctx, self.ub
+        residual = x
+        cur = self.rms_norm(x, self.w[f"blk.{il}.attn_norm.weight"], "attn_norm", il)
+        if il < self.hp.n_layer and self.hp.recurrent[il]:
+            cur = self.linear_attention(cur, il)
+        else:
+            cur = self.full_attention(cur, il)
+        if last and ub.n_outputs != ub.n_tokens:
+            cur = ggml.ggml_get_rows(c, cur, self.out_ids)
+            residual = ggml.ggml_get_rows(c, residual, self.out_ids)
+        cur = self.cb(ggml.ggml_add(c, cur, residual), "attn_residual", il)
+        ffn_in = self.rms_norm(cur, self.w[f"blk.{il}.post_attention_norm.weight"], "attn_post_norm", il)
+        return self.cb(ggml.ggml_add(c, self.moe(ffn_in, il), cur), "l_out", il)
+
+    def forward_mtp(self) -> dict[str, Tensor]:
+        """The MTP block: next token's embedding and the trunk's hidden state -> logits one further.
+
+        x = eh_proj(concat(enorm(embed(token)), hnorm(hidden))), then one full-attention block with
+        its MoE (its own KV cache), then shared_head_norm (or output_norm) and the LM head
+        (shared_head_head, or the trunk's). `mtp_out` (before the final norm) is what a chained
+        draft feeds back as the next hidden state.
+        """
+        hp, ub, c, w = self.hp, self.ub, self.ctx, self.w
+        il = hp.n_layer
+        p = f"blk.{il}.nextn."
+        tokens = self.input("mtp_tokens", ggml.GGML_TYPE_I32, ub.n_tokens)
+        hidden = self.input("mtp_hidden", ggml.GGML_TYPE_F32, hp.n_embd, ub.n_tokens)
+        self.attention_inputs()
+        embed = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
+        e = self.rms_norm(ggml.ggml_get_rows(c, embed, tokens), w[p + "enorm.weight"], "mtp_enorm", il)
+        h = self.rms_norm(hidden, w[p + "hnorm.weight"], "mtp_hnorm", il)
+        x = self.cb(self.mm(w[p + "eh_proj.weight"], ggml.ggml_concat(c, e, h, 0)), "mtp_eh_proj", il)
+        x = self.block(x, il, last=True)
+        self.cb(x, "mtp_out")
+        ggml.ggml_set_output(x)
+        self.io["mtp_out"] = x
+        norm = w.get(p + "shared_head_norm.weight", w["output_norm.weight"])
+        lm_head = w.get(p + "shared_head_head.weight", w.get("output.weight", w["token_embd.weight"]))
+        self.head(x, norm, lm_head)
         return self.io
 
     # --- full attention -----------------------------------------------------------------------

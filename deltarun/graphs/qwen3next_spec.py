@@ -131,8 +131,9 @@ def _vocab_size(f: GGUFFile) -> int:
     if sig is None:
         return 0
     if sig != (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING):
-        raise TokenizerError(f"{f.path}: metadata key 'tokenizer.ggml.tokens' must be an array of strings; "
-                             f"{REDO}")
+        found = "/".join(gguf.GGUFValueType(t).name for t in sig)
+        raise TokenizerError(f"{f.path}: metadata key 'tokenizer.ggml.tokens' must be an array of strings, "
+                             f"found {found}; {REDO}")
     return len(f.reader.fields["tokenizer.ggml.tokens"].data)
 
 

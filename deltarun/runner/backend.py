@@ -1,20 +1,48 @@
-"""ggml backends by name, and the scheduler that runs graphs on them.
+"""ggml backends by name, the device registry, layer placement, and the scheduler that runs graphs.
 
-A `Backend` owns one ggml backend (the device that runs the graph) plus the CPU backend the
-scheduler falls back to for ops the device lacks. The CPU backend is always last, as ggml's
-scheduler requires.
+A `Backend` owns one ggml backend (the device that runs the graph) plus, for a non-CPU device,
+the CPU backend the scheduler falls back to for ops the device lacks (and for the layers kept on
+the CPU by `--gpu-layers`). The CPU backend is always last, as ggml's scheduler requires.
+
+Backend names (`--backend`):
+
+    cpu          ggml's CPU backend
+    cpu-ref      the CPU backend with its reference kernels (ggml_backend_cpu_set_use_ref)
+    vulkan[:N]   the N-th Vulkan device of ggml's registry (Vulkan0, Vulkan1, ...), default 0
+    cuda[:N]     the N-th CUDA device (CUDA0, ...), default 0
+    auto         the best device found: a discrete GPU, then an integrated one, CPU last
+                 (software renderers such as Mesa's llvmpipe/lavapipe are never chosen)
+
+A name this build of ggml-python cannot serve raises `BackendError` saying how to install the
+variant that can.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltarun.runner.errors import BackendError
 from deltarun.runner.ggml_util import c_array, ctypes, ggml
 
 GRAPH_SIZE = 16384
+
+GGML_VERSION = "0.0.45"
+
+#: Backend kinds deltarun knows, with the ggml registry name and the build flag of each.
+DEVICE_KINDS = {"vulkan": ("Vulkan", "GGML_VULKAN"), "cuda": ("CUDA", "GGML_CUDA")}
+
+#: Device descriptions of software renderers: usable when asked for by name, never picked by `auto`.
+SOFTWARE_DEVICE = re.compile(r"llvmpipe|lavapipe|swiftshader|softpipe", re.IGNORECASE)
+
+DEVICE_TYPE_NAMES = {
+    ggml.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu",
+    ggml.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+    ggml.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu",
+    ggml.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel",
+}
 
 
 def physical_cores() -> int:
@@ -25,13 +53,148 @@ def physical_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def install_hint(kind: str) -> str:
+    """How to get a ggml-python build with the `kind` backend."""
+    flag = DEVICE_KINDS[kind][1]
+    script = f"scripts/install-{kind}.sh"
+    return (f"install the {kind} variant of ggml-python: `{script}` (see the README), or "
+            f"`pip install --no-binary ggml-python --config-settings=cmake.args=-D{flag}=ON "
+            f"ggml-python=={GGML_VERSION}`")
+
+
+def build_has(kind: str) -> bool:
+    """Whether this ggml-python build was compiled with the backend `kind` (vulkan, cuda)."""
+    flag = {"vulkan": "GGML_USE_VULKAN", "cuda": "GGML_USE_CUDA"}[kind]
+    return bool(getattr(ggml, flag, False))
+
+
+# ----------------------------------------------------------------------------------------------
+# The device registry
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One entry of ggml's device registry."""
+
+    index: int             # position in ggml_backend_dev_get order
+    name: str              # ggml's device name: CPU, Vulkan0, CUDA0
+    description: str       # e.g. "NVIDIA H200", "llvmpipe (LLVM 15.0.6, 256 bits)"
+    type: str              # cpu, gpu, igpu, accel
+    registry: str          # the backend registry: CPU, Vulkan, CUDA
+    memory_free: int
+    memory_total: int
+    handle: int = field(repr=False, compare=False, default=0)
+
+    @property
+    def backend_name(self) -> str:
+        """What to pass to --backend to use this device."""
+        kind = self.registry.lower()
+        if kind == "cpu":
+            return "cpu"
+        m = re.search(r"(\d+)$", self.name)
+        return f"{kind}:{m.group(1)}" if m else kind
+
+    @property
+    def software(self) -> bool:
+        return bool(SOFTWARE_DEVICE.search(self.description))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "description": self.description, "type": self.type,
+                "registry": self.registry, "backend": self.backend_name, "memory_free": self.memory_free,
+                "memory_total": self.memory_total, "software": self.software}
+
+
+_LOADED_ALL = False
+
+
+def _ensure_registry() -> None:
+    """Load dynamically built backends once (a no-op for the usual builds, where they are linked in)."""
+    global _LOADED_ALL
+    if _LOADED_ALL:
+        return
+    _LOADED_ALL = True
+    if int(ggml.ggml_backend_reg_count()) <= 1 and os.environ.get("DELTARUN_NO_BACKEND_LOAD") != "1":
+        try:
+            ggml.ggml_backend_load_all()
+        except (AttributeError, OSError):  # pragma: no cover - binding without the loader
+            pass
+
+
+def _str(b: bytes | None) -> str:
+    return (b or b"").decode(errors="replace")
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Every device in ggml's registry, in registry order (the CPU is usually last)."""
+    _ensure_registry()
+    out = []
+    for i in range(int(ggml.ggml_backend_dev_count())):
+        dev = ggml.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = ggml.ggml_backend_dev_backend_reg(dev)
+        dtype = int(ggml.ggml_backend_dev_type(dev))
+        out.append(DeviceInfo(index=i, name=_str(ggml.ggml_backend_dev_name(dev)),
+                              description=_str(ggml.ggml_backend_dev_description(dev)),
+                              type=DEVICE_TYPE_NAMES.get(dtype, str(dtype)),
+                              registry=_str(ggml.ggml_backend_reg_name(reg)) if reg else "?",
+                              memory_free=int(free.value), memory_total=int(total.value), handle=int(dev)))
+    return out
+
+
+def available_backends() -> list[str]:
+    """Backend names usable here (for messages and `deltarun devices`)."""
+    names = ["cpu", "cpu-ref"]
+    for d in list_devices():
+        if d.registry.lower() in DEVICE_KINDS:
+            names.append(d.backend_name)
+    return names + ["auto"]
+
+
+def parse_backend_name(name: str) -> tuple[str, int | None]:
+    """`vulkan:1` -> ("vulkan", 1); `cpu` -> ("cpu", None). Unknown names raise BackendError."""
+    key = name.strip().lower()
+    m = re.fullmatch(r"(cpu|cpu-ref|auto|vulkan|cuda)(?::(\d+))?", key)
+    if not m or (m.group(2) is not None and m.group(1) not in DEVICE_KINDS):
+        raise BackendError(f"unknown backend {name!r}; backends are cpu, cpu-ref, vulkan[:N], cuda[:N] and auto "
+                           f"(here: {', '.join(available_backends())})")
+    return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def _find_device(kind: str, index: int | None) -> DeviceInfo:
+    registry, _ = DEVICE_KINDS[kind]
+    if not build_has(kind):
+        raise BackendError(f"this build of ggml-python has no {registry} backend: {install_hint(kind)}")
+    devs = [d for d in list_devices() if d.registry.lower() == kind]
+    if not devs:
+        hint = ""
+        if kind == "vulkan":
+            hint = ("; ggml-vulkan hides CPU devices such as Mesa's lavapipe (mesa-vulkan-drivers) unless "
+                    "GGML_VK_VISIBLE_DEVICES=0 is set, and needs a Vulkan driver (check with `vulkaninfo --summary`)")
+        elif kind == "cuda":
+            hint = "; check the NVIDIA driver with `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+        raise BackendError(f"the {registry} backend is built in but found no device{hint}")
+    i = 0 if index is None else index
+    if not 0 <= i < len(devs):
+        raise BackendError(f"no device {kind}:{i}; this machine has {', '.join(d.backend_name for d in devs)}")
+    return devs[i]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends
+# ----------------------------------------------------------------------------------------------
 @dataclass
 class Backend:
-    """A ready-to-use backend: the ggml handle, its name and its default buffer type."""
+    """A ready-to-use backend: the ggml handle, its name and its default buffer type.
+
+    `cpu` is the CPU fallback of a device backend (None for a CPU backend, which is its own).
+    """
 
     name: str
     handle: int
     cpu_ref: bool = False
+    kind: str = "cpu"
+    device: DeviceInfo | None = None
+    cpu: "Backend | None" = None
 
     @property
     def buffer_type(self) -> int:
@@ -41,31 +204,156 @@ class Backend:
     def is_cpu(self) -> bool:
         return bool(ggml.ggml_backend_is_cpu(self.handle))
 
+    @property
+    def cpu_backend(self) -> "Backend":
+        """The CPU backend that runs what the device does not (itself for a CPU backend)."""
+        return self if self.cpu is None else self.cpu
+
+    @property
+    def sched_backends(self) -> list["Backend"]:
+        """The backends a scheduler needs, in priority order, CPU last."""
+        return [self] if self.cpu is None else [self, self.cpu]
+
+    @property
+    def description(self) -> str:
+        if self.device is not None:
+            return f"{self.device.name} ({self.device.description})"
+        return _str(ggml.ggml_backend_name(self.handle)) + (" (reference kernels)" if self.cpu_ref else "")
+
     def set_threads(self, n_threads: int) -> None:
         if self.is_cpu:
             ggml.ggml_backend_cpu_set_n_threads(self.handle, n_threads)
+        if self.cpu is not None:
+            self.cpu.set_threads(n_threads)
+
+    def supports_op(self, t: Any) -> bool:
+        return bool(ggml.ggml_backend_supports_op(self.handle, t))
 
     def free(self) -> None:
+        if self.cpu is not None:
+            self.cpu.free()
+            self.cpu = None
         if self.handle:
             ggml.ggml_backend_free(self.handle)
             self.handle = 0
 
 
-def init_backend(name: str = "cpu", n_threads: int | None = None) -> Backend:
-    """Open a backend by name: `cpu`, or `cpu-ref` (CPU with ggml's reference kernels)."""
-    key = name.lower()
-    if key not in ("cpu", "cpu-ref", "auto"):
-        raise BackendError(f"unknown backend {name!r}; this build supports: cpu, cpu-ref")
+def _init_cpu(n_threads: int | None, ref: bool = False) -> Backend:
     handle = ggml.ggml_backend_cpu_init()
     if not handle:
         raise BackendError("ggml could not start the CPU backend")
-    backend = Backend("cpu-ref" if key == "cpu-ref" else "cpu", handle, cpu_ref=key == "cpu-ref")
-    if backend.cpu_ref:
+    backend = Backend("cpu-ref" if ref else "cpu", handle, cpu_ref=ref)
+    if ref:
         ggml.ggml_backend_cpu_set_use_ref(handle, True)
     backend.set_threads(n_threads or physical_cores())
     return backend
 
 
+def best_device() -> DeviceInfo | None:
+    """What `auto` picks: a GPU, then an integrated GPU, skipping software renderers; None = CPU."""
+    devs = [d for d in list_devices() if d.registry.lower() in DEVICE_KINDS and not d.software]
+    for kind in ("gpu", "igpu"):
+        for d in devs:
+            if d.type == kind:
+                return d
+    return None
+
+
+def init_backend(name: str = "cpu", n_threads: int | None = None) -> Backend:
+    """Open a backend by name (see the module docstring)."""
+    kind, index = parse_backend_name(name)
+    if kind in ("cpu", "cpu-ref"):
+        return _init_cpu(n_threads, ref=kind == "cpu-ref")
+    if kind == "auto":
+        dev = best_device()
+        if dev is None:
+            return _init_cpu(n_threads)
+    else:
+        dev = _find_device(kind, index)
+    handle = ggml.ggml_backend_dev_init(dev.handle, None)
+    if not handle:
+        raise BackendError(f"ggml could not start {dev.name} ({dev.description})")
+    backend = Backend(dev.backend_name, handle, kind=dev.registry.lower(), device=dev)
+    try:
+        backend.cpu = _init_cpu(n_threads)
+    except BackendError:
+        backend.free()
+        raise
+    return backend
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer placement (--gpu-layers)
+# ----------------------------------------------------------------------------------------------
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass
+class Placement:
+    """Which backend holds each layer's weights, KV cache and recurrent state.
+
+    `gpu_layers` None (the default) puts everything on the device. An integer N follows llama.cpp's
+    -ngl: the token embeddings stay on the CPU, the last min(N, n_layer) repeating layers go to the
+    device, and the output layer (final norm, LM head, MTP block) too when N > n_layer. With a CPU
+    backend everything is on the CPU whatever N is.
+    """
+
+    n_layer: int
+    device: Backend
+    gpu_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu_layers is not None and self.gpu_layers < 0:
+            raise BackendError(f"--gpu-layers must be >= 0, not {self.gpu_layers}")
+
+    @property
+    def cpu(self) -> Backend:
+        return self.device.cpu_backend
+
+    @property
+    def first_device_layer(self) -> int:
+        """Layers il >= this are on the device."""
+        if self.device.cpu is None or self.gpu_layers is None:
+            return 0 if self.device.cpu is not None else self.n_layer + 1
+        return max(self.n_layer - self.gpu_layers, 0)
+
+    @property
+    def output_on_device(self) -> bool:
+        if self.device.cpu is None:
+            return False
+        return self.gpu_layers is None or self.gpu_layers > self.n_layer
+
+    @property
+    def input_on_device(self) -> bool:
+        return self.device.cpu is not None and self.gpu_layers is None
+
+    def layer(self, il: int) -> Backend:
+        """Backend of block il (il >= n_layer: the MTP blocks, placed with the output)."""
+        if il >= self.n_layer:
+            return self.device if self.output_on_device else self.cpu
+        return self.device if il >= self.first_device_layer else self.cpu
+
+    def for_tensor(self, name: str, tied_output: bool = False) -> Backend:
+        """Backend of a weight by GGUF name; with tied embeddings the LM head is token_embd."""
+        m = _BLK.match(name)
+        if m:
+            return self.layer(int(m.group(1)))
+        if name.startswith("token_embd."):
+            on = self.input_on_device or (tied_output and self.output_on_device)
+            return self.device if on else self.cpu
+        return self.device if self.output_on_device else self.cpu
+
+    def describe(self) -> str:
+        if self.device.cpu is None:
+            return f"all layers on {self.device.name}"
+        n_dev = sum(1 for il in range(self.n_layer) if self.layer(il) is self.device)
+        out = "output" if self.output_on_device else "no output"
+        return f"{n_dev}/{self.n_layer} layers and {out} on {self.device.name}, the rest on the CPU"
+
+
+# ----------------------------------------------------------------------------------------------
+# The scheduler
+# ----------------------------------------------------------------------------------------------
 def forget_addresses(ctx: Any) -> None:
     """Clear data and buffer of every tensor created in a graph context (nodes, inputs, views)."""
     t = ggml.ggml_get_first_tensor(ctx)
@@ -77,7 +365,12 @@ def forget_addresses(ctx: Any) -> None:
 
 
 class Scheduler:
-    """ggml_backend_sched over the backend(s); remembers which graph is currently allocated."""
+    """ggml_backend_sched over the backend(s); remembers which graph is currently allocated.
+
+    With a device and the CPU, ggml splits each graph: an op runs where its weights are, ops the
+    device does not support (ggml_backend_dev_supports_op) fall back to the CPU, and with
+    op_offload large-batch ops on CPU-resident weights may be offloaded to the device.
+    """
 
     def __init__(self, backends: list[Backend], graph_size: int = GRAPH_SIZE):
         self.backends = backends

@@ -62,28 +62,6 @@ TG_PROMPT = 16    # tokens evaluated (untimed) before a tg test, so generation s
 TOKEN_SEED = 1234
 
 
-def reserve_compute_buffers(model: Any, all_outputs: bool = False) -> None:
-    """Size the scheduler's compute buffers for the largest ubatch graph this model will run.
-
-    Work-around for a Model issue: graphs are cached per shape, and a cached graph keeps the
-    tensor addresses of its first allocation. When a later, bigger graph makes ggml grow (move)
-    the compute buffer, running an older cached graph again reads and writes freed memory
-    (wrong logits, GGML_ASSERT in get_rows, or a segfault). Reserving the worst-case graph
-    first means the buffer never grows afterwards. Harmless once Model handles this itself;
-    does nothing if the model's internals differ from what it expects.
-    """
-    try:
-        from deltarun.graphs.qwen3next import UbatchShape
-
-        n = model.n_batch
-        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n if all_outputs else 1, n_kv=model.n_ctx,
-                            seq_head=0, delta_net=model.delta_net)
-        graph = model._graph(shape)
-        model.sched.reserve(graph.gf)
-    except (AttributeError, TypeError, ImportError):  # pragma: no cover - a Model without these internals
-        pass
-
-
 def machine_info() -> dict[str, Any]:
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -211,7 +189,6 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
         for batch in cfg.batch:
             with Model(cfg.model, backend=backend, n_ctx=n_ctx, n_batch=batch, n_threads=threads[0],
                        kv_type=cfg.kv_type, delta_net=cfg.delta_net) as m:
-                reserve_compute_buffers(m)
                 if info_out is not None and not info_out:
                     info_out.update(model_info(m))
                 rng = np.random.default_rng(TOKEN_SEED)

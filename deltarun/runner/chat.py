@@ -14,9 +14,11 @@ the longest common prefix is kept and only the rest is evaluated. Usually that i
 user message (plus the end of the previous answer). When the template renders earlier turns
 differently (Qwen3 drops the thinking of earlier answers) or a stop string / interruption left
 tokens that are not part of the conversation, the extra tokens are undone with `Model.rollback`
-when the recurrent rollback slots reach back far enough, and otherwise the model is reset and the
-prompt recomputed (`last_recomputed`). Because the model state is derived from `messages` this
-way, `messages` may also be edited directly between turns.
+when the recurrent rollback slots reach back far enough (they cover the last ubatch only, so in
+practice a prompt whose answer was cancelled before its first token, with --rs-slots > 1), and
+otherwise the model is reset and the prompt recomputed (`last_recomputed`). Generated tokens
+that decode and re-tokenize to other ids also count as a difference. Because the model state is
+derived from `messages` this way, `messages` may also be edited directly between turns.
 
 Ctrl-C: SIGINT is deferred while the model evaluates (so an interrupt never lands between a
 graph compute and its bookkeeping); a KeyboardInterrupt anywhere else in a turn (or closing the
@@ -39,7 +41,6 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from deltarun.runner.bench import reserve_compute_buffers
 from deltarun.runner.chat_template import ChatTemplate
 from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
 from deltarun.runner.sampling import GREEDY, Sampler
@@ -294,7 +295,6 @@ class ChatSession:
         self.turn_opens_thinking = False   # set before the first piece of each turn
         self._active: Iterator[str] | None = None
         self._logits: tuple[int, int, np.ndarray] | None = None   # (eval calls, n_past, logits)
-        reserve_compute_buffers(model)
 
     # --- counters ----------------------------------------------------------------------------------
     @property
@@ -510,6 +510,8 @@ class ChatSession:
         n_ctx = self.model.n_ctx
         text = self.render()
         prompt = self.tokenize(text)
+        if not prompt:
+            raise DeltarunError(f"the {self.template.name} rendered an empty prompt")
         if self.context_shift:
             while len(prompt) + self._reserve() > n_ctx:
                 dropped = self._drop_oldest_turn()

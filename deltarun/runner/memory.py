@@ -15,13 +15,14 @@ Slot 0 is always the newest state. The KV cache holds n_ctx rows per sequence
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from deltarun.graphs.qwen3next_spec import HParams
-from deltarun.runner.backend import Backend
+from deltarun.runner.backend import Backend, Placement
 from deltarun.runner.errors import BackendError
-from deltarun.runner.ggml_util import Tensor, ggml, new_context, set_name, tensor_to_numpy
+from deltarun.runner.ggml_util import Tensor, ctypes, ggml, name_of, new_context, set_name, tensor_to_numpy
 
 KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
 
@@ -40,20 +41,21 @@ class Memory:
     """Backend tensors of the KV cache and recurrent state, plus per-sequence positions."""
 
     def __init__(self, hp: HParams, backend: Backend, n_ctx: int, n_seq_max: int = 1, n_rs_seq: int = 0,
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", mtp: bool = False, placement: Placement | None = None):
         self.hp = hp
         self.n_ctx = n_ctx
         self.n_cells = n_seq_max
         self.n_slots = n_rs_seq + 1
         self.kv_type = kv_type
         layers = hp.n_layer
-        self.ctx = new_context(4 * layers + 4)
+        self.ctx = new_context(4 * (layers + hp.n_mtp) + 4)
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
         self.conv: dict[int, Tensor] = {}
         self.ssm: dict[int, Tensor] = {}
         kv_rows = n_ctx * n_seq_max
-        for il in hp.attention_layers:
+        self.mtp_layers = list(range(hp.n_layer, hp.n_layer + hp.n_mtp)) if mtp else []
+        for il in hp.attention_layers + self.mtp_layers:
             width = hp.head_dim * hp.n_head_kv
             self.k[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_k_l{il}")
             self.v[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_v_l{il}")
@@ -62,22 +64,51 @@ class Memory:
                 self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.n_slots, n_seq_max), f"cache_r_l{il}")
             self.ssm[il] = set_name(ggml.ggml_new_tensor_3d(
                 self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_seq_max, self.n_slots), f"cache_s_l{il}")
-        self.buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, backend.buffer_type)
-        if not self.buffer:
-            raise BackendError(f"backend {backend.name} could not allocate {self.nbytes_expected()} bytes "
-                               f"for the KV cache and recurrent state")
+        self.buffers = self._allocate(backend, placement)
+        self.buffer = self.buffers[0]
         self.seqs = [SeqState() for _ in range(n_seq_max)]
         self.clear()
 
+    def _allocate(self, backend: Backend, placement: Placement | None) -> list[Any]:
+        """Place each layer's tensors in its backend's buffer (one buffer per backend used)."""
+        groups: dict[int, tuple[Backend, list[Tensor]]] = {}
+        for il, ts in [(il, (self.k[il], self.v[il])) for il in self.k] + \
+                      [(il, (self.conv[il], self.ssm[il])) for il in self.conv]:
+            be = placement.layer(il) if placement is not None else backend
+            groups.setdefault(be.handle, (be, []))[1].extend(ts)
+        if not groups:
+            groups[backend.handle] = (backend, [])
+        buffers = []
+        for be, tensors in groups.values():
+            buft = be.buffer_type
+            align = int(ggml.ggml_backend_buft_get_alignment(buft))
+            offsets, size = [], 0
+            for t in tensors:
+                offsets.append(size)
+                size += -(-int(ggml.ggml_backend_buft_get_alloc_size(buft, t)) // align) * align
+            buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
+            if not buffer:
+                for b in buffers:
+                    ggml.ggml_backend_buffer_free(b)
+                raise BackendError(f"backend {be.name} could not allocate {size} bytes "
+                                   f"for the KV cache and recurrent state")
+            base = int(ggml.ggml_backend_buffer_get_base(buffer) or 0)
+            for t, off in zip(tensors, offsets):
+                if ggml.ggml_backend_tensor_alloc(buffer, t, ctypes.c_void_p(base + off)) != 0:
+                    raise BackendError(f"backend {be.name} could not place {name_of(t)}")
+            buffers.append(buffer)
+        return buffers
+
     def nbytes_expected(self) -> int:
-        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.n_slots - 1, self.kv_type)
+        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.n_slots - 1, self.kv_type, bool(self.mtp_layers))
 
     @property
     def nbytes(self) -> int:
-        return int(ggml.ggml_backend_buffer_get_size(self.buffer))
+        return sum(int(ggml.ggml_backend_buffer_get_size(b)) for b in self.buffers)
 
     def clear(self) -> None:
-        ggml.ggml_backend_buffer_clear(self.buffer, 0)
+        for b in self.buffers:
+            ggml.ggml_backend_buffer_clear(b, 0)
         self.seqs = [SeqState() for _ in range(self.n_cells)]
 
     # --- reading state back (tests, debugging) ------------------------------------------------
@@ -97,18 +128,20 @@ class Memory:
         return arr.reshape(self.n_slots, H, S, S).transpose(0, 1, 3, 2).copy()
 
     def free(self) -> None:
-        if self.buffer:
-            ggml.ggml_backend_buffer_free(self.buffer)
-            self.buffer = None
+        for b in self.buffers:
+            ggml.ggml_backend_buffer_free(b)
+        self.buffers = []
+        self.buffer = None
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
 
 
-def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, n_rs_seq: int, kv_type: str = "f16") -> int:
+def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, n_rs_seq: int, kv_type: str = "f16",
+                 mtp: bool = False) -> int:
     """Bytes the KV cache and recurrent state take (what `inspect` reports)."""
     kv_elem = 2 if kv_type == "f16" else 4
-    kv = 2 * len(hp.attention_layers) * hp.head_dim * hp.n_head_kv * n_ctx * n_seq_max * kv_elem
+    kv = 2 * (len(hp.attention_layers) + (hp.n_mtp if mtp else 0)) * hp.head_dim * hp.n_head_kv * n_ctx * n_seq_max * kv_elem
     slots = n_rs_seq + 1
     rs = len(hp.linear_layers) * (hp.conv_state_size + hp.ssm_state_size) * slots * n_seq_max * 4
     return kv + rs

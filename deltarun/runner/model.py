@@ -17,7 +17,7 @@ import numpy as np
 
 from deltarun.graphs import graph_builder_for
 from deltarun.graphs.qwen3next import DELTA_NET_MODES, UbatchShape
-from deltarun.runner.backend import Backend, Scheduler, init_backend
+from deltarun.runner.backend import Backend, Placement, Scheduler, init_backend
 from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.ggml_util import ggml, new_context, numpy_to_tensor, tensor_to_numpy
@@ -51,7 +51,7 @@ class Model:
 
     def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_batch: int = 512,
                  n_threads: int | None = None, n_rs_seq: int = 0, n_seq_max: int = 1, kv_type: str = "f16",
-                 delta_net: str = "fused"):
+                 delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_batch <= 0 or n_rs_seq < 0 or n_seq_max <= 0:
@@ -67,12 +67,17 @@ class Model:
         self.n_batch = n_batch
         self.delta_net = delta_net
         self.backend: Backend = init_backend(backend, n_threads)
+        self.placement = Placement(self.hp.n_layer, self.backend, gpu_layers)   # --gpu-layers
         names = [n for n in self.graph_builder.tensor_names() if n in self.file.tensors]
-        self.weights = Weights(self.file, names, self.backend)
-        self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, n_rs_seq, kv_type)
-        self.sched = Scheduler([self.backend])
+        self.weights = Weights(self.file, names, self.backend, self.placement)
+        if mtp and not self.hp.n_mtp:
+            raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
+        self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, n_rs_seq, kv_type, mtp=mtp,
+                             placement=self.placement)
+        self.sched = Scheduler(self.backend.sched_backends)   # [device, CPU] or [CPU]
         self._graphs: dict[UbatchShape, _Graph] = {}
         self.stats = EvalStats()
+        self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -94,7 +99,7 @@ class Model:
         token [n, vocab]."""
         toks = [int(t) for t in tokens]
         self._check_tokens(toks, seq)
-        outs = []
+        outs, hiddens = [], []
         done = 0
         for size in self.split_ubatches(len(toks)):
             last = done + size == len(toks)
@@ -102,6 +107,9 @@ class Model:
             done += size
             if all_logits or last:
                 outs.append(logits)
+                hiddens.append(self.last_hidden[0])
+        if all_logits and len(hiddens) > 1:   # hidden states of every token, across ubatches
+            self.last_hidden = np.concatenate(hiddens, axis=0)[None]
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
     def split_ubatches(self, n: int) -> list[int]:
@@ -128,19 +136,76 @@ class Model:
         return sizes
 
     def rollback(self, n_tokens: int, seq: int = 0) -> None:
-        """Drop the last n_tokens of a sequence: KV rows forgotten, recurrent state from slot r."""
+        """Drop the last n_tokens of a sequence: the KV rows are forgotten (masked, then
+        overwritten) and the recurrent state is restored from slot r.
+
+        Slot r of the last ubatch of m tokens holds the state r tokens back for r < m (the SSM
+        slots reaching back past the ubatch are not written, as in llama.cpp), so at most
+        min(m - 1, n_rs_seq) tokens can be undone in total. Restoring copies slot r into slot 0:
+        the graph always reads the live state from slot 0.
+        """
         state = self.memory.seqs[seq]
         if n_tokens == 0:
             return
-        limit = min(state.last_ubatch, self.n_rs_seq) - state.rolled_back
+        limit = min(state.last_ubatch - 1, self.n_rs_seq) - state.rolled_back
         if not 0 < n_tokens <= limit:
             raise RollbackError(
                 f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.n_rs_seq} rollback "
-                f"slots and the last ubatch had {state.last_ubatch} tokens ({max(limit, 0)} can be undone)")
+                f"slots and the last ubatch had {state.last_ubatch} tokens, so {max(limit, 0)} can be undone")
         self._restore_slot(n_tokens + state.rolled_back, seq)
         state.rolled_back += n_tokens
         state.n_past -= n_tokens
         del state.tokens[len(state.tokens) - n_tokens:]
+
+    def copy_seq(self, src: int, dst: int) -> None:
+        """Make sequence dst a copy of src (KV rows, live recurrent state, bookkeeping).
+
+        A draft model drafts on a copy, so its committed sequence never needs a rollback.
+        """
+        mem, hp = self.memory, self.hp
+        n = mem.seqs[src].n_past
+        for il in list(mem.k) :
+            for cache in (mem.k[il], mem.v[il]):
+                row = cache.contents.nb[1]
+                buf = np.empty(n * row, dtype=np.uint8)
+                if n:
+                    ggml.ggml_backend_tensor_get(cache, buf.ctypes.data, src * self.n_ctx * row, buf.nbytes)
+                    ggml.ggml_backend_tensor_set(cache, buf.ctypes.data, dst * self.n_ctx * row, buf.nbytes)
+        for il in hp.linear_layers:
+            conv = mem.conv[il]
+            row = conv.contents.nb[1]
+            buf = np.empty(row, dtype=np.uint8)
+            ggml.ggml_backend_tensor_get(conv, buf.ctypes.data, src * row, row)
+            ggml.ggml_backend_tensor_set(conv, buf.ctypes.data, dst * row, row)
+            ssm = mem.ssm[il]
+            cell = ssm.contents.nb[1]
+            buf = np.empty(cell, dtype=np.uint8)
+            ggml.ggml_backend_tensor_get(ssm, buf.ctypes.data, src * cell, cell)
+            ggml.ggml_backend_tensor_set(ssm, buf.ctypes.data, dst * cell, cell)
+        s, d = mem.seqs[src], mem.seqs[dst]
+        d.n_past, d.tokens, d.last_ubatch, d.rolled_back = s.n_past, list(s.tokens), 0, 0
+
+    def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Run the MTP block on rows (token i, hidden i) at positions start..; returns logits [n, vocab]
+        and the block's output hidden states [n, n_embd] (fed back to chain further drafts)."""
+        if not self.memory.mtp_layers:
+            raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
+        n = len(tokens)
+        if start + n > self.n_ctx:
+            raise ContextFullError(f"context full: MTP rows up to position {start + n} exceed {self.n_ctx}")
+        n_kv = min(self.n_ctx, -(-(start + n) // KV_PAD) * KV_PAD)
+        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n, n_kv=n_kv, seq_head=seq,
+                            delta_net=self.delta_net, mtp=True)
+        g = self._graph(shape)
+        self.sched.allocate(g.gf, g.ctx)
+        pos = np.arange(start, start + n, dtype=np.int32)[None, :]
+        self._set(g.io, "mtp_tokens", np.asarray(tokens, dtype=np.int32))
+        self._set(g.io, "mtp_hidden", np.asarray(hidden, dtype=np.float32).reshape(n, self.hp.n_embd))
+        self._set_position_inputs(g.io, pos, seq, shape)
+        self.sched.compute(g.gf)
+        logits = tensor_to_numpy(g.io["result_output"]).reshape(n, self.hp.n_vocab)
+        out = tensor_to_numpy(g.io["mtp_out"]).reshape(n, self.hp.n_embd)
+        return logits, out
 
     def logits_for(self, tokens: list[int]) -> np.ndarray:
         """Logits of every token of a fresh sequence (resets the model); handy for tests and perplexity."""
@@ -246,6 +311,7 @@ class Model:
         self._set_inputs(g.io, tokens, starts, seq_head, shape)
         self.sched.compute(g.gf)
         logits = tensor_to_numpy(g.io["result_output"]).reshape(n_seqs, n_out, self.hp.n_vocab)
+        self.last_hidden = tensor_to_numpy(g.io["result_norm"]).reshape(n_seqs, n_out, self.hp.n_embd)
         for st, toks in zip(seqs, tokens):
             st.n_past += n
             st.tokens.extend(toks)
@@ -256,23 +322,32 @@ class Model:
         self.stats.eval_seconds += time.perf_counter() - t0
         return logits
 
+    @staticmethod
+    def _set(io: dict[str, Any], name: str, values: np.ndarray) -> None:
+        """Fill a graph input, if this graph has it and uses it (unused inputs get no memory)."""
+        t = io.get(name)
+        if t is not None and t.contents.buffer:
+            numpy_to_tensor(t, values)
+
+    def _set_position_inputs(self, io: dict[str, Any], pos: np.ndarray, seq_head: int, shape: UbatchShape) -> None:
+        """Positions, output rows, causal mask and KV rows for positions `pos` [n_seqs, n]."""
+        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
+        self._set(io, "inp_pos", pos.reshape(-1).astype(np.int32))
+        per_seq = shape.n_outputs // n_seqs
+        rows = (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).astype(np.int32)
+        self._set(io, "inp_out_ids", rows.reshape(-1))
+        cols = np.arange(shape.n_kv)[None, None, :]
+        self._set(io, "kq_mask", np.where(cols <= pos[:, :, None], 0.0, NEG_INF).astype(np.float32))
+        seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
+        self._set(io, "kv_idxs", (seq_ids * self.n_ctx + pos).astype(np.int64).reshape(-1))
+
     def _set_inputs(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
                     shape: UbatchShape) -> None:
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
         pos = np.stack([np.arange(s, s + n, dtype=np.int32) for s in starts])          # [n_seqs, n]
-        numpy_to_tensor(io["inp_tokens"], np.asarray(tokens, dtype=np.int32).reshape(-1))
-        numpy_to_tensor(io["inp_pos"], pos.reshape(-1))
-        if "inp_out_ids" in io:
-            per_seq = shape.n_outputs // n_seqs
-            rows = (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).astype(np.int32)
-            numpy_to_tensor(io["inp_out_ids"], rows.reshape(-1))
-        if "kq_mask" in io:
-            cols = np.arange(shape.n_kv)[None, None, :]
-            mask = np.where(cols <= pos[:, :, None], 0.0, NEG_INF).astype(np.float32)   # [n_seqs, n, n_kv]
-            numpy_to_tensor(io["kq_mask"], mask)
-            seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
-            numpy_to_tensor(io["kv_idxs"], (seq_ids * self.n_ctx + pos).astype(np.int64).reshape(-1))
-        if "rs_s_copy" in io:
-            numpy_to_tensor(io["rs_s_copy"], np.arange(seq_head, seq_head + n_seqs, dtype=np.int32))
+        self._set(io, "inp_tokens", np.asarray(tokens, dtype=np.int32).reshape(-1))
+        self._set_position_inputs(io, pos, seq_head, shape)
+        self._set(io, "rs_s_copy", np.arange(seq_head, seq_head + n_seqs, dtype=np.int32))
+        if "rs_s_slot_rev" in io:
             kw = int(io["rs_s_slot_rev"].contents.ne[0])
-            numpy_to_tensor(io["rs_s_slot_rev"], np.arange(kw - 1, -1, -1, dtype=np.int32))
+            self._set(io, "rs_s_slot_rev", np.arange(kw - 1, -1, -1, dtype=np.int32))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +34,6 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from deltarun.runner.bench import reserve_compute_buffers
 from deltarun.runner.errors import DeltarunError
 
 FORMAT_VERSION = 1
@@ -273,9 +273,6 @@ def iter_perplexity(model: Any, windows: list[list[int]], kl_base: str | Path | 
     n_ctx = len(windows[0])
     if model.n_ctx < n_ctx:
         raise DeltarunError(f"the model was opened with a context of {model.n_ctx} tokens, the windows have {n_ctx}")
-    reserve_compute_buffers(model, all_outputs=True)
-    import time
-
     first = n_ctx // 2
     m = scored_per_window(n_ctx)
     reader: KLBaseReader | None = None

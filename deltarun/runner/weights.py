@@ -3,14 +3,15 @@
 On a host-memory backend the mapped GGUF file itself becomes the backend buffer
 (`ggml_backend_cpu_buffer_from_ptr`), and each weight tensor points into it: loading costs no copy
 and resident memory grows only with the pages the graph touches. Other backends get a buffer of
-their own and the bytes are uploaded once.
+their own and the bytes are uploaded once. With a `Placement` (`--gpu-layers`) each tensor goes
+where its layer is: CPU layers stay mapped, device layers are uploaded.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from deltarun.runner.backend import Backend
+from deltarun.runner.backend import Backend, Placement
 from deltarun.runner.errors import BackendError, ModelFileError
 from deltarun.runner.gguf_file import GGUFFile, TensorInfo
 from deltarun.runner.ggml_util import Tensor, ctypes, ggml, new_context, set_name
@@ -21,18 +22,29 @@ TENSOR_ALIGNMENT = 32
 class Weights:
     """Every tensor of the file that the graph reads, by GGUF name."""
 
-    def __init__(self, f: GGUFFile, names: list[str], backend: Backend):
+    def __init__(self, f: GGUFFile, names: list[str], backend: Backend, placement: Placement | None = None):
         self.file = f
         self.ctx = new_context(len(names) + 1)
         self.tensors: dict[str, Tensor] = {}
-        self.buffer: Any = None
+        self.buffer: Any = None          # the mapped file (CPU) or the device buffer
+        self.buffers: list[Any] = []     # every buffer holding weights
+        #: backend name -> bytes of the weights placed there
+        self.bytes_by_backend: dict[str, int] = {}
         infos = [f.tensors[n] for n in names]
         for info in infos:
             self.tensors[info.name] = self._new_tensor(info)
-        if backend.is_cpu:
-            self._map_into_cpu_buffer(infos)
-        else:
-            self._upload(infos, backend)
+        tied = "output.weight" not in f.tensors
+        where = {i.name: (placement.for_tensor(i.name, tied) if placement else backend) for i in infos}
+        on_cpu = [i for i in infos if where[i.name].is_cpu]
+        on_dev = [i for i in infos if not where[i.name].is_cpu]
+        for group in (on_cpu, on_dev):
+            if group:
+                name = where[group[0].name].name
+                self.bytes_by_backend[name] = self.bytes_by_backend.get(name, 0) + sum(i.nbytes for i in group)
+        if on_cpu:
+            self._map_into_cpu_buffer(on_cpu)
+        if on_dev:
+            self._upload(on_dev, where[on_dev[0].name])
 
     def _new_tensor(self, info: TensorInfo) -> Tensor:
         dims = (ctypes.c_int64 * len(info.ne))(*info.ne)
@@ -50,6 +62,7 @@ class Weights:
         if not self.buffer:
             raise BackendError("ggml could not wrap the mapped model file in a CPU buffer")
         ggml.ggml_backend_buffer_set_usage(self.buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        self.buffers.append(self.buffer)
         for info in infos:
             status = ggml.ggml_backend_tensor_alloc(self.buffer, self.tensors[info.name],
                                                     ctypes.c_void_p(base + info.offset))
@@ -57,11 +70,14 @@ class Weights:
                 raise BackendError(f"ggml could not place tensor {info.name!r} in the mapped buffer")
 
     def _upload(self, infos: list[TensorInfo], backend: Backend) -> None:
-        self.buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, backend.buffer_type)
-        if not self.buffer:
+        """Allocate the not yet placed tensors of the context in `backend` and copy their bytes."""
+        buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, backend.buffer_type)
+        if not buffer:
             total = sum(i.nbytes for i in infos)
             raise BackendError(f"backend {backend.name} could not allocate {total} bytes for the weights")
-        ggml.ggml_backend_buffer_set_usage(self.buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        self.buffers.append(buffer)
+        self.buffer = buffer
         base = self.file.data_base_address
         for info in infos:
             ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0, info.nbytes)
@@ -71,9 +87,10 @@ class Weights:
         return sum(int(ggml.ggml_nbytes(t)) for t in self.tensors.values())
 
     def free(self) -> None:
-        if self.buffer:
-            ggml.ggml_backend_buffer_free(self.buffer)
-            self.buffer = None
+        for buffer in self.buffers:
+            ggml.ggml_backend_buffer_free(buffer)
+        self.buffers = []
+        self.buffer = None
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None

@@ -1,0 +1,115 @@
+"""`deltarun compare`: run the same graphs on two backends (or kernels, or weight files) and compare.
+
+The rules, the per-op limits and the JSON schema are documented in `deltarun.runner.compare`.
+Exit status: 0 when everything is within its limits, 7 when a limit is exceeded (or a NaN
+appears), and the usual error codes otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from deltarun.cli.options import model_argument, resolve_model
+from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.runner.errors import DeltarunError
+
+DEFAULT_TOKENS = 16
+DEFAULT_STEPS = 8
+
+
+def _pair(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise click.BadParameter(f"{value!r}: give one value or two separated by a comma", ctx=ctx, param=param)
+    return parts
+
+
+def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: int) -> list[int]:
+    """The prompt's tokens: -p encoded (repeated or cut to --tokens N when given), else N
+    pseudo-random token ids (seeded) from the model's vocabulary."""
+    from deltarun.runner.gguf_file import GGUFFile
+    from deltarun.runner.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(GGUFFile(model).reader)
+    if prompt is None:
+        rng = np.random.default_rng(seed)
+        return [int(t) for t in rng.integers(0, tok.n_vocab, n_tokens or DEFAULT_TOKENS)]
+    ids = [int(t) for t in tok.encode(prompt)]
+    if not ids:
+        raise DeltarunError("the prompt encodes to no tokens")
+    if n_tokens is not None:
+        ids = (ids * -(-n_tokens // len(ids)))[:n_tokens]
+    return ids
+
+
+@click.command("compare")
+@model_argument()
+@click.option("--backends", callback=_pair, default=None, metavar="A[,B]",
+              help="Backends of the two sides, e.g. cpu,vulkan or cpu,cpu-ref; one name runs both sides on "
+                   "it [default: cpu,cpu-ref; cpu with --against].")
+@click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              metavar="B.gguf", help="Side b runs this file (another weight type of the same model, e.g. Q8_0 "
+                                     "against F32): what the quantisation costs.")
+@click.option("--prompt", "-p", default=None, help="Prompt text [default: --tokens random token ids].")
+@click.option("--tokens", "-n", "n_tokens", type=click.IntRange(min=1), default=None,
+              help=f"Prompt length in tokens [default: {DEFAULT_TOKENS} random ids; with -p the prompt is "
+                   "repeated or cut to this length].")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random prompt.")
+@click.option("--decode-steps", "-s", type=click.IntRange(min=0), default=DEFAULT_STEPS, show_default=True,
+              help="Greedy decode steps compared after the prompt (0: the prefill graph only).")
+@click.option("--delta-net", callback=_pair, default=None, metavar="A[,B]",
+              help="Delta-net kernel per side (fused or primitive), e.g. fused,primitive [default: fused].")
+@click.option("--gpu-layers", "-ngl", type=click.IntRange(min=0), default=None,
+              help="Layers on the device for device sides (like llama.cpp -ngl) [default: all].")
+@click.option("--kv-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="KV cache type of both sides.")
+@click.option("--ctx", "-c", type=click.IntRange(min=1), default=None,
+              help="Context size [default: prompt + decode steps + 1].")
+@click.option("--threads", "-t", type=click.IntRange(min=1), default=None, help="CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema in deltarun.runner.compare).")
+@click.option("--show", type=click.Choice(["named", "all", "failures"]), default="named", show_default=True,
+              help="Table rows: named nodes, every node, or only failed nodes.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
+def compare(model: Path | None, backends: list[str] | None, against: Path | None, prompt: str | None,
+            n_tokens: int | None, seed: int, decode_steps: int, delta_net: list[str] | None, gpu_layers: int | None,
+            kv_type: str, ctx: int | None, threads: int | None, as_json: bool, show: str, quiet: bool) -> None:
+    """Run MODEL on two sides and compare every named node, the logits and the greedy continuation.
+
+    Sides differ by backend (--backends cpu,vulkan), by delta-net kernel (--delta-net
+    fused,primitive) or by weights file (--against B.gguf). Per node, in graph order: NMSE =
+    sum((a-b)^2)/sum(a^2) of side b against side a, checked against per-op limits (1e-7, 5e-4 for
+    matrix products and what depends on them); the first node over its limit is shown with its
+    inputs' errors. Then logits NMSE, top-1 agreement, KL divergence and the greedy continuations.
+    Exits with status 7 when a limit is exceeded.
+    """
+    from deltarun.runner import compare as cmp
+
+    path = resolve_model(model, quiet=quiet or as_json)
+    if not path.exists():
+        raise DeltarunError(f"no such model file: {path}")
+    names = backends or (["cpu"] if against is not None else ["cpu", "cpu-ref"])
+    if len(names) == 1:
+        names = names * 2
+    modes = delta_net or ["fused"]
+    if len(modes) == 1:
+        modes = modes * 2
+    for m in modes:
+        if m not in DELTA_NET_MODES:
+            raise click.BadParameter(f"{m!r} is not one of {', '.join(DELTA_NET_MODES)}", param_hint="'--delta-net'")
+    tokens = prompt_tokens(path, prompt, n_tokens, seed)
+    a = cmp.Side(path, names[0], modes[0], gpu_layers)
+    b = cmp.Side(against or path, names[1], modes[1], gpu_layers)
+    say = None if quiet else (lambda s: click.echo(s, err=True))
+    report = cmp.compare(a, b, tokens, decode_steps, prompt_text=prompt, n_threads=threads, kv_type=kv_type,
+                         n_ctx=ctx, progress=say)
+    click.echo(cmp.to_json(report) if as_json else cmp.to_text(report, show=show), nl=False)
+    sys.stdout.flush()
+    if not report["passed"]:
+        raise cmp.ComparisonFailed("; ".join(report["failures"]))

@@ -1,0 +1,271 @@
+"""Speculative decoding: guess several tokens cheaply, check them with one target ubatch, keep the
+longest right prefix and roll the recurrent state back over the rest.
+
+Draft sources: `NgramDraft` (prompt lookup in the tokens so far), `MtpDraft` (the model's own
+multi-token-prediction block) and `ModelDraft` (a smaller GGUF with the same vocabulary). With
+greedy sampling the output is token-for-token what plain decoding gives; with temperature > 0
+drafts are accepted with probability min(1, p/q) and a rejection resamples from the residual
+max(p - q, 0), which leaves the output distribution exactly the target's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from deltarun.runner.errors import DeltarunError
+from deltarun.runner.generation import GenerationStats
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import Sampler
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, for sampled decoding, the distribution each was drawn from."""
+
+    tokens: list[int]
+    probs: list[np.ndarray | None]   # None: a deterministic proposal (point mass)
+
+
+class DraftSource(Protocol):
+    needs_hidden: bool
+    def start(self, prompt: list[int]) -> None:
+        """Called once the target has evaluated the prompt."""
+
+    def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
+        """Up to n tokens that may follow `history` (whose last token the target has not yet evaluated)."""
+
+    def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
+        """The target kept rows at positions start..: row i's hidden state (None unless the source
+        sets `needs_hidden`) and the token that follows it."""
+
+
+class NgramDraft:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed."""
+
+    needs_hidden = False
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
+        h = np.asarray(history, dtype=np.int64)
+        for size in range(min(self.n_max, len(h) - 1), self.n_min - 1, -1):
+            suffix = h[-size:]
+            # candidate starts of an earlier occurrence, latest first
+            for start in range(len(h) - size - 1, -1, -1):
+                if np.array_equal(h[start:start + size], suffix):
+                    follow = h[start + size:start + size + n].tolist()
+                    if follow:
+                        return Draft(follow, [None] * len(follow))
+        return Draft([], [])
+
+    def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
+        pass
+
+
+class ModelDraft:
+    """A second, smaller model with the same vocabulary drafts greedily (or by sampling).
+
+    Sequence 0 of the draft model holds only committed tokens; each round drafts on a copy in
+    sequence 1, so rejected guesses never need undoing there.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, draft: Model, target_vocab: int):
+        if draft.hp.n_vocab != target_vocab:
+            raise DeltarunError(f"the draft model's vocabulary ({draft.hp.n_vocab} tokens) differs from the "
+                                f"target's ({target_vocab}): drafts must share the vocabulary")
+        if draft.memory.n_cells < 2:
+            raise DeltarunError("the draft model must be opened with n_seq_max=2")
+        self.model = draft
+
+    def start(self, prompt: list[int]) -> None:
+        self.model.reset()
+
+    def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
+        m = self.model
+        committed = history[:-1]
+        have = m.n_past(0)
+        if m.tokens(0) != committed[:have]:
+            m.reset()
+            have = 0
+        if len(committed) > have:
+            m.eval(committed[have:], seq=0)
+        if m.n_past(0) + n + 1 > m.n_ctx:
+            return Draft([], [])
+        m.copy_seq(0, 1)
+        tokens, probs = [], []
+        tok = history[-1]
+        local = list(history)
+        for _ in range(n):
+            logits = m.eval([tok], seq=1)
+            q = sampler.distribution(logits, local)
+            tok = int(np.argmax(q)) if sampler.params.greedy else int(sampler.rng.choice(q.size, p=q))
+            tokens.append(tok)
+            probs.append(None if sampler.params.greedy else q)
+            local.append(tok)
+        return Draft(tokens, probs)
+
+    def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
+        pass
+
+
+class MtpDraft:
+    """The target's own MTP block: (embedding of the next token, trunk hidden) -> one token further.
+
+    Its KV cache is filled for every committed position (rows (hidden_i, token_{i+1}) at position
+    i), so its attention sees the whole sequence; chained drafts feed the block's output hidden
+    state back in.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, target: Model):
+        if not target.memory.mtp_layers:
+            raise DeltarunError("MTP drafts need a model with an MTP block opened with mtp=True")
+        self.model = target
+        self.first: tuple[np.ndarray, np.ndarray] | None = None   # logits and output of the last row
+
+    def start(self, prompt: list[int]) -> None:
+        self.first = None
+
+    def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
+        m = self.model
+        pos = len(history) - 2     # position of the last committed token (whose hidden we hold)
+        if self.first is None or n <= 0 or pos + n + 1 > m.n_ctx:
+            return Draft([], [])
+        logits, out = self.first
+        tokens, probs, local = [], [], list(history)
+        for i in range(n):
+            q = sampler.distribution(logits, local)
+            tok = int(np.argmax(q)) if sampler.params.greedy else int(sampler.rng.choice(q.size, p=q))
+            tokens.append(tok)
+            probs.append(None if sampler.params.greedy else q)
+            local.append(tok)
+            if i + 1 < n:
+                logits, out = m.mtp_eval([tok], out[-1:], pos + 1 + i)
+                logits, out = logits[-1], out
+        return Draft(tokens, probs)
+
+    def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
+        """Feed rows (hidden_i, token_{i+1}) for positions start.. and keep the last row's output as
+        the first draft of the next round."""
+        m = self.model
+        done = 0
+        while done < len(next_tokens):
+            step = min(m.n_batch, len(next_tokens) - done)
+            logits, out = m.mtp_eval(next_tokens[done:done + step], hiddens[done:done + step], start + done)
+            done += step
+        self.first = (logits[-1], out[-1:])
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    n_steps: int = 0        # verification ubatches
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.n_generated / self.n_steps if self.n_steps else 0.0
+
+
+def _accept(sampler: Sampler, logits: np.ndarray, draft: Draft, history: list[int]) -> tuple[int, int]:
+    """Number of drafts accepted and the token that follows them (correction or bonus)."""
+    local = list(history)
+    for i, d in enumerate(draft.tokens):
+        if sampler.params.greedy:
+            best = sampler.sample(logits[i], local)
+            if best != d:
+                return i, best
+        else:
+            p = sampler.distribution(logits[i], local)
+            q = draft.probs[i]
+            q_d = 1.0 if q is None else float(q[d])
+            if sampler.rng.random() >= min(1.0, p[d] / q_d):
+                residual = np.maximum(p - (np.eye(1, p.size, d)[0] if q is None else q), 0.0)
+                total = residual.sum()
+                tok = int(sampler.rng.choice(p.size, p=residual / total)) if total > 0 else int(np.argmax(p))
+                return i, tok
+        local.append(d)
+    return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local)
+
+
+def speculative_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sampler, draft: DraftSource,
+                       draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
+                       stop_at_eog: bool = True) -> Iterator[int]:
+    """Like `generate_tokens`, verifying up to `draft_max` drafted tokens per target ubatch."""
+    stats = stats if stats is not None else SpeculativeStats()
+    k_max = min(draft_max, model.n_rs_seq)
+    if k_max < 1:
+        raise DeltarunError(f"speculative decoding needs rollback slots: open the model with --rs-slots "
+                            f"{draft_max + 1} (it has {model.n_rs_seq + 1})")
+    wants_hidden = draft.needs_hidden
+    t0 = time.perf_counter()
+    start = model.n_past(seq)
+    logits = model.eval(prompt, seq, all_logits=wants_hidden)
+    hidden_rows = model.last_hidden[0] if wants_hidden else None
+    if wants_hidden:
+        logits = logits[-1]
+    stats.n_prompt += len(prompt)
+    stats.prompt_seconds += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    history = model.tokens(seq)
+    draft.start(prompt)
+    stats.stop_reason = "length"
+    try:
+        tok = sampler.sample(logits, history)
+        draft.commit(prompt[1:] + [tok], hidden_rows, start)
+        while True:
+            if stop_at_eog and model.tokenizer.is_eog(tok):
+                stats.stop_reason = "eog"
+                return
+            stats.n_generated += 1
+            stats.tokens.append(tok)
+            history.append(tok)
+            yield tok
+            left = n_predict - stats.n_generated
+            if left <= 0:
+                return
+            room = model.n_ctx - model.n_past(seq) - 1
+            if room < 0:
+                stats.stop_reason = "context"
+                return
+            k = max(0, min(k_max, left - 1, room))
+            proposal = draft.propose(history, k, sampler) if k else Draft([], [])
+            batch = [tok] + proposal.tokens
+            out = model.eval(batch, seq, all_logits=True)
+            stats.n_steps += 1
+            stats.n_drafted += len(proposal.tokens)
+            n_ok, nxt = _accept(sampler, out, proposal, history)
+            stats.n_accepted += n_ok
+            if len(proposal.tokens) > n_ok:
+                model.rollback(len(proposal.tokens) - n_ok, seq)
+            accepted = proposal.tokens[:n_ok]
+            rows = model.last_hidden[0][: n_ok + 1] if wants_hidden else None
+            draft.commit(accepted + [nxt], rows, model.n_past(seq) - n_ok - 1)
+            for d in accepted:
+                if stop_at_eog and model.tokenizer.is_eog(d):
+                    stats.stop_reason = "eog"
+                    return
+                stats.n_generated += 1
+                stats.tokens.append(d)
+                history.append(d)
+                yield d
+                if stats.n_generated >= n_predict:
+                    return
+            tok = nxt
+    finally:
+        stats.generate_seconds += time.perf_counter() - t1

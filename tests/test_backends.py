@@ -1,0 +1,181 @@
+"""Backend names, the device registry, --gpu-layers placement and per-layer buffers (CPU only)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from deltarun.cli.main import cli
+from deltarun.runner import backend as be
+from deltarun.runner.errors import BackendError, DeltarunError
+from deltarun.runner.ggml_util import ggml
+from deltarun.runner.memory import Memory
+from deltarun.runner.model import Model
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("name, want", [
+    ("cpu", ("cpu", None)), ("CPU", ("cpu", None)), ("cpu-ref", ("cpu-ref", None)), ("auto", ("auto", None)),
+    ("vulkan", ("vulkan", None)), ("vulkan:1", ("vulkan", 1)), ("cuda:0", ("cuda", 0)),
+])
+def test_backend_names_parse(name, want):
+    assert be.parse_backend_name(name) == want
+
+
+@pytest.mark.parametrize("name", ["gpu9", "cpu:0", "vulkan:x", "metal", "", "cuda:-1"])
+def test_unknown_backend_names_are_backend_errors(name):
+    with pytest.raises(BackendError, match="unknown backend"):
+        be.init_backend(name)
+
+
+@pytest.mark.parametrize("kind, flag", [("vulkan", "-DGGML_VULKAN=ON"), ("cuda", "-DGGML_CUDA=ON")])
+def test_a_backend_missing_from_the_build_says_how_to_install_it(kind, flag):
+    if be.build_has(kind):
+        pytest.skip(f"this ggml-python build has {kind}")
+    with pytest.raises(BackendError) as e:
+        be.init_backend(f"{kind}:0")
+    msg = str(e.value)
+    assert isinstance(e.value, DeltarunError) and e.value.exit_code == 5
+    assert f"no {be.DEVICE_KINDS[kind][0]} backend" in msg
+    assert f"--config-settings=cmake.args={flag} ggml-python==0.0.45" in msg
+    assert f"scripts/install-{kind}.sh" in msg
+
+
+def test_missing_backend_is_one_clear_cli_line(tiny_model):
+    if be.build_has("cuda"):
+        pytest.skip("this ggml-python build has CUDA")
+    r = run("generate", tiny_model, "-p", "hi", "-n", "1", "--backend", "cuda", "--threads", "1")
+    assert r.exit_code == 5
+    assert "Traceback" not in r.output
+    assert "-DGGML_CUDA=ON" in r.stderr
+
+
+def test_registry_lists_the_cpu():
+    devs = be.list_devices()
+    cpu = [d for d in devs if d.registry == "CPU"]
+    assert len(cpu) == 1
+    d = cpu[0]
+    assert d.type == "cpu" and d.backend_name == "cpu" and d.name == "CPU"
+    assert d.memory_total > 0 and 0 < d.memory_free <= d.memory_total
+    assert set(d.to_dict()) >= {"index", "name", "description", "type", "memory_free", "memory_total", "backend"}
+    assert "cpu" in be.available_backends() and "auto" in be.available_backends()
+
+
+def test_devices_command_table_and_json():
+    r = run("devices")
+    assert r.exit_code == 0, r.output
+    assert "CPU" in r.stdout and "cpu, cpu-ref" in r.stdout and "auto picks:" in r.stdout
+    r = run("devices", "--json")
+    assert r.exit_code == 0
+    data = json.loads(r.stdout)
+    assert any(d["registry"] == "CPU" for d in data["devices"])
+    assert set(data["built_with"]) == {"vulkan", "cuda"}
+    assert data["auto"] == (be.best_device().backend_name if be.best_device() else "cpu")
+
+
+def test_auto_without_a_gpu_is_the_cpu():
+    if be.best_device() is not None:
+        pytest.skip("this machine has a GPU backend")
+    b = be.init_backend("auto", 1)
+    try:
+        assert b.is_cpu and b.name == "cpu" and b.cpu is None and b.sched_backends == [b]
+    finally:
+        b.free()
+
+
+def test_cpu_ref_uses_the_reference_kernels(tiny_model_path):
+    path = tiny_model_path("tiny", "f32")
+    toks = list(range(3, 40))
+    with Model(path, n_ctx=64, n_threads=1, kv_type="f32") as a, \
+            Model(path, backend="cpu-ref", n_ctx=64, n_threads=1, kv_type="f32") as b:
+        assert b.backend.cpu_ref and b.backend.name == "cpu-ref"
+        la, lb = a.eval(toks, all_logits=True), b.eval(toks, all_logits=True)
+    assert np.abs(la - lb).max() <= 1e-5 * np.abs(la).max()
+
+
+# --- placement (--gpu-layers) ----------------------------------------------------------------------
+@pytest.fixture
+def fake_device():
+    """A 'device' backend that is really a second CPU backend, with its own CPU fallback: enough to
+    check which layers go where, and that each buffer gets its layers."""
+    dev = be.init_backend("cpu", 1)
+    dev.name = "fake-device"
+    dev.cpu = be.init_backend("cpu", 1)
+    yield dev
+    dev.free()
+
+
+@pytest.mark.parametrize("n, on_device, output", [
+    (None, [0, 1, 2, 3], True),       # default: everything on the device
+    (0, [], False),
+    (1, [3], False),
+    (3, [1, 2, 3], False),
+    (4, [0, 1, 2, 3], False),         # all repeating layers, output stays on the CPU ...
+    (5, [0, 1, 2, 3], True),          # ... until N > n_layer (llama.cpp -ngl)
+    (99, [0, 1, 2, 3], True),
+])
+def test_gpu_layers_follow_llama_cpp(fake_device, n, on_device, output):
+    p = be.Placement(4, fake_device, n)
+    assert [il for il in range(4) if p.layer(il) is fake_device] == on_device
+    assert p.output_on_device is output
+    assert (p.for_tensor("output.weight") is fake_device) is output
+    assert (p.for_tensor("output_norm.weight") is fake_device) is output
+    assert (p.layer(4) is fake_device) is output             # MTP block goes with the output
+    assert (p.for_tensor("token_embd.weight") is fake_device) is (n is None)
+    # tied embeddings: the LM head is token_embd, so it follows the output
+    assert (p.for_tensor("token_embd.weight", tied_output=True) is fake_device) is output
+    assert p.for_tensor("blk.3.attn_norm.weight") is p.layer(3)
+    assert "layers" in p.describe()
+
+
+def test_placement_on_a_cpu_backend_is_all_cpu():
+    cpu = be.init_backend("cpu", 1)
+    try:
+        for n in (None, 0, 2, 10):
+            p = be.Placement(4, cpu, n)
+            assert all(p.layer(il) is cpu for il in range(5)) and p.for_tensor("token_embd.weight") is cpu
+    finally:
+        cpu.free()
+    with pytest.raises(BackendError):
+        be.Placement(4, cpu, -1)
+
+
+def test_memory_places_each_layer_in_its_backends_buffer(tiny_model_path, fake_device):
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=32, n_threads=1) as m:
+        hp = m.hp
+    p = be.Placement(hp.n_layer, fake_device, 2)
+    mem = Memory(hp, fake_device, 32, 2, 1, "f32", placement=p)
+    try:
+        assert len(mem.buffers) == 2
+        last = hp.n_layer - 1
+        dev_buffer = (mem.k[last] if last in mem.k else mem.conv[last]).contents.buffer
+        for d, partner in ((mem.k, mem.v), (mem.conv, mem.ssm)):
+            for il, t in d.items():
+                assert t.contents.buffer in mem.buffers
+                assert (t.contents.buffer == dev_buffer) is (il >= hp.n_layer - 2), il
+                assert partner[il].contents.buffer == t.contents.buffer
+        assert mem.nbytes >= mem.nbytes_expected()
+        # clear() zeroes every buffer
+        il = hp.linear_layers[0]
+        ggml.ggml_backend_tensor_set(mem.ssm[il], np.ones(4, np.float32).ctypes.data, 0, 16)
+        mem.clear()
+        assert not mem.ssm_slots(il).any()
+    finally:
+        mem.free()
+    assert mem.buffers == []
+
+
+def test_model_with_gpu_layers_on_the_cpu_matches(tiny_model_path):
+    """--gpu-layers on the CPU backend changes nothing (everything stays on the CPU)."""
+    path = tiny_model_path("tiny", "f32")
+    toks = list(range(5, 25))
+    with Model(path, n_ctx=64, n_threads=1) as a, Model(path, n_ctx=64, n_threads=1, gpu_layers=2) as b:
+        assert b.weights.bytes_by_backend == {"cpu": b.weights.nbytes}
+        assert np.array_equal(a.eval(toks), b.eval(toks))
+        assert b.sched.n_splits() >= 1

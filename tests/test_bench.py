@@ -1,0 +1,78 @@
+"""`deltarun bench`: the grid, the JSON schema and the other report formats (tiny f32 model)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import deltarun
+from deltarun.cli.main import cli
+from deltarun.runner.bench import SCHEMA, SCHEMA_VERSION, TG_PROMPT
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def ok(*args):
+    r = invoke(*args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    return r
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return tiny_model_path("tiny", "f32")
+
+
+def test_json_schema_and_a_2x2_grid(model):
+    r = ok("bench", model, "-p", "8,16", "-n", "0", "-b", "8", "-b", "16", "-r", "2", "-t", "1", "-o", "json")
+    data = json.loads(r.stdout)
+    assert data["schema"] == SCHEMA and data["schema_version"] == SCHEMA_VERSION
+    assert data["deltarun_version"] == deltarun.__version__
+    machine = data["machine"]
+    assert {"platform", "machine", "processor", "python", "cpu_count", "cpu_affinity"} <= set(machine)
+    assert machine["cpu_count"] == os.cpu_count()
+    m = data["model"]
+    assert m["path"] == str(model) and m["size_bytes"] > 0 and m["n_params"] > 0
+    assert m["size_bytes"] == 4 * m["n_params"]        # an all-F32 file: 4 bytes per parameter
+    assert data["settings"]["repetitions"] == 2 and data["settings"]["tg_prompt"] == TG_PROMPT
+    rows = data["results"]
+    assert len(rows) == 4
+    assert {(x["batch"], x["n_prompt"]) for x in rows} == {(8, 8), (8, 16), (16, 8), (16, 16)}
+    for x in rows:
+        assert x["kind"] == "pp" and x["test"] == f"pp{x['n_prompt']}" and x["n_gen"] == 0
+        assert x["backend"] == "cpu" and x["threads"] == 1 and x["repetitions"] == 2
+        assert len(x["samples_s"]) == len(x["samples_tps"]) == 2
+        assert all(s > 0 for s in x["samples_s"])
+        assert x["avg_tps"] == pytest.approx(sum(x["samples_tps"]) / 2)
+        assert x["samples_tps"][0] == pytest.approx(x["n_prompt"] / x["samples_s"][0])
+        assert x["stddev_tps"] >= 0 and x["avg_s"] > 0
+
+
+def test_markdown_and_csv(model):
+    md = ok("bench", model, "-p", "8", "-n", "4", "-r", "1", "-t", "1", "-b", "8")
+    lines = md.stdout.strip().splitlines()
+    assert lines[0].startswith("| model | size | params | backend | threads | n_batch | test | t/s |")
+    assert len(lines) == 4 and "| pp8 |" in lines[2] and "| tg4 |" in lines[3] and " ± " in lines[3]
+    assert "MiB" in lines[2]
+    c = ok("bench", model, "-p", "0", "-n", "3", "-r", "1", "-t", "1", "--backend", "cpu,cpu-ref", "-o", "csv")
+    rows = list(csv.DictReader(io.StringIO(c.stdout)))
+    assert [(r["backend"], r["test"], r["kind"]) for r in rows] == [("cpu", "tg3", "tg"), ("cpu-ref", "tg3", "tg")]
+    assert float(rows[0]["avg_tps"]) > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-p", "x"], "not an integer"),
+    (["-t", "0"], "below 1"),
+    (["-p", "0", "-n", "0"], "nothing to measure"),
+    (["--backend", "gpu9"], "unknown backend"),
+])
+def test_bad_arguments(model, args, message):
+    r = invoke("bench", model, "-r", "1", *args)
+    assert r.exit_code != 0 and message in r.output
