@@ -65,6 +65,10 @@ class ModelConfig:
     merged_gate_up: bool = False
     n_mtp: int = 0
     write_recurrent_layers: bool = True
+    #: Scales what each block adds to the residual stream. Near 0 the model "echoes": the final
+    #: hidden state stays close to the current token's embedding, so with a tied LM head greedy
+    #: decoding repeats the last token and n-gram / MTP drafts are accepted (speed-up measurements).
+    residual_scale: float = 1.0
 
     @property
     def recurrent(self) -> list[bool]:
@@ -86,6 +90,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-legacy": ModelConfig(legacy_ssm_in=True),
     "tiny-tied": ModelConfig(tied_output=True, merged_gate_up=True),
     "tiny-mtp": ModelConfig(n_mtp=1),
+    # Drafts are mostly accepted on this one: it repeats its input (see residual_scale).
+    "tiny-echo": ModelConfig(n_mtp=1, tied_output=True, residual_scale=0.02),
     # Speed measurements: hidden 1024, 8 layers, 16 experts top-4.
     "bench": ModelConfig(
         n_embd=1024, n_layer=8, n_head=8, n_head_kv=2, head_dim=128, n_rot=32,
@@ -98,7 +104,7 @@ PRESETS: dict[str, ModelConfig] = {
 def _block_tensors(cfg: ModelConfig, il: int, rng: np.random.Generator, recurrent: bool) -> dict[str, np.ndarray]:
     """Float32 weights of one block, numpy shapes (reverse of GGUF ne)."""
     E = cfg.n_embd
-    depth_scale = 1.0 / np.sqrt(2.0 * max(cfg.n_layer, 1))
+    depth_scale = cfg.residual_scale / np.sqrt(2.0 * max(cfg.n_layer, 1))
 
     def lin(n_out: int, n_in: int, scale: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((n_out, n_in)) * (scale / np.sqrt(n_in))).astype(np.float32)
@@ -172,7 +178,10 @@ def model_tensors(cfg: ModelConfig, n_vocab: int, seed: int = 0) -> dict[str, np
         il = cfg.n_layer + j
         t.update(_block_tensors(cfg, il, rng, recurrent=False))
         p = f"blk.{il}.nextn."
-        t[p + "eh_proj.weight"] = (rng.standard_normal((E, 2 * E)) / np.sqrt(2 * E)).astype(np.float32)
+        eh_proj = (rng.standard_normal((E, 2 * E)) / np.sqrt(2 * E)).astype(np.float32)
+        if cfg.residual_scale < 1.0:  # echo models: the MTP block passes the token embedding through
+            eh_proj = np.concatenate([np.eye(E, dtype=np.float32), eh_proj[:, E:] * cfg.residual_scale], axis=1)
+        t[p + "eh_proj.weight"] = eh_proj
         t[p + "enorm.weight"] = (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
         t[p + "hnorm.weight"] = (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
         t[p + "shared_head_norm.weight"] = (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)

@@ -7,6 +7,7 @@
 #              installed editable into it too; default: the current `python`'s environment.
 # --no-apt     do not install Debian packages (they must already be there).
 #
+# Exit status 3: apt is unavailable (no apt-get, no root/sudo, or no network) for a needed step.
 # Environment: DELTARUN_WHEEL_CACHE (default ~/.cache/deltarun-wheels) keeps the built wheel and
 # the unpacked Vulkan headers between runs, outside the clone; a second run installs the cached
 # wheel in seconds instead of compiling for ~10 minutes. NICE (default 10) is the build's niceness.
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --venv) VENV=$2; shift 2 ;;
     --no-apt) APT=0; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -40,8 +41,11 @@ if [ "$APT" = 1 ]; then
   for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
   if [ -n "$missing" ]; then
     log "installing Debian packages:$missing"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+    if ! command -v apt-get >/dev/null || ! $SUDO apt-get update -qq \
+       || ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null; then
+      log "apt is unavailable: cannot install$missing"
+      exit 3
+    fi
   fi
 fi
 
@@ -63,8 +67,10 @@ if ! grep -q LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp 2>/dev/null;
              -o "Dir::Etc::Preferences=/dev/null" -o "Dir::Etc::PreferencesParts=$APTD/etc/preferences.d"
              -o "Dir::State::Lists=$APTD/lists" -o "Dir::State::status=$APTD/status"
              -o "Dir::Cache=$APTD/cache" -o "APT::Sandbox::User=root")
-    apt-get "${APTOPTS[@]}" update -qq
-    (cd "$APTD/deb" && apt-get "${APTOPTS[@]}" download libvulkan-dev)
+    if ! apt-get "${APTOPTS[@]}" update -qq || ! (cd "$APTD/deb" && apt-get "${APTOPTS[@]}" download libvulkan-dev); then
+      log "apt is unavailable: cannot download trixie's libvulkan-dev"
+      exit 3
+    fi
     dpkg -x "$APTD"/deb/libvulkan-dev_*.deb "$HDR"
     grep -q LayerSettingEXT "$HDR/usr/include/vulkan/vulkan_structs.hpp" \
       || { log "the downloaded headers still lack VK_EXT_layer_settings"; exit 1; }

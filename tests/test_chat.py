@@ -329,6 +329,10 @@ def test_context_full_and_context_shift(model_path):
             dropped += shifting.last_turn.dropped_messages
         assert dropped > 0 and shifting.messages[0] == {"role": "system", "content": "S"}
         assert shifting.messages[-2]["content"] == "Question number 4"
+        before = copy.deepcopy(shifting.messages)
+        with pytest.raises(ContextFullError):          # too long even alone: the history stays
+            shifting.ask("word " * 60)
+        assert shifting.messages == before
 
         m.reset()                                  # an answer that fills the context shifts mid-answer
         mid = ChatSession(m, n_predict=3, system="S", context_shift=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from deltarun.cli.options import model_argument, model_options, open_model, sampling_options, sampling_params
+from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
+                                  sampling_params)
 from deltarun.runner.errors import DeltarunError
 
 
@@ -46,23 +47,28 @@ def _timing(label: str, n: int, seconds: float) -> str:
 @click.option("--n-predict", "-n", type=click.IntRange(min=0), default=128, show_default=True,
               help="Most tokens to generate (stops earlier at end of generation or a full context).")
 @click.option("--echo/--no-echo", default=False, show_default=True, help="Print the prompt before the output.")
+@click.option("--vs-plain", is_flag=True,
+              help="With --draft: decode again without speculation and report both speeds.")
+@draft_options
 @sampling_options
 @model_options
 def generate(model: Path | None, prompt: str | None, file: Path | None, n_predict: int, echo: bool,
-             **opts: object) -> None:
+             draft: str | None, draft_max: int, vs_plain: bool, **opts: object) -> None:
     """Continue a prompt with MODEL.gguf and stream the text to stdout.
 
     Without MODEL the built-in tiny test model (random weights) is used: it is written on first use.
     Timings go to stderr at the end, like llama.cpp's.
     """
     from deltarun.runner.generation import GenerationStats, generate_tokens
+    from deltarun.runner.speculative import SpeculativeStats, speculative_tokens
     from deltarun.runner.sampling import Sampler
     from deltarun.runner.tokenizer import StreamDecoder
 
     text = _read_prompt(prompt, file)
     params = sampling_params(**opts)  # type: ignore[arg-type]
     t_load = time.perf_counter()
-    with open_model(model, **opts) as m:  # type: ignore[arg-type]
+    m, source = open_with_draft(model, draft, draft_max, **opts)
+    with m:
         load_seconds = time.perf_counter() - t_load
         tokens = m.tokenizer.encode(text)
         if not tokens:
@@ -72,11 +78,15 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                                 f"raise --ctx")
         if echo:
             click.echo(text, nl=False)
-        stats = GenerationStats()
+        stats = GenerationStats() if source is None else SpeculativeStats()
         decoder = StreamDecoder(m.tokenizer)
         interrupted = False
+        if source is None:
+            stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats)
+        else:
+            stream = speculative_tokens(m, tokens, n_predict, Sampler(params), source, draft_max, stats=stats)
         try:
-            for tok in generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats):
+            for tok in stream:
                 piece = decoder.push(tok)
                 if piece:
                     click.echo(piece, nl=False)
@@ -102,6 +112,20 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
         click.echo(f"{'load time':>13}: {load_seconds * 1000.0:10.2f} ms", **err)
         click.echo(_timing("prompt eval", stats.n_prompt, stats.prompt_seconds), **err)
         click.echo(_timing("generation", stats.n_generated, stats.generate_seconds), **err)
+        if source is not None:
+            click.echo(f"{'speculative':>13}: draft {draft}, draft-max {draft_max}: {stats.n_accepted}/"
+                       f"{stats.n_drafted} drafts accepted ({stats.acceptance:.1%}), "
+                       f"{stats.tokens_per_step:.2f} tokens per verification step ({stats.n_steps} steps)", **err)
+            source.close()
+            if vs_plain and not interrupted:
+                m.reset()
+                plain = GenerationStats()
+                same = list(generate_tokens(m, tokens, n_predict, Sampler(sampling_params(**{**opts, "seed": params.seed}))
+                                            , stats=plain)) == stats.tokens
+                ratio = stats.generate_tps / plain.generate_tps if plain.generate_tps else 0.0
+                click.echo(_timing("plain", plain.n_generated, plain.generate_seconds), **err)
+                click.echo(f"{'speed-up':>13}: {ratio:.2f}x over plain decoding"
+                           f"{' (same tokens)' if same else ' (tokens differ: sampled output)'}", **err)
     if interrupted:
         raise SystemExit(130)
 

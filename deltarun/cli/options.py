@@ -138,13 +138,48 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
-               **_other: Any):
+               mtp: bool = False, **_other: Any):
     """Open `model` (or the built-in tiny model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
     path = resolve_model(model, quiet=quiet)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
-                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
+                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp)
+
+
+def draft_options(f: F) -> F:
+    """--draft ngram|mtp|PATH --draft-max N: speculative decoding."""
+    return _apply(f, [
+        click.option("--draft", default=None, metavar="ngram|mtp|PATH",
+                     help="Speculative decoding: prompt-lookup n-grams, the model's MTP block, or a smaller "
+                          "draft GGUF with the same vocabulary."),
+        click.option("--draft-max", type=click.IntRange(min=1, max=64), default=8, show_default=True,
+                     help="Most drafted tokens verified per target ubatch (needs --rs-slots > N; raised "
+                          "automatically)."),
+    ])
+
+
+def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int, **opts: Any):
+    """Open the target (with enough rollback slots and its MTP block if asked) and the draft source."""
+    from deltarun.runner.speculative import ModelDraft, MtpDraft, NgramDraft
+
+    if draft is None:
+        return open_model(model, **opts), None
+    opts = dict(opts)
+    opts["rs_slots"] = max(int(opts.get("rs_slots") or 1), draft_max + 1)
+    opts["batch"] = max(int(opts.get("batch") or MODEL_DEFAULTS["batch"]), draft_max + 1)
+    target = open_model(model, mtp=draft == "mtp", **opts)
+    try:
+        if draft == "ngram":
+            return target, NgramDraft()
+        if draft == "mtp":
+            return target, MtpDraft(target)
+        draft_opts = dict(opts, rs_slots=1)
+        source = ModelDraft(open_model(Path(draft), n_seq_max=2, quiet=True, **draft_opts), target.hp.n_vocab)
+        return target, source
+    except BaseException:
+        target.close()
+        raise
 
 
 def format_bytes(n: int | float) -> str:

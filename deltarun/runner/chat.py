@@ -512,6 +512,7 @@ class ChatSession:
         prompt = self.tokenize(text)
         if not prompt:
             raise DeltarunError(f"the {self.template.name} rendered an empty prompt")
+        saved = list(self.messages)
         if self.context_shift:
             while len(prompt) + self._reserve() > n_ctx:
                 dropped = self._drop_oldest_turn()
@@ -522,6 +523,8 @@ class ChatSession:
                 prompt = self.tokenize(text)
         if len(prompt) > n_ctx:
             what = "this message" if len(self.messages) <= 2 else "the conversation"
+            self.messages[:] = saved          # dropping turns did not help: keep the history
+            stats.dropped_messages = 0
             raise ContextFullError(f"context full: {what} needs {len(prompt)} tokens but the context holds "
                                    f"{n_ctx}")
         return text, prompt

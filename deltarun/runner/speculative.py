@@ -42,6 +42,9 @@ class DraftSource(Protocol):
         """The target kept rows at positions start..: row i's hidden state (None unless the source
         sets `needs_hidden`) and the token that follows it."""
 
+    def close(self) -> None:
+        """Free what the source owns."""
+
 
 class NgramDraft:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed."""
@@ -58,15 +61,23 @@ class NgramDraft:
         h = np.asarray(history, dtype=np.int64)
         for size in range(min(self.n_max, len(h) - 1), self.n_min - 1, -1):
             suffix = h[-size:]
-            # candidate starts of an earlier occurrence, latest first
+            best: list[int] = []
+            # earlier occurrences, latest first; the latest with a full n tokens after it wins
             for start in range(len(h) - size - 1, -1, -1):
                 if np.array_equal(h[start:start + size], suffix):
                     follow = h[start + size:start + size + n].tolist()
-                    if follow:
-                        return Draft(follow, [None] * len(follow))
+                    if len(follow) > len(best):
+                        best = follow
+                    if len(best) == n:
+                        break
+            if best:
+                return Draft(best, [None] * len(best))
         return Draft([], [])
 
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -117,6 +128,9 @@ class ModelDraft:
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
         pass
 
+    def close(self) -> None:
+        self.model.close()
+
 
 class MtpDraft:
     """The target's own MTP block: (embedding of the next token, trunk hidden) -> one token further.
@@ -165,6 +179,9 @@ class MtpDraft:
             logits, out = m.mtp_eval(next_tokens[done:done + step], hiddens[done:done + step], start + done)
             done += step
         self.first = (logits[-1], out[-1:])
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass

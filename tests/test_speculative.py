@@ -1,0 +1,161 @@
+"""Rollback of the recurrent state, and speculative decoding that keeps greedy output unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltarun.runner.errors import RollbackError
+from deltarun.runner.generation import generate_tokens
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams
+from deltarun.runner.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats, _accept,
+                                         speculative_tokens)
+
+from reference import ReferenceModel
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 2300, n)]
+
+
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+@pytest.mark.parametrize("m_tokens,r", [(2, 1), (4, 3), (5, 2), (70, 3)])
+def test_rollback_restores_the_state_r_tokens_back(tiny_model_path, delta_net, m_tokens, r):
+    """After a ubatch of m tokens and a rollback of r, the next token sees exactly the state of a
+    run that never evaluated those r tokens (compared with the numpy reference)."""
+    path = tiny_model_path("tiny")
+    head, ubatch, nxt = prompt(6, 1), prompt(m_tokens, 2), prompt(3, 3)
+    ref = ReferenceModel.from_gguf(path)
+    ref.forward(head + ubatch[: m_tokens - r])
+    expected = ref.forward(nxt)
+    with Model(path, n_ctx=256, kv_type="f32", n_rs_seq=4, delta_net=delta_net) as m:
+        m.eval(head)
+        m.eval(ubatch)
+        m.rollback(r)
+        assert m.n_past() == len(head) + m_tokens - r
+        assert m.tokens() == head + ubatch[: m_tokens - r]
+        got = m.eval(nxt, all_logits=True)
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
+
+
+def test_rollback_in_two_steps_equals_one(tiny_model_path):
+    path = tiny_model_path("tiny")
+    toks = prompt(8, 4)
+    with Model(path, n_ctx=64, kv_type="f32", n_rs_seq=5) as m:
+        m.eval(toks)
+        m.rollback(2)
+        m.rollback(3)
+        a = m.eval([7])
+        m.reset()
+        m.eval(toks[:3])
+        b = m.eval([7])
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rollback_beyond_the_slots_is_an_error(tiny_model_path):
+    with Model(tiny_model_path("tiny"), n_ctx=64, n_rs_seq=2) as m:
+        m.eval(prompt(6))
+        with pytest.raises(RollbackError, match="rollback slots"):
+            m.rollback(3)            # K - 1 = 2 slots back at most
+        m.eval([5])
+        with pytest.raises(RollbackError):
+            m.rollback(1)            # a one-token ubatch keeps no earlier state
+        m.rollback(0)
+    with Model(tiny_model_path("tiny"), n_ctx=64) as m:
+        m.eval(prompt(4))
+        with pytest.raises(RollbackError):
+            m.rollback(1)            # K = 1: nothing can be rolled back
+
+
+def _plain(path, toks, n, **kw) -> list[int]:
+    with Model(path, n_ctx=256, kv_type="f32", **kw) as m:
+        return list(generate_tokens(m, toks, n, Sampler(GREEDY)))
+
+
+def _speculative(path, toks, n, make_draft, draft_max, **kw) -> tuple[list[int], SpeculativeStats]:
+    with Model(path, n_ctx=256, kv_type="f32", n_rs_seq=draft_max, **kw) as m:
+        draft = make_draft(m)
+        stats = SpeculativeStats()
+        out = list(speculative_tokens(m, toks, n, Sampler(GREEDY), draft, draft_max, stats=stats))
+        draft.close()
+        return out, stats
+
+
+@pytest.mark.parametrize("draft_max", [1, 3, 7])
+def test_ngram_and_mtp_drafts_all_accepted_keep_greedy_output(tiny_model_path, draft_max):
+    """The echo preset repeats its input, so n-gram and MTP drafts are (nearly) all right."""
+    path = tiny_model_path("tiny-echo")
+    toks = prompt(12, 5)
+    base = _plain(path, toks, 40)
+    out, st = _speculative(path, toks, 40, lambda m: NgramDraft(), draft_max)
+    assert out == base
+    assert st.acceptance > 0.8 and st.tokens_per_step > 1.5
+    out, st = _speculative(path, toks, 40, lambda m: MtpDraft(m), draft_max, mtp=True)
+    assert out == base
+    assert st.acceptance == 1.0
+    assert st.n_steps < 40 // (draft_max + 1) + 2
+
+
+@pytest.mark.parametrize("draft_max", [2, 5])
+def test_draft_model_all_and_none_accepted(tiny_model_path, draft_max):
+    target = tiny_model_path("tiny-mtp")      # same trunk as "tiny": that draft is always right
+    toks = prompt(10, 6)
+    base = _plain(target, toks, 30)
+
+    def same(m):
+        return ModelDraft(Model(tiny_model_path("tiny"), n_ctx=256, kv_type="f32", n_seq_max=2), m.hp.n_vocab)
+
+    def other(m):
+        return ModelDraft(Model(tiny_model_path("tiny", "q8_0", seed=7), n_ctx=256, n_seq_max=2), m.hp.n_vocab)
+
+    out, st = _speculative(target, toks, 30, same, draft_max)
+    assert out == base and st.acceptance == 1.0
+    out, st = _speculative(target, toks, 30, other, draft_max)
+    assert out == base and st.n_accepted <= 1
+
+
+def test_drafts_on_random_models_never_change_greedy_output(tiny_model_path):
+    """No draft source is right here (random weights): every step rolls back, output unchanged."""
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(10, 8)
+    base = _plain(path, toks, 25)
+    for make, kw in ((lambda m: NgramDraft(), {}), (lambda m: MtpDraft(m), {"mtp": True})):
+        out, st = _speculative(path, toks, 25, make, 4, **kw)
+        assert out == base
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """Accept with min(1, p/q), resample from max(p - q, 0): the first emitted token follows p."""
+    rng = np.random.default_rng(0)
+    vocab = 6
+    logits = rng.standard_normal((2, vocab)).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    p = sampler.distribution(logits[0])
+    q = np.array([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
+    counts = np.zeros(vocab)
+    n = 20000
+    for _ in range(n):
+        d = int(sampler.rng.choice(vocab, p=q))
+        n_ok, nxt = _accept(sampler, logits, Draft([d], [q]), [])
+        counts[d if n_ok == 1 else nxt] += 1
+    # 4 standard deviations of a binomial proportion at n = 20000 is below 0.015
+    np.testing.assert_allclose(counts / n, p, atol=0.015)
+    # a point-mass draft (n-gram) is accepted with probability p[d]
+    acc = sum(_accept(sampler, logits, Draft([2], [None]), [])[0] for _ in range(n)) / n
+    assert abs(acc - p[2]) < 0.015
+
+
+def test_generate_cli_with_draft_matches_plain(tiny_model_path):
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+
+    path = str(tiny_model_path("tiny-echo"))
+    args = ["generate", path, "-p", "one two three one two", "-n", "24", "--temp", "0", "--threads", "1",
+            "--kv-type", "f32"]
+    plain = CliRunner().invoke(cli, args)
+    spec = CliRunner().invoke(cli, args + ["--draft", "ngram", "--draft-max", "4", "--vs-plain"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "drafts accepted" in spec.stderr and "same tokens" in spec.stderr
