@@ -414,11 +414,13 @@ class ReferenceModel:
                 })
             else:
                 self._layers.append({"k": [], "v": []})
+        self._mtp_kv: dict[str, list] = {"k": [], "v": []}
 
     def clone(self) -> "ReferenceModel":
         """A copy with its own state (weights are shared, read-only)."""
         new = copy.copy(self)
         new._layers = copy.deepcopy(self._layers)
+        new._mtp_kv = copy.deepcopy(self._mtp_kv)
         new._last_hidden = self._last_hidden.copy()
         return new
 
@@ -488,3 +490,29 @@ class ReferenceModel:
         xn = rmsnorm(x, hp.eps) * w["output_norm.weight"]
         out_w = w.get("output.weight", w["token_embd.weight"])
         return xn @ out_w.T
+
+    def mtp_forward(self, next_tokens, hiddens) -> tuple[np.ndarray, np.ndarray]:
+        """The first MTP block (layer n_layer) on rows (hidden_i, token_{i+1}) appended at the next
+        MTP positions (0, 1, ... since reset). hiddens: the trunk's states after output_norm.
+
+        x = eh_proj @ [rmsnorm(embed(token)) * enorm ; rmsnorm(hidden) * hnorm], one full-attention
+        block with its MoE and its own KV cache, then shared_head_norm (or output_norm) and the
+        LM head. Returns logits (T, n_vocab) and the block output (T, n_embd) before the final norm.
+        """
+        hp, w = self.hp, self.w
+        il = hp.n_layer
+        p, n = f"blk.{il}.", f"blk.{il}.nextn."
+        tokens = [int(t) for t in next_tokens]
+        T = len(tokens)
+        positions = list(range(len(self._mtp_kv["k"]), len(self._mtp_kv["k"]) + T))
+        embed = w.get(n + "embed_tokens.weight", w["token_embd.weight"])
+        e = rmsnorm(embed[tokens], hp.eps) * w[n + "enorm.weight"]
+        h = rmsnorm(np.asarray(hiddens, dtype=np.float64), hp.eps) * w[n + "hnorm.weight"]
+        x = np.concatenate([e, h], axis=1) @ w[n + "eh_proj.weight"].T
+        a = rmsnorm(x, hp.eps) * w[p + "attn_norm.weight"]
+        x = x + full_attention(w, p, hp, a, positions, self._mtp_kv["k"], self._mtp_kv["v"])
+        h2 = rmsnorm(x, hp.eps) * w[p + "post_attention_norm.weight"]
+        x = x + moe(w, p, hp, h2)
+        norm = w.get(n + "shared_head_norm.weight", w["output_norm.weight"])
+        head = w.get(n + "shared_head_head.weight", w.get("output.weight", w["token_embd.weight"]))
+        return (rmsnorm(x, hp.eps) * norm) @ head.T, x

@@ -159,3 +159,27 @@ def test_generate_cli_with_draft_matches_plain(tiny_model_path):
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout
     assert "drafts accepted" in spec.stderr and "same tokens" in spec.stderr
+
+
+def test_mtp_block_matches_reference(tiny_model_path):
+    """The MTP graph against the numpy reference: rows (trunk hidden after output_norm, next token)."""
+    from reference import rmsnorm
+
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(20, 9)
+    ref = ReferenceModel.from_gguf(path)
+    ref.forward(toks)
+    hidden = rmsnorm(ref.hidden(), ref.hp.eps) * ref.w["output_norm.weight"]
+    nxt = toks[1:] + [17]
+    exp_logits, exp_out = ref.mtp_forward(nxt[:12], hidden[:12])
+    exp_logits2, _ = ref.mtp_forward(nxt[12:], hidden[12:])
+    with Model(path, n_ctx=64, kv_type="f32", mtp=True) as m:
+        m.eval(toks, all_logits=True)
+        h = m.last_hidden[0]
+        np.testing.assert_allclose(h, hidden, rtol=1e-4, atol=1e-4)
+        got, out = m.mtp_eval(nxt[:12], h[:12], 0)
+        got2, _ = m.mtp_eval(nxt[12:], h[12:], 12)       # continues over its own KV cache
+    scale = np.abs(exp_logits).max()
+    assert np.abs(got - exp_logits).max() / scale < 1e-5
+    assert np.abs(got2 - exp_logits2).max() / scale < 1e-5
+    np.testing.assert_allclose(out, exp_out, rtol=1e-4, atol=1e-4)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltarun.graphs.qwen3next_spec import HParams, expected_tensors, read_hparams, validate_tensors
-from deltarun.runner.ggml_util import Tensor, ggml, nb, ne, set_name
+from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml, nb, ne, set_name
 
 DELTA_NET_MODES = ("fused", "primitive")
 CHUNK_SIZE = 64  # chunk length of the primitive (chunked) delta rule
@@ -73,7 +73,7 @@ class _Builder:
         return set_name(t, f"{name}-{il}" if il >= 0 else name)
 
     def input(self, name: str, gtype: int, *shape: int) -> Tensor:
-        t = ggml.ggml_new_tensor(self.ctx, gtype, len(shape), (ctypes_i64 * len(shape))(*shape))
+        t = ggml.ggml_new_tensor(self.ctx, gtype, len(shape), c_array(ctypes.c_int64, list(shape)))
         set_name(t, name)
         ggml.ggml_set_input(t)
         self.io[name] = t
@@ -512,7 +512,3 @@ class _Builder:
         sh = self.cb(ggml.ggml_mul(c, sh, sh_gate), "ffn_shexp_gated", il)
         return self.cb(ggml.ggml_add(c, moe, sh), "ffn_out", il)
 
-
-import ctypes as _ctypes  # noqa: E402
-
-ctypes_i64 = _ctypes.c_int64

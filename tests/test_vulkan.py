@@ -1,0 +1,138 @@
+"""CPU against Vulkan with `deltarun compare`, on the tiny models.
+
+Needs the Vulkan variant of ggml-python (scripts/install-vulkan.sh) and a Vulkan device; on a
+machine without a GPU Mesa's lavapipe is one (ggml lists it only with GGML_VK_VISIBLE_DEVICES=0,
+which these tests set). Skipped otherwise, unless DELTARUN_REQUIRE_VULKAN=1 (CI), which turns the
+skip into a failure. Each comparison runs in a subprocess, so the Vulkan environment variables
+are in place before ggml enumerates devices:
+
+- GGML_VK_VISIBLE_DEVICES=0 (default here): the first Vulkan device, lavapipe on such a machine;
+- GGML_VK_DISABLE_F16=1: matrix products accumulate in F32 as on the CPU, so F32 models are held
+  to the same limits as CPU against CPU (the notes measured 2.8e-7 relative);
+- MESA_SHADER_CACHE_DIR: keep it between runs; lavapipe compiles each pipeline on first use
+  (10-130 s each), later runs read them back in well under a second.
+
+On lavapipe, quantised matrix products differ from the CPU's by 0.5-1% (the CPU backend
+quantises the activations to Q8; lavapipe has no integer dot product), which the quantised test
+checks at the level of the logits only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltarun.runner import backend as be
+
+REQUIRE = os.environ.get("DELTARUN_REQUIRE_VULKAN") == "1"
+ENV = {"GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"), "GGML_VK_DISABLE_F16": "1"}
+TIMEOUT = int(os.environ.get("DELTARUN_VULKAN_TIMEOUT", "1800"))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(ENV)
+    env.update(extra)
+    return env
+
+
+def _vulkan_devices() -> tuple[list[dict], str]:
+    if not be.build_has("vulkan"):
+        return [], "this ggml-python build has no Vulkan backend (scripts/install-vulkan.sh builds one)"
+    out = subprocess.run([sys.executable, "-m", "deltarun", "devices", "--json"], env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    if out.returncode != 0:
+        return [], f"`deltarun devices` failed: {out.stderr.strip()}"
+    devs = [d for d in json.loads(out.stdout)["devices"] if d["registry"] == "Vulkan"]
+    return devs, "" if devs else "no Vulkan device (is mesa-vulkan-drivers installed?)"
+
+
+DEVICES, WHY = _vulkan_devices()
+if not DEVICES:
+    if REQUIRE:
+        raise RuntimeError(f"DELTARUN_REQUIRE_VULKAN=1 but {WHY}")
+    pytestmark = pytest.mark.skip(reason=WHY)
+
+
+def deltarun(*args: str | Path, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "deltarun", *[str(a) for a in args]], env=env or _env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    if code is not None:
+        assert p.returncode == code, (p.returncode, p.stdout[-4000:], p.stderr[-4000:])
+    return p
+
+
+def compare(model: Path, *args: str, code: int | None = 0) -> dict:
+    p = deltarun("compare", model, "--backends", "cpu,vulkan", "--json", "-q", "-t", "1", *args, code=code)
+    rep = json.loads(p.stdout)
+    lg = rep["logits"]
+    worst = max((n for g in rep["graphs"] for n in g["nodes"] if isinstance(n["nmse"], float)),
+                key=lambda n: n["nmse"], default=None)
+    print(f"\n{model.name} {' '.join(args)}: passed={rep['passed']} logits NMSE {lg['nmse']:.3g} "
+          f"top-1 {lg['top1_agreement']:.3f} KL mean {lg['kl_mean']:.3g} max {lg['kl_max']:.3g} "
+          f"greedy {'match' if rep['greedy']['match'] else 'differ'}; worst node "
+          f"{worst['name'] + ' ' + worst['op'] + ' %.3g' % worst['nmse'] if worst else '-'}; "
+          f"splits {rep['sides'][1]['n_splits']}")
+    return rep
+
+
+def test_vulkan_device_is_listed():
+    d = DEVICES[0]
+    assert d["backend"] == "vulkan:0" and d["name"] == "Vulkan0" and d["memory_total"] > 0
+
+
+def test_lavapipe_is_hidden_without_the_visible_devices_variable():
+    if not any(d["software"] for d in DEVICES):
+        pytest.skip("the Vulkan device is a real GPU")
+    env = _env()
+    env.pop("GGML_VK_VISIBLE_DEVICES")
+    p = deltarun("generate", "-p", "hi", "-n", "1", "--backend", "vulkan", env=env, code=5)
+    assert "GGML_VK_VISIBLE_DEVICES=0" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
+    rep = compare(tiny_model_path("tiny", "f32"), "-n", "16", "-s", "8")
+    assert rep["passed"], rep["failures"]
+    assert rep["sides"][1]["device"].startswith("Vulkan0")
+    for g in rep["graphs"]:
+        assert g["n_failed"] == 0 and g["matched_by"] == "index"
+        ran_on = {n["backend_b"] for n in g["nodes"] if n["backend_b"]}
+        assert "Vulkan0" in ran_on
+    assert rep["logits"]["top1_agreement"] == 1.0
+    assert rep["greedy"]["match"]
+
+
+def test_f32_primitive_delta_net_matches_the_cpu(tiny_model_path):
+    # 70 tokens: the chunked delta rule (cumsum, tri, solve_tri, ...) crosses a chunk boundary
+    rep = compare(tiny_model_path("tiny", "f32"), "-n", "70", "-s", "4", "--delta-net", "primitive")
+    assert rep["passed"], rep["failures"]
+    assert rep["greedy"]["match"]
+
+
+def test_gpu_layers_split_the_graph_between_vulkan_and_cpu(tiny_model_path):
+    rep = compare(tiny_model_path("tiny", "f32"), "-n", "16", "-s", "4", "--gpu-layers", "2")
+    assert rep["passed"], rep["failures"]
+    side = rep["sides"][1]
+    assert side["n_splits"]["prefill"] > 1 and "2/4 layers" in side["placement"]
+    where = {n["name"]: n["backend_b"] for n in rep["graphs"][0]["nodes"]}
+    assert where["attn_norm-0"] == "CPU" and where["l_out-3"] == "Vulkan0"
+
+
+@pytest.mark.parametrize("preset", ["tiny-eqheads", "tiny-legacy", "tiny-tied"])
+def test_other_presets_match_the_cpu(tiny_model_path, preset):
+    rep = compare(tiny_model_path(preset, "f32"), "-n", "12", "-s", "4")
+    assert rep["passed"], rep["failures"]
+    assert rep["greedy"]["match"]
+
+
+def test_q8_0_agrees_at_the_logits_level(tiny_model_path):
+    rep = compare(tiny_model_path("tiny", "q8_0"), "-n", "16", "-s", "8", code=None)
+    lg = rep["logits"]
+    assert not lg["nan"]
+    assert lg["nmse"] < 1e-2 and lg["kl_mean"] < 1e-2
+    assert lg["top1_agreement"] >= 0.8
