@@ -166,45 +166,58 @@ def test_real_answers_keep_the_model_in_step(model):
     session = ChatSession(model, n_predict=6)
     for text in ("Hello", "Tell me more", "Thanks"):
         held = model.tokens()
+        checkpoint = session._checkpoint
         session.ask(text)
         prompt = session.tokenize(session.render(session.messages[:-1]))
-        reused = 0 if session.last_recomputed else common_prefix_length(held, prompt)
+        if session.last_recomputed:
+            reused = 0
+        elif session.last_turn.restored:      # back to the end of the previous prompt
+            reused = checkpoint.n_past
+            assert reused <= common_prefix_length(held, prompt)
+        else:
+            reused = common_prefix_length(held, prompt)
         assert session.last_reused_tokens == reused
         assert session.last_prefill_tokens == len(prompt) - reused
         assert session.last_generated_tokens == 6 and session.last_stop_reason == "length"
 
 
-def test_dropped_thinking_is_recomputed_and_matches_a_fresh_session(model):
+def test_dropped_thinking_restores_the_checkpoint_and_matches_a_fresh_session(model):
     session = ChatSession(model, sampler=Scripted(script(model, "<think>\nhmm\n</think>\n\nHi!")))
     assert session.ask("Hello").endswith("Hi!")
+    first_prompt = session._checkpoint.n_past      # the prompt of the first turn
     session.sampler = Sampler(GREEDY)
     session.n_predict = 6
     answer = session.ask("Again")
-    # the re-rendered history lacks the thinking: the slots cannot reach back, so recompute
-    assert session.last_recomputed and session.last_reused_tokens == 0
-    assert session.last_prefill_tokens == len(session.tokenize(session.render(session.messages[:-1])))
+    # the re-rendered history lacks the thinking: the slots cannot reach back, but the checkpoint
+    # taken at the end of the first prompt can; only the rest of the prompt is evaluated
+    assert session.last_turn.restored and not session.last_recomputed
+    assert session.last_reused_tokens == first_prompt
+    full = len(session.tokenize(session.render(session.messages[:-1])))
+    assert session.last_prefill_tokens == full - first_prompt
     model.reset()
     fresh = ChatSession(model, n_predict=6)
     fresh.messages = copy.deepcopy(session.messages[:-2])
     assert fresh.ask("Again") == answer
 
 
-def test_stop_string_leftover_is_recomputed_and_matches_a_fresh_session(model_path):
+def test_stop_string_leftover_restores_the_checkpoint_and_matches_a_fresh_session(model_path):
     with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=1) as m:
         tok = m.tokenizer
         answer = tok.encode(" Hi X!")
         assert [tok.decode([t]) for t in answer[-2:]] == [" X", "!"]
         # " X" is evaluated before "!" completes the stop string: the model holds a token that is
         # not in the conversation. It came from a one-token decode ubatch, which no rollback
-        # slot can undo, so the next turn recomputes.
+        # slot can undo, so the next turn returns to the checkpoint taken after the first prompt.
         session = ChatSession(m, sampler=Scripted(answer), stop=["X!"])
         assert session.ask("Hello") == " Hi "
         assert session.last_stop_reason == "stop" and session.messages[-1]["content"] == " Hi "
         assert tok.decode(m.tokens()[-3:]) == " Hi X"
         session.sampler = Sampler(GREEDY)
         session.n_predict = 5
+        first_prompt = session._checkpoint.n_past
         after = session.ask("More")
-        assert session.last_recomputed and session.last_reused_tokens == 0
+        assert session.last_turn.restored and not session.last_recomputed
+        assert session.last_reused_tokens == first_prompt
         m.reset()
         fresh = ChatSession(m, n_predict=5)
         fresh.messages = copy.deepcopy(session.messages[:-2])

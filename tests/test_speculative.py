@@ -183,3 +183,23 @@ def test_mtp_block_matches_reference(tiny_model_path):
     assert np.abs(got - exp_logits).max() / scale < 1e-5
     assert np.abs(got2 - exp_logits2).max() / scale < 1e-5
     np.testing.assert_allclose(out, exp_out, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_restore_returns_to_the_prompt_state(tiny_model_path):
+    path = tiny_model_path("tiny")
+    a, b, c = prompt(9, 20), prompt(7, 21), prompt(3, 22)
+    with Model(path, n_ctx=64, kv_type="f32") as m:
+        m.eval(a)
+        cp = m.checkpoint()
+        m.eval(b)
+        for t in b[:3]:
+            m.eval([t])
+        m.restore(cp)
+        assert m.n_past() == len(a) and m.tokens() == a
+        got = m.eval(c, all_logits=True)
+        m.reset()
+        expected = m.eval(a + c, all_logits=True)[len(a):]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        assert not m.can_restore(cp)             # the reset cut the sequence below the checkpoint
+        with pytest.raises(RollbackError, match="stale"):
+            m.restore(cp)

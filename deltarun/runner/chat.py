@@ -16,7 +16,9 @@ differently (Qwen3 drops the thinking of earlier answers) or a stop string / int
 tokens that are not part of the conversation, the extra tokens are undone with `Model.rollback`
 when the recurrent rollback slots reach back far enough (they cover the last ubatch only, so in
 practice a prompt whose answer was cancelled before its first token, with --rs-slots > 1), and
-otherwise the model is reset and the prompt recomputed (`last_recomputed`). Generated tokens
+otherwise the model returns to the checkpoint of its recurrent state taken at the end of the
+previous prompt (`Model.checkpoint`; Qwen3's dropped thinking lies after it), and only when that
+does not reach either is the model reset and the prompt recomputed (`last_recomputed`). Generated tokens
 that decode and re-tokenize to other ids also count as a difference. Because the model state is
 derived from `messages` this way, `messages` may also be edited directly between turns.
 
@@ -72,6 +74,7 @@ class TurnStats:
     stop_reason: str = ""
     recomputed: bool = False      # the model was reset and the prompt evaluated from the start
     rolled_back: int = 0          # tokens undone with Model.rollback
+    restored: bool = False        # the model returned to the checkpoint taken after an earlier prompt
     dropped_messages: int = 0     # messages dropped by context shift
 
     @property
@@ -295,6 +298,7 @@ class ChatSession:
         self.turn_opens_thinking = False   # set before the first piece of each turn
         self._active: Iterator[str] | None = None
         self._logits: tuple[int, int, np.ndarray] | None = None   # (eval calls, n_past, logits)
+        self._checkpoint: Any = None   # recurrent state at the end of the last prompt (Model.checkpoint)
 
     # --- counters ----------------------------------------------------------------------------------
     @property
@@ -430,6 +434,8 @@ class ChatSession:
         try:
             prompt_text, prompt = self._fit_prompt(stats)
             stats.reused_tokens = self._prefill(prompt, stats)
+            if hasattr(self.model, "checkpoint"):
+                self._checkpoint = self.model.checkpoint(self.seq)
             self.turn_opens_thinking = opens_thinking(prompt_text)
             generating = True
             t_gen, prefill_before = time.perf_counter(), stats.prefill_seconds
@@ -572,9 +578,16 @@ class ChatSession:
                 self.model.rollback(drop, self.seq)
                 stats.rolled_back += drop
             except RollbackError:
-                self.model.reset()
-                stats.recomputed = True
-                n = 0
+                cp = self._checkpoint
+                if cp is not None and cp.n_past <= n and cp.tokens == prompt[:cp.n_past] \
+                        and self.model.can_restore(cp):
+                    self.model.restore(cp)     # e.g. Qwen3 re-rendered the last answer without its thinking
+                    stats.restored = True
+                    n = cp.n_past
+                else:
+                    self.model.reset()
+                    stats.recomputed = True
+                    n = 0
         return n
 
     def _prefill(self, prompt: list[int], stats: TurnStats) -> int:

@@ -37,6 +37,22 @@ class _Graph:
 
 
 @dataclass
+class StateCheckpoint:
+    """A sequence's length, tokens and live recurrent state (host copies), see `Model.checkpoint`."""
+
+    seq: int
+    n_past: int
+    tokens: list[int]
+    log_index: int
+    conv: dict[int, np.ndarray]
+    ssm: dict[int, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.conv.values()) + sum(a.nbytes for a in self.ssm.values())
+
+
+@dataclass
 class EvalStats:
     """Counters a caller can report (tokens/s) or a test can check (incremental prefill)."""
 
@@ -78,6 +94,7 @@ class Model:
         self._graphs: dict[UbatchShape, _Graph] = {}
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
+        self._truncations: list[tuple[int, int]] = []  # (seq, new length) each time a sequence got shorter
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -93,6 +110,48 @@ class Model:
     def reset(self) -> None:
         """Forget every sequence (KV cache and recurrent state)."""
         self.memory.clear()
+        self._truncations.extend((s, 0) for s in range(self.memory.n_cells))
+
+    def checkpoint(self, seq: int = 0) -> StateCheckpoint:
+        """Remember the live recurrent state of `seq` at its current length, on the host.
+
+        A recurrent state cannot be rolled back further than its slots, so a chat keeps a
+        checkpoint at the end of each prompt: when the next turn re-renders the previous answer
+        differently, the model returns to the checkpoint instead of recomputing everything. The KV
+        rows need no copy: rows before the checkpoint stay untouched unless the sequence is cut
+        shorter than it, which `restore` detects.
+        """
+        mem = self.memory
+        conv, ssm = {}, {}
+        for il in self.hp.linear_layers:
+            conv[il] = self._read_bytes(mem.conv[il], seq * mem.conv[il].contents.nb[1], mem.conv[il].contents.nb[1])
+            ssm[il] = self._read_bytes(mem.ssm[il], seq * mem.ssm[il].contents.nb[1], mem.ssm[il].contents.nb[1])
+        st = mem.seqs[seq]
+        return StateCheckpoint(seq, st.n_past, list(st.tokens), len(self._truncations), conv, ssm)
+
+    def can_restore(self, cp: StateCheckpoint) -> bool:
+        """True while no rollback, restore or reset has cut the sequence below the checkpoint."""
+        return all(not (s == cp.seq and n < cp.n_past) for s, n in self._truncations[cp.log_index:])
+
+    def restore(self, cp: StateCheckpoint) -> None:
+        """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
+        if not self.can_restore(cp):
+            raise RollbackError("the checkpoint is stale: the sequence was cut below it since it was taken")
+        mem = self.memory
+        for il in self.hp.linear_layers:
+            ggml.ggml_backend_tensor_set(mem.conv[il], cp.conv[il].ctypes.data,
+                                         cp.seq * mem.conv[il].contents.nb[1], cp.conv[il].nbytes)
+            ggml.ggml_backend_tensor_set(mem.ssm[il], cp.ssm[il].ctypes.data,
+                                         cp.seq * mem.ssm[il].contents.nb[1], cp.ssm[il].nbytes)
+        st = mem.seqs[cp.seq]
+        st.n_past, st.tokens, st.last_ubatch, st.rolled_back = cp.n_past, list(cp.tokens), 0, 0
+        self._truncations.append((cp.seq, cp.n_past))
+
+    @staticmethod
+    def _read_bytes(t: Any, offset: int, size: int) -> np.ndarray:
+        buf = np.empty(size, dtype=np.uint8)
+        ggml.ggml_backend_tensor_get(t, buf.ctypes.data, offset, size)
+        return buf
 
     def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
@@ -156,6 +215,7 @@ class Model:
         state.rolled_back += n_tokens
         state.n_past -= n_tokens
         del state.tokens[len(state.tokens) - n_tokens:]
+        self._truncations.append((seq, state.n_past))
 
     def copy_seq(self, src: int, dst: int) -> None:
         """Make sequence dst a copy of src (KV rows, live recurrent state, bookkeeping).
@@ -184,6 +244,7 @@ class Model:
             ggml.ggml_backend_tensor_set(ssm, buf.ctypes.data, dst * cell, cell)
         s, d = mem.seqs[src], mem.seqs[dst]
         d.n_past, d.tokens, d.last_ubatch, d.rolled_back = s.n_past, list(s.tokens), 0, 0
+        self._truncations.append((dst, 0))
 
     def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Run the MTP block on rows (token i, hidden i) at positions start..; returns logits [n, vocab]
