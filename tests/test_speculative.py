@@ -203,3 +203,19 @@ def test_checkpoint_restore_returns_to_the_prompt_state(tiny_model_path):
         assert not m.can_restore(cp)             # the reset cut the sequence below the checkpoint
         with pytest.raises(RollbackError, match="stale"):
             m.restore(cp)
+
+
+@pytest.mark.parametrize("preset", ["tiny-echo", "tiny-mtp"])
+@pytest.mark.parametrize("draft", ["ngram", "mtp"])
+def test_chat_with_draft_gives_the_plain_answers(tiny_model_path, draft, preset):
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+
+    path = str(tiny_model_path(preset))
+    args = ["chat", path, "-n", "12", "--temp", "0", "--threads", "1", "--kv-type", "f32", "--no-think"]
+    messages = "Hello there\nsay it again\n"
+    plain = CliRunner().invoke(cli, args, input=messages)
+    spec = CliRunner().invoke(cli, args + ["--draft", draft, "--draft-max", "3"], input=messages)
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout and len(plain.stdout) > 10

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import click
 
-from deltarun.cli.options import model_argument, model_options, open_model, sampling_options, sampling_params
+from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
+                                  sampling_params)
 from deltarun.runner.errors import ContextFullError, DeltarunError
 
 HELP = """\
@@ -172,6 +173,10 @@ class ChatUI:
             lines.append(f"last turn: prompt {t.prefill_tokens} tokens evaluated, {t.reused_tokens} reused{how}, "
                          f"{_tps(t.prefill_tokens, t.prefill_seconds)}; generated {t.generated_tokens} tokens, "
                          f"{_tps(t.generated_tokens, t.generate_seconds)}; stop: {t.stop_reason}")
+            spec = s.draft_stats
+            if spec is not None:
+                lines.append(f"speculative: {spec.n_accepted}/{spec.n_drafted} drafts accepted "
+                             f"({spec.acceptance:.1%}), {spec.tokens_per_step:.2f} tokens per verification step")
             lines.append(f"session: {tot.turns} turns; prompt {tot.prefill_tokens} tokens, "
                          f"{_tps(tot.prefill_tokens, tot.prefill_seconds)}; generated {tot.generated_tokens} "
                          f"tokens, {_tps(tot.generated_tokens, tot.generate_seconds)}; "
@@ -255,10 +260,12 @@ def _repl(ui: ChatUI) -> None:
 @click.option("--context-shift", is_flag=True,
               help="When the context is full, drop the oldest turns (the system prompt stays) and go on.")
 @click.option("--single", is_flag=True, help="Read all of stdin as one message, answer it and exit.")
+@draft_options
 @sampling_options
 @model_options
 def chat(model: Path | None, system: str | None, think: bool | None, hide_thinking: bool, n_predict: int,
-         stop: tuple[str, ...], context_shift: bool, single: bool, **opts: Any) -> None:
+         stop: tuple[str, ...], context_shift: bool, single: bool, draft: str | None, draft_max: int,
+         **opts: Any) -> None:
     """Chat with MODEL.gguf using the chat template stored in the file.
 
     On a terminal this is an interactive prompt with line editing and history. Otherwise stdin is
@@ -276,12 +283,14 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
     if interactive:
         _err(f"loading {model or 'the built-in tiny model'} ...")
     t_load = time.perf_counter()
-    with open_model(model, **opts) as m:
+    m, source = open_with_draft(model, draft, draft_max, **opts)
+    with m:
         template = ChatTemplate.from_model(m)
         if template.is_builtin:
             _err("the model file has no chat template: using the built-in Qwen3 ChatML template")
         session = ChatSession(m, template, Sampler(params), system=system, enable_thinking=think,
-                              n_predict=n_predict, stop=stop, context_shift=context_shift)
+                              n_predict=n_predict, stop=stop, context_shift=context_shift, draft=source,
+                              draft_max=draft_max)
         if interactive:
             _err(f"{m.path} loaded in {time.perf_counter() - t_load:.2f} s ({m.n_ctx} ctx, {m.backend.name})")
         ui = ChatUI(session, hide_thinking=hide_thinking, context_shift=context_shift)
@@ -304,6 +313,9 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
         except KeyboardInterrupt:   # while reading input
             click.echo("", err=True)
             raise SystemExit(130)
+        finally:
+            if source is not None:
+                source.close()
         tot = session.totals
         if not interactive and tot.turns:
             _err(f"chat: {tot.turns} turns; prompt {tot.prefill_tokens} tokens ({_tps(tot.prefill_tokens, tot.prefill_seconds)}), "

@@ -281,7 +281,8 @@ class ChatSession:
 
     def __init__(self, model: Any, template: ChatTemplate | None = None, sampler: Sampler | None = None, *,
                  system: str | None = None, enable_thinking: bool | None = None, n_predict: int = -1,
-                 stop: Sequence[str] = (), context_shift: bool = False, seq: int = 0):
+                 stop: Sequence[str] = (), context_shift: bool = False, seq: int = 0,
+                 draft: Any = None, draft_max: int = 8):
         self.model = model
         self.template = template if template is not None else ChatTemplate.from_model(model)
         self.sampler = sampler if sampler is not None else Sampler(GREEDY)
@@ -290,6 +291,9 @@ class ChatSession:
         self.stop = [s for s in stop if s]
         self.context_shift = context_shift
         self.seq = seq
+        self.draft = draft            # a speculative DraftSource, or None for plain decoding
+        self.draft_max = draft_max
+        self.draft_stats: Any = None  # SpeculativeStats of the last turn with a draft
         self.messages: list[dict[str, Any]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
@@ -443,7 +447,10 @@ class ChatSession:
             assert self._logits is not None
             logits = self._logits[2]
             reason = "length"
-            while self.n_predict < 0 or len(answer) < self.n_predict:
+            if self.draft is not None:
+                yield from self._speculative_answer(logits, answer, decoder, stopper, stats)
+                reason = self._draft_reason
+            while self.draft is None and (self.n_predict < 0 or len(answer) < self.n_predict):
                 token = self.sampler.sample(logits, history)
                 if tok.is_eog(token):
                     reason = "eog"
@@ -490,6 +497,36 @@ class ChatSession:
                     and self.messages[-1].get("content") == user_text:
                 self.messages.pop()      # cancelled before the first token: the turn did not happen
             self.totals.add(stats)
+
+    def _speculative_answer(self, logits: np.ndarray, answer: list[int], decoder: Any, stopper: Any,
+                            stats: TurnStats) -> Iterator[str]:
+        """The answer's tokens from speculative decoding; each verification step runs with SIGINT
+        deferred, so an interrupt never separates a target ubatch from its rollback."""
+        from deltarun.runner.speculative import SpeculativeStats, continue_speculative
+
+        model = self.model
+        limit = self.n_predict if self.n_predict >= 0 else model.n_ctx
+        self.draft_stats = spec = SpeculativeStats()
+        self._draft_reason = "length"
+        stream = continue_speculative(model, logits, limit, self.sampler, self.draft, self.draft_max, self.seq, spec)
+        self._logits = None
+        try:
+            while True:
+                with deferred_sigint():
+                    token = next(stream, None)
+                if token is None:
+                    self._draft_reason = {"eog": "eog", "context": "context"}.get(spec.stop_reason, "length")
+                    return
+                answer.append(token)
+                stats.generated_tokens += 1
+                shown = stopper.push(decoder.push(token))
+                if shown:
+                    yield shown
+                if stopper.hit is not None:
+                    self._draft_reason = "stop"
+                    return
+        finally:
+            stream.close()
 
     # --- model memory ------------------------------------------------------------------------------
     def _reserve(self) -> int:

@@ -220,15 +220,20 @@ def _accept(sampler: Sampler, logits: np.ndarray, draft: Draft, history: list[in
     return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local)
 
 
+def _slots_for(model: Model, draft_max: int) -> int:
+    k_max = min(draft_max, model.n_rs_seq)
+    if k_max < 1:
+        raise DeltarunError(f"speculative decoding needs rollback slots: open the model with --rs-slots "
+                            f"{draft_max + 1} (it has {model.n_rs_seq + 1})")
+    return k_max
+
+
 def speculative_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sampler, draft: DraftSource,
                        draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
                        stop_at_eog: bool = True) -> Iterator[int]:
     """Like `generate_tokens`, verifying up to `draft_max` drafted tokens per target ubatch."""
     stats = stats if stats is not None else SpeculativeStats()
-    k_max = min(draft_max, model.n_rs_seq)
-    if k_max < 1:
-        raise DeltarunError(f"speculative decoding needs rollback slots: open the model with --rs-slots "
-                            f"{draft_max + 1} (it has {model.n_rs_seq + 1})")
+    _slots_for(model, draft_max)
     wants_hidden = draft.needs_hidden
     t0 = time.perf_counter()
     start = model.n_past(seq)
@@ -238,13 +243,34 @@ def speculative_tokens(model: Model, prompt: list[int], n_predict: int, sampler:
         logits = logits[-1]
     stats.n_prompt += len(prompt)
     stats.prompt_seconds += time.perf_counter() - t0
+    draft.start(prompt)
+    yield from continue_speculative(model, logits, n_predict, sampler, draft, draft_max, seq, stats, stop_at_eog,
+                                    context=(prompt[1:], hidden_rows, start))
+
+
+def continue_speculative(model: Model, logits: np.ndarray, n_predict: int, sampler: Sampler, draft: DraftSource,
+                         draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
+                         stop_at_eog: bool = True,
+                         context: tuple[list[int], np.ndarray | None, int] | None = None) -> Iterator[int]:
+    """Speculative decoding from a sequence whose prompt is already evaluated (`logits`: its last row).
+
+    `context` = (tokens following each hidden row, hidden rows, first row's position) of what the
+    draft has not yet seen; by default the last evaluated token's row (`model.last_hidden`).
+    """
+    stats = stats if stats is not None else SpeculativeStats()
+    k_max = _slots_for(model, draft_max)
+    wants_hidden = draft.needs_hidden
+    if context is None:
+        last = model.last_hidden[0][-1:] if wants_hidden and model.last_hidden is not None else None
+        context = ([], last, model.n_past(seq) - 1)
     t1 = time.perf_counter()
     history = model.tokens(seq)
-    draft.start(prompt)
     stats.stop_reason = "length"
     try:
         tok = sampler.sample(logits, history)
-        draft.commit(prompt[1:] + [tok], hidden_rows, start)
+        follow, rows, first = context
+        if not wants_hidden or rows is not None:
+            draft.commit(follow + [tok], rows, first)
         while True:
             if stop_at_eog and model.tokenizer.is_eog(tok):
                 stats.stop_reason = "eog"
