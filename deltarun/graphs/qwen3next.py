@@ -50,6 +50,20 @@ class Qwen3NextGraph:
         validate_tensors(self.hp, gguf_file)
         self.file = gguf_file
 
+    def graph_size(self, ub: UbatchShape) -> int:
+        """Most nodes the graph of this shape can hold, with margin (ggml aborts past its size).
+
+        Measured: about 80 nodes per layer, and in the primitive delta net about 19 more per chunk
+        of 64 tokens per linear-attention layer (plus a few per rollback snapshot).
+        """
+        hp = self.hp
+        per_layer = 120 * (hp.n_layer + hp.n_mtp)
+        chunks = 0
+        if ub.delta_net == "primitive" and ub.n_seq_tokens > 1:
+            n_chunks = -(-ub.n_seq_tokens // CHUNK_SIZE)
+            chunks = len(hp.linear_layers) * (32 * n_chunks + 16 * min(ub.n_seq_tokens, 64))
+        return 2048 + per_layer + chunks
+
     def tensor_names(self) -> list[str]:
         """Names of every weight the graph may read (optional ones included)."""
         return list(expected_tensors(self.hp, self.file))

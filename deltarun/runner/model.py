@@ -28,6 +28,55 @@ from deltarun.runner.weights import Weights
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
 NEG_INF = -np.inf
 
+# The raw ctypes functions (ggml-python binds them without a Python wrapper): the per-step input
+# and output copies call them directly with precomputed host addresses.
+_tensor_set = ggml.ggml_backend_tensor_set
+_tensor_get = ggml.ggml_backend_tensor_get
+_NP_OF_GGML = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32, ggml.GGML_TYPE_I64: np.int64}
+
+
+class _InputPlan:
+    """Host-side buffers for the inputs one graph uses, filled in place on every step.
+
+    Built on the first step after the graph was allocated (only then is it known which inputs the
+    graph really reads: unused ones get no memory and are skipped). Inputs that depend on the
+    shape only (state cells, rollback-slot order, output rows) are computed once here; they are
+    still copied to the backend every step, because the allocator reuses input memory for later
+    nodes.
+    """
+
+    __slots__ = ("io", "bufs", "const")
+
+    def __init__(self, io: dict[str, Any], shape: UbatchShape):
+        self.io = io
+        #: name -> (tensor, host array, its address, nbytes), for every used input
+        self.bufs: dict[str, tuple[Any, np.ndarray, int, int]] = {}
+        for name, t in io.items():
+            c = t.contents
+            if not (c.flags & ggml.GGML_TENSOR_FLAG_INPUT) or not c.buffer or c.type not in _NP_OF_GGML:
+                continue
+            nd = int(ggml.ggml_n_dims(t))
+            arr = np.zeros(tuple(reversed([int(c.ne[i]) for i in range(nd)])), dtype=_NP_OF_GGML[c.type])
+            if arr.nbytes == int(ggml.ggml_nbytes(t)):   # inputs are contiguous; anything else: generic path
+                self.bufs[name] = (t, arr, arr.ctypes.data, arr.nbytes)
+        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
+        per_seq = shape.n_outputs // n_seqs
+        fixed = {
+            "rs_s_copy": np.arange(shape.seq_head, shape.seq_head + n_seqs, dtype=np.int32),
+            "inp_out_ids": (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).astype(np.int32),
+        }
+        if "rs_s_slot_rev" in self.bufs:
+            kw = self.bufs["rs_s_slot_rev"][1].size
+            fixed["rs_s_slot_rev"] = np.arange(kw - 1, -1, -1, dtype=np.int32)
+        #: name -> (tensor, address, nbytes) of the shape-only inputs, already filled
+        self.const: dict[str, tuple[Any, int, int]] = {}
+        for name, values in fixed.items():
+            entry = self.bufs.get(name)
+            if entry is not None and entry[1].size == values.size:
+                t, arr, addr, nbytes = self.bufs.pop(name)
+                arr.reshape(-1)[:] = values.reshape(-1)
+                self.const[name] = (t, addr, nbytes)
+
 
 @dataclass
 class _Graph:
@@ -90,7 +139,9 @@ class Model:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, n_rs_seq, kv_type, mtp=mtp,
                              placement=self.placement)
-        self.sched = Scheduler(self.backend.sched_backends)   # [device, CPU] or [CPU]
+        largest = UbatchShape(n_seq_tokens=n_batch, n_seqs=1, n_outputs=n_batch, n_kv=n_ctx, delta_net=delta_net)
+        self.sched = Scheduler(self.backend.sched_backends,   # [device, CPU] or [CPU]
+                               graph_size=self.graph_builder.graph_size(largest))
         self._graphs: dict[UbatchShape, _Graph] = {}
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
@@ -312,8 +363,9 @@ class Model:
     def _graph(self, shape: UbatchShape) -> _Graph:
         g = self._graphs.get(shape)
         if g is None:
-            ctx = new_context(2 * 16384)
-            gf = ggml.ggml_new_graph_custom(ctx, 16384, False)
+            size = self.graph_builder.graph_size(shape)
+            ctx = new_context(2 * size)
+            gf = ggml.ggml_new_graph_custom(ctx, size, False)
             io = self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, shape)
             g = _Graph(ctx, gf, io)
             self._graphs[shape] = g
