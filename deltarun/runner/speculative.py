@@ -271,44 +271,34 @@ def continue_speculative(model: Model, logits: np.ndarray, n_predict: int, sampl
         follow, rows, first = context
         if not wants_hidden or rows is not None:
             draft.commit(follow + [tok], rows, first)
+        pending = [tok]       # kept tokens not yet emitted; the last one is not yet evaluated
         while True:
-            if stop_at_eog and model.tokenizer.is_eog(tok):
-                stats.stop_reason = "eog"
-                return
-            stats.n_generated += 1
-            stats.tokens.append(tok)
-            history.append(tok)
-            yield tok
-            left = n_predict - stats.n_generated
-            if left <= 0:
-                return
+            for t in pending:
+                if stop_at_eog and model.tokenizer.is_eog(t):
+                    stats.stop_reason = "eog"
+                    return
+                stats.n_generated += 1
+                stats.tokens.append(t)
+                history.append(t)
+                yield t
+                if stats.n_generated >= n_predict:
+                    return
+            tok = pending[-1]
             room = model.n_ctx - model.n_past(seq) - 1
             if room < 0:
                 stats.stop_reason = "context"
                 return
-            k = max(0, min(k_max, left - 1, room))
+            k = max(0, min(k_max, n_predict - stats.n_generated - 1, room))
             proposal = draft.propose(history, k, sampler) if k else Draft([], [])
-            batch = [tok] + proposal.tokens
-            out = model.eval(batch, seq, all_logits=True)
+            out = model.eval([tok] + proposal.tokens, seq, all_logits=True)
             stats.n_steps += 1
             stats.n_drafted += len(proposal.tokens)
             n_ok, nxt = _accept(sampler, out, proposal, history)
             stats.n_accepted += n_ok
             if len(proposal.tokens) > n_ok:
                 model.rollback(len(proposal.tokens) - n_ok, seq)
-            accepted = proposal.tokens[:n_ok]
+            pending = proposal.tokens[:n_ok] + [nxt]
             rows = model.last_hidden[0][: n_ok + 1] if wants_hidden else None
-            draft.commit(accepted + [nxt], rows, model.n_past(seq) - n_ok - 1)
-            for d in accepted:
-                if stop_at_eog and model.tokenizer.is_eog(d):
-                    stats.stop_reason = "eog"
-                    return
-                stats.n_generated += 1
-                stats.tokens.append(d)
-                history.append(d)
-                yield d
-                if stats.n_generated >= n_predict:
-                    return
-            tok = nxt
+            draft.commit(pending, rows, model.n_past(seq) - n_ok - 1)
     finally:
         stats.generate_seconds += time.perf_counter() - t1
