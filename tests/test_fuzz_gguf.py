@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -35,6 +36,8 @@ from deltarun.runner import errors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loader_errors import SCALAR_SIZES, walk  # noqa: E402  (the tests' own GGUF field walker)
+
+GV_STRING = gguf.GGUFValueType.STRING
 
 TIMEOUT_S = 20
 MEMORY_CAP_MB = 4096   # a normal probe peaks near 600 MB of address space
@@ -55,6 +58,7 @@ class Base:
     region_end: int      # where tensor data starts: mutations stay before it
     hot: tuple[int, ...]  # starts of counts, lengths and types (changing them shifts what follows)
     values: tuple[tuple[int, int], ...]  # (position, width) of scalar values, tensor shapes, types, offsets
+    texts: tuple[tuple[int, int], ...]   # (position, length) of the bytes of string values
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +72,20 @@ def make_base(d: Path) -> Base:
     pos = walk(path)
     hot = {4, 8, 16}
     values: set[tuple[int, int]] = set()
+    texts: list[tuple[int, int]] = []
+    data = path.read_bytes()
     for kv in pos.kv.values():
         hot.update((kv.pos, kv.type_pos, kv.value_pos, kv.value_pos + 4))
         if kv.vtype in SCALAR_SIZES:
             values.add((kv.value_pos, SCALAR_SIZES[kv.vtype]))
+        elif kv.vtype == GV_STRING:
+            (n,) = struct.unpack_from("<Q", data, kv.value_pos)
+            texts.append((kv.value_pos + 8, n))
     for ti in pos.tensors.values():
         hot.update((ti.pos, ti.ndims_pos))
         values.update((ti.dims_pos + 8 * i, 8) for i in range(len(ti.ne)))
         values.update({(ti.type_pos, 4), (ti.offset_pos, 8)})
-    return Base(path, path.read_bytes(), pos.data_offset, tuple(sorted(hot)), tuple(sorted(values)))
+    return Base(path, data, pos.data_offset, tuple(sorted(hot)), tuple(sorted(values)), tuple(texts))
 
 
 # --- mutations ----------------------------------------------------------------------------------
@@ -93,21 +102,28 @@ FORMATS = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}
 def mutation_lists(draw: st.DrawFn, base: Base) -> list[tuple]:
     """1-3 mutations, each (kind, position, width, argument).
 
-    A third change a value in place (a hyper-parameter, a tensor's shape, type or offset) and keep
-    the layout intact, so they reach the hyper-parameter and tensor checks and ggml; a third hit
-    the counts, lengths and types that the layout hangs on; a third land anywhere in the region.
+    Most keep the layout intact, so they reach the checks behind it and ggml: "value" changes a
+    number in place (a hyper-parameter, a tensor's shape, type or offset), "text" the bytes of a
+    string (architecture, tokenizer model, chat template...). "hot" hits the counts, lengths and
+    types that the layout hangs on; "anywhere" lands anywhere in the region.
     """
     out = []
     for _ in range(draw(st.integers(1, 3))):
-        target = draw(st.sampled_from(("value", "hot", "anywhere")))
+        target = draw(st.sampled_from(("value", "value", "text", "hot", "anywhere")))
         if target == "value":
             pos, width = draw(st.sampled_from(base.values))
             kind = draw(st.sampled_from(("flip", "set", "arith")))
+        elif target == "text":
+            start, n = draw(st.sampled_from(base.texts))
+            pos = start + draw(st.integers(0, max(n - 1, 0)))
+            kind, width = "random", 1
+            out.append((kind, pos, width, draw(st.binary(min_size=1, max_size=max(1, min(4, start + n - pos))))))
+            continue
         else:
             kind = draw(st.sampled_from(KINDS))
             width = draw(st.sampled_from((4, 8)))
             if target == "hot":
-                pos = max(4, draw(st.sampled_from(base.hot)) + draw(st.integers(-2, 4)))  # the magic: see below
+                pos = max(4, draw(st.sampled_from(base.hot)) + draw(st.integers(-2, 4)))  # leave the magic alone
             else:
                 pos = draw(st.integers(0, base.region_end - 1))
         pos = min(pos, base.region_end - 1)

@@ -170,7 +170,7 @@ def tensor(src: Path, name: str) -> np.ndarray:
     return np.array(next(t.data for t in r.tensors if t.name == name))
 
 
-def field(src: Path, key: str) -> Any:
+def metadata(src: Path, key: str) -> Any:
     return gguf.GGUFReader(str(src)).fields[key].contents()
 
 
@@ -219,7 +219,7 @@ def _replace_tensor(name: str, make: Callable[[np.ndarray], Any]) -> Build:
 
 def _merges_plus(extra: list[str]) -> Build:
     return lambda src, pos, dst: rewrite(src, dst, set_kv={
-        "tokenizer.ggml.merges": (field(src, "tokenizer.ggml.merges") + extra, GV.ARRAY, GV.STRING)})
+        "tokenizer.ggml.merges": (metadata(src, "tokenizer.ggml.merges") + extra, GV.ARRAY, GV.STRING)})
 
 
 def _rename_key(old: str, new: str) -> Build:
@@ -374,6 +374,8 @@ FAULTS: list[Fault] = [
           M, ("recurrent_layers must hold 4 booleans",)),
     Fault("expert-ff-string", hp("expert_feed_forward_length", "x", GV.STRING), M,
           ("expert_feed_forward_length must be an integer",)),
+    Fault("value-length-differs", hp("attention.value_length", 128), M,
+          ("attention.value_length = 128 differs from key_length 64",)),
     Fault("missing-hparam", lambda s, p, d: rewrite(s, d, drop_keys=(f"{ARCH}.ssm.state_size",)), M,
           ("required metadata key 'qwen3next.ssm.state_size' is missing",)),
     # -- vocabulary --
@@ -396,12 +398,12 @@ FAULTS: list[Fault] = [
           ("'tokenizer.ggml.tokens'",)),
     Fault("extra-token-no-embedding",
           lambda s, p, d: rewrite(s, d, set_kv={
-              "tokenizer.ggml.tokens": (field(s, "tokenizer.ggml.tokens") + ["zzzz"], GV.ARRAY, GV.STRING),
-              "tokenizer.ggml.token_type": (field(s, "tokenizer.ggml.token_type") + [1], GV.ARRAY, GV.INT32)}),
+              "tokenizer.ggml.tokens": (metadata(s, "tokenizer.ggml.tokens") + ["zzzz"], GV.ARRAY, GV.STRING),
+              "tokenizer.ggml.token_type": (metadata(s, "tokenizer.ggml.token_type") + [1], GV.ARRAY, GV.INT32)}),
           M, ("tensor 'token_embd.weight' has shape [256, 2330], expected [256, 2331]",)),
     # -- chat template --
-    Fault("template-syntax-error", kv_set("tokenizer.chat_template", "{% for m in messages %}{{ m.content }", GV.STRING),
-          T, ("tokenizer.chat_template", "not valid Jinja (line 1")),
+    Fault("template-syntax-error",
+          kv_set("tokenizer.chat_template", "{% for m in messages %}{{ m.content }", GV.STRING), T, ("tokenizer.chat_template", "not valid Jinja (line 1")),
     Fault("template-unclosed-if", kv_set("tokenizer.chat_template", "hello\n{% if x %}\nworld", GV.STRING), T,
           ("not valid Jinja (line 3",)),
     Fault("template-not-string", kv_set("tokenizer.chat_template", 42, GV.UINT32), T,

@@ -30,7 +30,9 @@ def graph_builder_for(gguf_file: Any) -> Any:
     builders = available_architectures()
     if arch not in builders:
         raise UnsupportedModelError(
-            f"{gguf_file.path}: no graph for architecture {arch!r}; deltarun runs: {', '.join(sorted(builders))}")
+            f"{gguf_file.path}: no graph for architecture {arch!r}; deltarun runs: {', '.join(sorted(builders))}. "
+            f"Use a model of a supported architecture, or install a package that registers a graph builder "
+            f"for {arch!r} in the {ENTRY_POINT_GROUP!r} entry-point group")
     entry = builders[arch]
     cls = entry.load() if hasattr(entry, "load") else entry
     return cls(gguf_file)

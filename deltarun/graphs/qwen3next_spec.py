@@ -202,6 +202,10 @@ def read_hparams(f: GGUFFile) -> HParams:
         n_vocab=_vocab_size(f) or _vocab_from_embd(f),
     )
     check_hparams(hp, str(f.path))
+    value_length = f.get(f"{ARCH}.attention.value_length")
+    if value_length is not None and value_length != hp.head_dim:
+        raise ModelFileError(f"{f.path}: {ARCH}.attention.value_length = {_show(value_length)} differs from "
+                             f"key_length {hp.head_dim}; {ARCH} uses one head size for both: {REDO}")
     return hp
 
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from deltarun.runner.errors import TokenizerError
@@ -45,10 +46,20 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
     return datetime.now().strftime(format)
 
 
+class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def make_environment() -> ImmutableSandboxedEnvironment:
     """The jinja2 environment transformers uses for chat templates."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -1,34 +1,14 @@
 """Checking a model's chat template when the file is opened, not when the first chat starts.
 
-`validate_chat_template` parses the template with the same Jinja settings chat code uses for
-Hugging Face style templates (sandboxed, `trim_blocks`/`lstrip_blocks`, loop controls, the
-`{% generation %}` tag), so a template with a syntax error is reported with its line at load
-time as a `TokenizerError`.
+`validate_chat_template` parses the template in the environment chat rendering uses
+(`chat_template.make_environment`: transformers' settings), so a template with a syntax error is
+reported with its line at load time as a `TokenizerError`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from deltarun.runner.chat_template import make_environment
 from deltarun.runner.errors import TokenizerError
-
-
-def _environment() -> Any:
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): a no-op."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> list[nodes.Node]:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                         extensions=["jinja2.ext.loopcontrols", GenerationTag])
 
 
 def validate_chat_template(template: str) -> None:
@@ -38,7 +18,7 @@ def validate_chat_template(template: str) -> None:
     from jinja2 import TemplateSyntaxError
 
     try:
-        _environment().parse(template)
+        make_environment().parse(template)
     except TemplateSyntaxError as e:
         line = ""
         if e.lineno and template:
