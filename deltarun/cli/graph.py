@@ -115,7 +115,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
     else:
         data = gd.render_svg(dump.to_dot())
     if output is not None:
-        gd.atomic_write(output, data)
+        gd.write_atomically(output, data)
         click.echo(f"wrote {output}", err=True)
     elif isinstance(data, bytes):
         click.get_binary_stream("stdout").write(data)

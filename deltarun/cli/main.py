@@ -6,6 +6,7 @@ Every expected failure is a `DeltarunError`; it is printed as one line and mappe
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -53,6 +54,18 @@ class LazyGroup(click.Group):
         except MemoryError as e:
             click.secho(f"error: out of memory ({e})", fg="red", err=True)
             sys.exit(6)
+        except BrokenPipeError:
+            sys.exit(0)
+        except OSError as e:   # a file the command reads or writes: say which and why, in one line
+            if ctx.obj and ctx.obj.get("verbose"):
+                import traceback
+
+                traceback.print_exc()
+            where = f"{e.filename}: " if e.filename else ""
+            hint = "; free some disk space and try again (files are replaced only once fully written)" \
+                if e.errno == errno.ENOSPC else ""
+            click.secho(f"error: {where}{e.strerror or e}{hint}", fg="red", err=True)
+            sys.exit(7)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -412,7 +412,7 @@ class _Builder:
           M_end = e^(G_last) M0 + K^T diag(e^(G_last - G)) Delta
         Zero padding to a whole chunk adds tokens with beta = 0 and g = 0, which change nothing.
         """
-        c, ub = self.ctx, self.ub
+        c = self.ctx
         S, H, T, N = ne(v)
         C = CHUNK_SIZE
         pad = (C - T % C) % C

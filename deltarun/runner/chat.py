@@ -31,9 +31,7 @@ interrupt before the first token cancels the turn: the user message is removed a
 from __future__ import annotations
 
 import json
-import os
 import signal
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -45,6 +43,7 @@ import numpy as np
 
 from deltarun.runner.chat_template import ChatTemplate
 from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.runner.files import write_atomically
 from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.tokenizer import StreamDecoder
 
@@ -255,24 +254,6 @@ def _check_messages(data: Any, where: str) -> list[dict[str, Any]]:
             raise ChatFileError(f"{where}: message {i} has no text 'content'")
         out.append(dict(m))
     return out
-
-
-def write_atomically(path: str | Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 # --------------------------------------------------------------------------------------------- session

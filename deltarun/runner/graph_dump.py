@@ -92,7 +92,6 @@ import io
 import fnmatch
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -105,6 +104,7 @@ import numpy as np
 
 from deltarun.graphs.qwen3next import UbatchShape
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.files import write_atomically
 from deltarun.runner.ggml_util import NP_TYPES, ggml, name_of
 
 SCHEMA_VERSION = 1
@@ -584,23 +584,6 @@ def _json_number(e: Any) -> Any:
     return e
 
 
-def _null_callback() -> Any:
-    return ggml.ggml_backend_sched_eval_callback()
-
-
-@ggml.ggml_backend_sched_eval_callback
-def _pass_through(t: Any, ask: bool, user_data: Any) -> bool:  # pragma: no cover - only if NULL is refused
-    return not ask
-
-
-def _clear_callback(sched: Any) -> None:
-    """Remove the eval callback: NULL where the binding accepts it, else a module-level pass-through."""
-    try:
-        ggml.ggml_backend_sched_set_eval_callback(sched, _null_callback(), None)
-    except (ctypes.ArgumentError, TypeError):  # pragma: no cover - older bindings
-        ggml.ggml_backend_sched_set_eval_callback(sched, _pass_through, None)
-
-
 def capture_values(model: Any, tokens: list[int], *, n_seqs: int = 1, decode: bool = False,
                    all_outputs: bool = False, layer: int | None = None, patterns: Iterable[str] | None = None,
                    keep_arrays: bool = False, n_first: int = N_FIRST, prompt: str | None = None
@@ -660,14 +643,12 @@ def capture_values(model: Any, tokens: list[int], *, n_seqs: int = 1, decode: bo
         return True
 
     errors: list[Exception] = []
-    callback = ggml.ggml_backend_sched_eval_callback(observe)  # keep a reference while ggml may call it
     builds = model.stats.n_graph_builds
-    ggml.ggml_backend_sched_set_eval_callback(model.sched.handle, callback, None)
+    model.sched.set_eval_callback(observe)  # the scheduler owns the ggml callback (backend.Scheduler)
     try:
         model._eval_ubatch([list(last) for _ in range(n_seqs)], 0, all_outputs)
     finally:
-        _clear_callback(model.sched.handle)
-        del callback
+        model.sched.clear_eval_callback()
     if errors:
         raise DeltarunError(f"reading values failed: {errors[0]}")
     if model.stats.n_graph_builds != builds:  # the runner chose another shape than the dump's
@@ -681,21 +662,6 @@ def capture_values(model: Any, tokens: list[int], *, n_seqs: int = 1, decode: bo
 # ----------------------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------------------
-def atomic_write(path: str | Path, data: bytes | str) -> None:
-    """Write to a temporary file beside `path`, then rename over it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _safe_name(name: str) -> str:
     s = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("._")
     return s or "tensor"
@@ -717,7 +683,7 @@ def write_dump_dir(dump: GraphDump, arrays: dict[str, np.ndarray], directory: st
         used.add(fname)
         buf = io.BytesIO()
         np.save(buf, arrays[r.id], allow_pickle=False)
-        atomic_write(d / fname, buf.getvalue())
+        write_atomically(d / fname, buf.getvalue())
         if r.values is not None:
             r.values.file = fname
         entries.append({"name": r.name, "id": r.id, "op": r.op, "type": r.type, "ne": r.ne,
@@ -725,7 +691,7 @@ def write_dump_dir(dump: GraphDump, arrays: dict[str, np.ndarray], directory: st
                         "stats": r.values.to_dict() if r.values else None})
     manifest = {"schema_version": SCHEMA_VERSION, "model": dump.model, "shape": dump.shape,
                 "tokens": (dump.values or {}).get("tokens"), "tensors": entries}
-    atomic_write(d / "manifest.json", json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+    write_atomically(d / "manifest.json", json.dumps(manifest, indent=1, allow_nan=False) + "\n")
     return d / "manifest.json"
 
 
