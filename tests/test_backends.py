@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 
 import numpy as np
 import pytest
@@ -179,3 +181,67 @@ def test_model_with_gpu_layers_on_the_cpu_matches(tiny_model_path):
         assert b.weights.bytes_by_backend == {"cpu": b.weights.nbytes}
         assert np.array_equal(a.eval(toks), b.eval(toks))
         assert b.sched.n_splits() >= 1
+
+
+
+# --- the scheduler's eval callback -----------------------------------------------------------------
+def test_the_scheduler_owns_the_eval_callback(tiny_model_path):
+    """A callback set through the scheduler sees the nodes it asks for and changes no result."""
+    path = tiny_model_path("tiny", "f32")
+    toks = list(range(5, 25))
+    with Model(path, n_ctx=64, n_threads=1) as m:
+        want = m.eval(toks, all_logits=True)
+        asked: list[str] = []
+        seen: list[str] = []
+
+        def observe(t, ask, user_data):
+            name = ggml.ggml_get_name(t).decode()
+            if ask:
+                asked.append(name)
+                return name == "result_norm"
+            seen.append(name)
+            return True
+
+        m.reset()
+        m.sched.set_eval_callback(observe)
+        got = m.eval(toks, all_logits=True)
+        m.sched.clear_eval_callback()
+        assert seen == ["result_norm"] and len(asked) > 100
+        assert np.array_equal(got, want) and m.sched._c_callback is None
+        n = len(asked)
+        m.reset()
+        assert np.array_equal(m.eval(toks, all_logits=True), want) and len(asked) == n
+
+
+def test_vulkan_workaround_respects_the_user(monkeypatch):
+    for var in ("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "DELTARUN_VK_WORKAROUNDS"):
+        monkeypatch.delenv(var, raising=False)
+    be.vulkan_workaround()
+    assert os.environ["GGML_VK_DISABLE_GRAPH_OPTIMIZE"] == "1"
+    monkeypatch.delenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE")
+    monkeypatch.setenv("DELTARUN_VK_WORKAROUNDS", "0")
+    be.vulkan_workaround()
+    assert "GGML_VK_DISABLE_GRAPH_OPTIMIZE" not in os.environ
+
+
+def test_scheduler_puts_back_the_srcs_it_rewrote(tiny_model_path):
+    """ggml's scheduler points a node's src at its own copy of an input that lives on another
+    backend, in a context it frees on the next split; Scheduler.allocate saves every node's srcs
+    before a graph's first allocation and puts them back before each later one."""
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=64, n_threads=1) as m:
+        toks = list(range(5, 21))
+        want = m.logits_for(toks)
+        g = next(iter(m._graphs.values()))
+        saved = m.sched._pristine[ctypes.addressof(g.gf.contents)]
+        assert len(saved) == ggml.ggml_graph_n_nodes(g.gf)
+        # what the scheduler does with a cross-backend input: point src[0] elsewhere
+        node = next(ggml.ggml_graph_node(g.gf, i) for i in range(ggml.ggml_graph_n_nodes(g.gf))
+                    if ggml.ggml_graph_node(g.gf, i).contents.src[0])
+        original = ctypes.addressof(node.contents.src[0].contents)
+        node.contents.src[0] = ggml.ggml_graph_node(g.gf, 0)
+        m.eval([7])                                   # another graph is allocated in between
+        assert np.array_equal(m.logits_for(toks), want)
+        assert ctypes.addressof(node.contents.src[0].contents) == original
+        # a graph whose nodes are not those of the snapshot is not touched
+        other = next(x for x in m._graphs.values() if x is not g)
+        assert not be.restore_srcs(other.gf, saved)

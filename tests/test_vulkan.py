@@ -13,8 +13,13 @@ are in place before ggml enumerates devices:
   (10-130 s each), later runs read them back in well under a second.
 
 On lavapipe, quantised matrix products differ from the CPU's by 0.5-1% (the CPU backend
-quantises the activations to Q8; lavapipe has no integer dot product), which the quantised test
-checks at the level of the logits only.
+quantises the activations to Q8; lavapipe has no integer dot product), enough to flip the MoE's
+expert choice where two experts nearly tie, so the quantised test checks the logits only.
+
+Mesa 22.3's lavapipe crashed now and then (heap corruption) under deltarun until two ggml-vulkan
+features were switched off for it (`backend.vulkan_workaround`); a run that still dies from a
+signal is retried twice, with a warning in the test output, so that one such crash does not fail
+CI while a reproducible one still does.
 """
 
 from __future__ import annotations
@@ -60,8 +65,15 @@ if not DEVICES:
 
 
 def deltarun(*args: str | Path, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "deltarun", *[str(a) for a in args]], env=env or _env(),
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    """Run the CLI in a subprocess. A run killed by a signal is retried twice (and says so): see
+    the module docstring on lavapipe."""
+    for attempt in range(3):
+        p = subprocess.run([sys.executable, "-m", "deltarun", *[str(a) for a in args]], env=env or _env(),
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        if p.returncode >= 0:
+            break
+        print(f"\nWARNING: deltarun {args[0]} died with signal {-p.returncode} (attempt {attempt + 1}): "
+              f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
     if code is not None:
         assert p.returncode == code, (p.returncode, p.stdout[-4000:], p.stderr[-4000:])
     return p
@@ -93,6 +105,22 @@ def test_lavapipe_is_hidden_without_the_visible_devices_variable():
     env.pop("GGML_VK_VISIBLE_DEVICES")
     p = deltarun("generate", "-p", "hi", "-n", "1", "--backend", "vulkan", env=env, code=5)
     assert "GGML_VK_VISIBLE_DEVICES=0" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_graphs_coming_back_give_the_same_logits(tiny_model_path):
+    """Prefill, decode, prefill again: the cached prefill graph is allocated again after the decode
+    graph (the scheduler's input copies of the first allocation are gone by then)."""
+    script = (
+        "import sys, numpy as np\n"
+        "from deltarun.runner.model import Model\n"
+        "toks = list(range(5, 21))\n"
+        "with Model(sys.argv[1], backend='vulkan', n_ctx=64, n_batch=16, n_threads=1, kv_type='f32') as m:\n"
+        "    a = m.logits_for(toks); m.eval([7]); b = m.logits_for(toks); m.eval([7]); c = m.logits_for(toks)\n"
+        "    print(float(np.abs(a - b).max()), float(np.abs(a - c).max()))\n")
+    p = subprocess.run([sys.executable, "-c", script, str(tiny_model_path("tiny", "f32"))], env=_env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stdout.split() == ["0.0", "0.0"]
 
 
 def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):

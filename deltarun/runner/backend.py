@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from deltarun.runner.errors import BackendError
 from deltarun.runner.ggml_util import c_array, ctypes, ggml
@@ -249,6 +249,22 @@ def _init_cpu(n_threads: int | None, ref: bool = False) -> Backend:
     return backend
 
 
+def vulkan_workaround() -> None:
+    """Switch off ggml-vulkan's graph reordering (GGML_VK_DISABLE_GRAPH_OPTIMIZE=1).
+
+    ggml-vulkan reorders each split's nodes in place in the caller's graph to run independent
+    nodes together. deltarun keeps its graphs and allocates them again when a shape comes back;
+    with the reordering on, a prefill / decode / prefill sequence on the tiny model corrupted the
+    heap on Mesa's lavapipe (Debian 12: Mesa 22.3.6, LLVM 15) in 33 of 98 runs (6 of 10 once the
+    scheduler's source rewrites were undone, see Scheduler.allocate), in none of 26 with it off.
+    Not measured on a GPU; it only costs some overlap between nodes, so it is off for every Vulkan
+    device unless the user set the variable or DELTARUN_VK_WORKAROUNDS=0. ggml reads it when it
+    first opens the device, so it is set before that.
+    """
+    if os.environ.get("DELTARUN_VK_WORKAROUNDS") != "0":
+        os.environ.setdefault("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1")
+
+
 def best_device() -> DeviceInfo | None:
     """What `auto` picks: a GPU, then an integrated GPU, skipping software renderers; None = CPU."""
     devs = [d for d in list_devices() if d.registry.lower() in DEVICE_KINDS and not d.software]
@@ -270,6 +286,8 @@ def init_backend(name: str = "cpu", n_threads: int | None = None) -> Backend:
             return _init_cpu(n_threads)
     else:
         dev = _find_device(kind, index)
+    if dev.registry == "Vulkan":
+        vulkan_workaround()
     handle = ggml.ggml_backend_dev_init(dev.handle, None)
     if not handle:
         raise BackendError(f"ggml could not start {dev.name} ({dev.description})")
@@ -354,6 +372,33 @@ class Placement:
 # ----------------------------------------------------------------------------------------------
 # The scheduler
 # ----------------------------------------------------------------------------------------------
+def _src_span() -> tuple[int, int]:
+    field = ggml.ggml_tensor.src
+    return field.offset, field.size
+
+
+def snapshot_srcs(gf: Any) -> dict[int, bytes]:
+    """The src pointers of every node of `gf`, by node address (raw bytes of ggml_tensor.src)."""
+    off, size = _src_span()
+    out = {}
+    for i in range(int(ggml.ggml_graph_n_nodes(gf))):
+        addr = ctypes.addressof(ggml.ggml_graph_node(gf, i).contents)
+        out[addr] = ctypes.string_at(addr + off, size)
+    return out
+
+
+def restore_srcs(gf: Any, snapshot: dict[int, bytes]) -> bool:
+    """Put back the src pointers saved by `snapshot_srcs`; False if `gf` has nodes it lacks."""
+    off, _ = _src_span()
+    nodes = [ctypes.addressof(ggml.ggml_graph_node(gf, i).contents) for i in range(int(ggml.ggml_graph_n_nodes(gf)))]
+    if len(nodes) != len(snapshot) or any(a not in snapshot for a in nodes):
+        return False
+    for addr in nodes:
+        saved = snapshot[addr]
+        ctypes.memmove(addr + off, saved, len(saved))
+    return True
+
+
 def forget_addresses(ctx: Any) -> None:
     """Clear data and buffer of every tensor created in a graph context (nodes, inputs, views)."""
     t = ggml.ggml_get_first_tensor(ctx)
@@ -364,12 +409,36 @@ def forget_addresses(ctx: Any) -> None:
         t = ggml.ggml_get_next_tensor(ctx, t)
 
 
+EvalCallback = Callable[[Any, bool, Any], bool]
+
+
+def _null_callback() -> Any:
+    return ggml.ggml_backend_sched_eval_callback()
+
+
+@ggml.ggml_backend_sched_eval_callback
+def _pass_through(t: Any, ask: bool, user_data: Any) -> bool:  # pragma: no cover - only if NULL is refused
+    return not ask
+
+
+def _clear_callback(sched: Any) -> None:
+    """Remove the eval callback: NULL where the binding accepts it, else a module-level pass-through."""
+    try:
+        ggml.ggml_backend_sched_set_eval_callback(sched, _null_callback(), None)
+    except (ctypes.ArgumentError, TypeError):  # pragma: no cover - older bindings
+        ggml.ggml_backend_sched_set_eval_callback(sched, _pass_through, None)
+
+
 class Scheduler:
     """ggml_backend_sched over the backend(s); remembers which graph is currently allocated.
 
     With a device and the CPU, ggml splits each graph: an op runs where its weights are, ops the
     device does not support (ggml_backend_dev_supports_op) fall back to the CPU, and with
     op_offload large-batch ops on CPU-resident weights may be offloaded to the device.
+
+    The scheduler owns its eval callback: `set_eval_callback(fn)` installs a Python callback
+    (fn(tensor, ask, user_data) -> bool, as ggml's; it must not raise) and keeps it alive until
+    `clear_eval_callback()`.
     """
 
     def __init__(self, backends: list[Backend], graph_size: int = GRAPH_SIZE):
@@ -380,6 +449,16 @@ class Scheduler:
         if not self.handle:
             raise BackendError("ggml_backend_sched_new failed")
         self._allocated: Any = None
+        self._pristine: dict[int, dict[int, bytes]] = {}   # graph address -> its nodes' own srcs
+        self._c_callback: Any = None          # the installed ctypes callback (kept alive)
+
+    def set_eval_callback(self, fn: EvalCallback) -> None:
+        self._c_callback = ggml.ggml_backend_sched_eval_callback(fn)
+        ggml.ggml_backend_sched_set_eval_callback(self.handle, self._c_callback, None)
+
+    def clear_eval_callback(self) -> None:
+        _clear_callback(self.handle)
+        self._c_callback = None
 
     def reserve(self, gf: Any) -> None:
         """Size the compute buffers for the largest graph once, so later graphs never reallocate."""
@@ -393,9 +472,19 @@ class Scheduler:
         only right for the graph allocated last: another graph may have moved or reallocated the
         compute buffer since. So a graph coming back is first stripped of its addresses, and is
         then laid out as if new.
+
+        With more than one backend the scheduler also rewrites the graph: a node whose input lives
+        on another backend gets `src[j]` pointed at a copy made in the scheduler's own context,
+        which the next graph's split frees. A graph coming back would read freed tensors (wrong
+        values, heap corruption), so every node's own src pointers are saved before the graph's
+        first allocation and put back before each later one.
         """
-        if self._allocated is not None and ctypes.addressof(self._allocated.contents) == ctypes.addressof(gf.contents):
+        key = ctypes.addressof(gf.contents)
+        if self._allocated is not None and ctypes.addressof(self._allocated.contents) == key:
             return
+        saved = self._pristine.get(key)
+        if saved is None or not restore_srcs(gf, saved):
+            self._pristine[key] = snapshot_srcs(gf)   # never allocated: its srcs are its own
         forget_addresses(ctx)
         ggml.ggml_backend_sched_reset(self.handle)
         if not ggml.ggml_backend_sched_alloc_graph(self.handle, gf):
@@ -411,6 +500,7 @@ class Scheduler:
     def forget(self) -> None:
         """Drop the record of the allocated graph (its context is about to be freed)."""
         self._allocated = None
+        self._pristine.clear()
         ggml.ggml_backend_sched_reset(self.handle)
 
     def n_splits(self) -> int:
@@ -423,3 +513,5 @@ class Scheduler:
         if self.handle:
             ggml.ggml_backend_sched_free(self.handle)
             self.handle = 0
+        self._c_callback = None
+        self._c_callback = None

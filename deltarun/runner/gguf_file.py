@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from deltarun.runner.errors import ModelFileError, TokenizerError
+from deltarun.runner.fast_gguf import open_reader
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -31,8 +32,8 @@ GGML_MAX_DIMS = 4
 GGML_MAX_NAME = 64          # ggml tensor names hold at most 63 bytes plus the terminating NUL
 MAX_KEY_LENGTH = 1 << 16    # far above any real metadata key
 HEADER_SIZE = 24            # magic, version u32, n_tensors u64, n_kv u64
-MIN_KV_SIZE = 8 + 1 + 4 + 1  # key length, a 1-byte key, value type, a 1-byte value
-MIN_TENSOR_INFO_SIZE = 8 + 1 + 4 + 4 + 8  # name length, a 1-byte name, n_dims, type, offset
+MIN_KV_SIZE = 8 + 4 + 1     # key length, value type, a 1-byte value (keys are unique, so at most one is empty)
+MIN_TENSOR_INFO_SIZE = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
 REDO = "re-download the file or convert the model again"
 
@@ -293,7 +294,7 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: not a regular file (pass the path of a GGUF model file)")
         self.layout, size = read_layout(self.path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path), "r")
+            self.reader = open_reader(self.path)   # a gguf.GGUFReader with fast metadata arrays
         except Exception as e:  # the layout scan should have caught this; keep the promise anyway
             raise ModelFileError(f"{self.path}: damaged GGUF header or metadata ({type(e).__name__}: {e}); "
                                  f"{REDO}") from e

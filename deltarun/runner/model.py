@@ -22,7 +22,6 @@ from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackErro
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.ggml_util import ggml, new_context, numpy_to_tensor, tensor_to_numpy
 from deltarun.runner.memory import Memory
-from deltarun.runner.tokenizer import Tokenizer
 from deltarun.runner.weights import Weights
 
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
@@ -68,14 +67,15 @@ class _InputPlan:
         if "rs_s_slot_rev" in self.bufs:
             kw = self.bufs["rs_s_slot_rev"][1].size
             fixed["rs_s_slot_rev"] = np.arange(kw - 1, -1, -1, dtype=np.int32)
-        #: name -> (tensor, address, nbytes) of the shape-only inputs, already filled
-        self.const: dict[str, tuple[Any, int, int]] = {}
+        #: name -> (tensor, address, nbytes, host array) of the shape-only inputs, already filled
+        #: (the array is kept so that the address stays valid)
+        self.const: dict[str, tuple[Any, int, int, np.ndarray]] = {}
         for name, values in fixed.items():
             entry = self.bufs.get(name)
             if entry is not None and entry[1].size == values.size:
                 t, arr, addr, nbytes = self.bufs.pop(name)
                 arr.reshape(-1)[:] = values.reshape(-1)
-                self.const[name] = (t, addr, nbytes)
+                self.const[name] = (t, addr, nbytes, arr)
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Model:
         self.file = GGUFFile(path)
         self.graph_builder = graph_builder_for(self.file)
         self.hp = self.graph_builder.hp
-        self.tokenizer = Tokenizer.from_gguf(self.file.reader)
+        self.tokenizer = self.file.tokenizer()
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.delta_net = delta_net
@@ -423,8 +423,11 @@ class Model:
         self.sched.allocate(g.gf, g.ctx)
         self._set_inputs(g.io, tokens, starts, seq_head, shape)
         self.sched.compute(g.gf)
-        logits = tensor_to_numpy(g.io["result_output"]).reshape(n_seqs, n_out, self.hp.n_vocab)
-        self.last_hidden = tensor_to_numpy(g.io["result_norm"]).reshape(n_seqs, n_out, self.hp.n_embd)
+        logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
+        _tensor_get(g.io["result_output"], logits.ctypes.data, 0, logits.nbytes)
+        hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
+        _tensor_get(g.io["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
+        self.last_hidden = hidden
         for st, toks in zip(seqs, tokens):
             st.n_past += n
             st.tokens.extend(toks)
@@ -442,8 +445,83 @@ class Model:
         if t is not None and t.contents.buffer:
             numpy_to_tensor(t, values)
 
+    def _input_plan(self, io: dict[str, Any], shape: UbatchShape, seq_head: int) -> _InputPlan | None:
+        """The graph's input buffers (None: use the generic path, e.g. before allocation)."""
+        if seq_head != shape.seq_head:
+            return None
+        plans = self.__dict__.setdefault("_input_plans", {})
+        plan = plans.get(shape)
+        if plan is None or plan.io is not io:
+            plan = _InputPlan(io, shape)
+            if not plan.bufs and not plan.const:   # nothing allocated yet: do not remember
+                return None
+            plans[shape] = plan
+        return plan
+
     def _set_position_inputs(self, io: dict[str, Any], pos: np.ndarray, seq_head: int, shape: UbatchShape) -> None:
         """Positions, output rows, causal mask and KV rows for positions `pos` [n_seqs, n]."""
+        plan = self._input_plan(io, shape, seq_head)
+        if plan is None:
+            return self._set_position_inputs_generic(io, pos, seq_head, shape)
+        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
+        bufs, send = plan.bufs, []
+        e = bufs.get("inp_pos")
+        if e is not None:
+            e[1].reshape(-1)[:] = pos.reshape(-1)
+            send.append(e)
+        e = bufs.get("kq_mask")
+        if e is not None:
+            mask = e[1].reshape(n_seqs, n, shape.n_kv)
+            if n * n_seqs == 1:        # decode: one row, 0 up to the position, -inf after
+                mask.fill(NEG_INF)
+                mask[0, 0, :int(pos[0, 0]) + 1] = 0.0
+            else:
+                cols = np.arange(shape.n_kv)[None, None, :]
+                mask[...] = np.where(cols <= pos[:, :, None], 0.0, NEG_INF)
+            send.append(e)
+        elif "kq_mask" in io and io["kq_mask"].contents.buffer:
+            cols = np.arange(shape.n_kv)[None, None, :]
+            self._set(io, "kq_mask", np.where(cols <= pos[:, :, None], 0.0, NEG_INF).astype(np.float32))
+        e = bufs.get("kv_idxs")
+        if e is not None:
+            if n * n_seqs == 1:
+                e[1][0] = seq_head * self.n_ctx + int(pos[0, 0])
+            else:
+                seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
+                e[1].reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
+            send.append(e)
+        for t, _, addr, size in send:
+            _tensor_set(t, addr, 0, size)
+        e = plan.const.get("inp_out_ids")
+        if e is not None:
+            _tensor_set(e[0], e[1], 0, e[2])
+
+    def _set_inputs(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
+                    shape: UbatchShape) -> None:
+        plan = self._input_plan(io, shape, seq_head)
+        if plan is None:
+            return self._set_inputs_generic(io, tokens, starts, seq_head, shape)
+        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
+        if n * n_seqs == 1:
+            pos = np.array([[starts[0]]], dtype=np.int32)
+        else:
+            pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
+        e = plan.bufs.get("inp_tokens")
+        if e is not None:
+            if n * n_seqs == 1:
+                e[1][0] = tokens[0][0]
+            else:
+                e[1].reshape(n_seqs, n)[...] = tokens
+            _tensor_set(e[0], e[2], 0, e[3])
+        self._set_position_inputs(io, pos, seq_head, shape)
+        for name in ("rs_s_copy", "rs_s_slot_rev"):
+            e = plan.const.get(name)
+            if e is not None:
+                _tensor_set(e[0], e[1], 0, e[2])
+
+    # the plain forms: any graph, allocated or not (one host array per input and step)
+    def _set_position_inputs_generic(self, io: dict[str, Any], pos: np.ndarray, seq_head: int,
+                                     shape: UbatchShape) -> None:
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
         self._set(io, "inp_pos", pos.reshape(-1).astype(np.int32))
         per_seq = shape.n_outputs // n_seqs
@@ -454,12 +532,12 @@ class Model:
         seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
         self._set(io, "kv_idxs", (seq_ids * self.n_ctx + pos).astype(np.int64).reshape(-1))
 
-    def _set_inputs(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
-                    shape: UbatchShape) -> None:
+    def _set_inputs_generic(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
+                            shape: UbatchShape) -> None:
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
         pos = np.stack([np.arange(s, s + n, dtype=np.int32) for s in starts])          # [n_seqs, n]
         self._set(io, "inp_tokens", np.asarray(tokens, dtype=np.int32).reshape(-1))
-        self._set_position_inputs(io, pos, seq_head, shape)
+        self._set_position_inputs_generic(io, pos, seq_head, shape)
         self._set(io, "rs_s_copy", np.arange(seq_head, seq_head + n_seqs, dtype=np.int32))
         if "rs_s_slot_rev" in io:
             kw = int(io["rs_s_slot_rev"].contents.ne[0])

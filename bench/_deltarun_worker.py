@@ -1,0 +1,65 @@
+"""deltarun side of bench/compare_llamacpp.py: `deltarun bench`'s measurement, kept loaded.
+
+Same protocol as bench/_llamacpp_worker.py (JSON lines; each pp/tg command = one warm-up run + one
+timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.runner.bench:
+context = bench_context, ubatch = --batch, threads, f16 KV, fused delta-net) and timed by the
+same functions (`_time_pp`, `_time_tg`) on the same tokens, so a round costs no process start or
+model load and the two engines can be interleaved closely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+
+import numpy as np
+
+from deltarun.runner import bench as B
+from deltarun.runner.ggml_util import ggml
+from deltarun.runner.model import Model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--kv-type", default="f16")
+    args = ap.parse_args()
+
+    cfg = B.BenchConfig(model=args.model, n_prompt=[args.pp], n_gen=[args.tg], threads=[args.threads],
+                        batch=[args.batch], kv_type=args.kv_type)
+    m = Model(args.model, backend="cpu", n_ctx=B.bench_context(cfg), n_batch=args.batch, n_threads=args.threads,
+              kv_type=args.kv_type, delta_net=cfg.delta_net)
+    rng = np.random.default_rng(B.TOKEN_SEED)
+    tokens = rng.integers(0, m.hp.n_vocab, size=max(args.pp, B.TG_PROMPT), dtype=np.int64).tolist()
+    out = sys.stdout
+    print(json.dumps({"ready": True, "llamafile": int(ggml.ggml_cpu_has_llamafile()),
+                      "ggml": ggml.__file__}), file=out, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req.get("cmd")
+        if cmd == "quit":
+            break
+        if cmd in ("pp", "tg"):
+            n = req["n"]
+            run = (lambda: B._time_pp(m, tokens[:n])) if cmd == "pp" else \
+                (lambda: B._time_tg(m, tokens[:B.TG_PROMPT], n))
+            run()                                                  # warm-up
+            print(json.dumps({"s": run(), "builds": m.stats.n_graph_builds}), file=out, flush=True)
+        elif cmd == "rss":
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * 4096
+            print(json.dumps({"rss": rss, "peak": peak}), file=out, flush=True)
+        else:
+            print(json.dumps({"error": f"unknown command {cmd!r}"}), file=out, flush=True)
+    m.close()
+
+
+if __name__ == "__main__":
+    main()

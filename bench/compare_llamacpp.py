@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""deltarun against llama.cpp on the same GGUF, backend (CPU) and thread count.
+
+    python bench/compare_llamacpp.py                      # bench preset, Q8_0 and F16, 2 threads
+    python bench/compare_llamacpp.py --rounds 7 --quiet 0.3 --quiet-wait 300 --json /tmp/cmp.json
+    python bench/compare_llamacpp.py --memory             # peak RSS at ctx 4096 instead
+
+What it does
+------------
+1. On first use it builds llama-cpp-python from source into bench/.venv-llamacpp (CPU backend,
+   -march=native, OpenMP: see bench/llamacpp_env.py; ~20-40 min on two cores). Version 0.3.36 is
+   pinned: its vendored llama.cpp (ggml 0.25.3) has the `qwen3next` architecture.
+2. It writes the synthetic "bench" preset (hidden 1024, 8 layers, 16 experts top-4) as Q8_0 and
+   F16 to /tmp/drbench/ unless --model is given.
+3. Per model it starts one llama.cpp worker (bench/_llamacpp_worker.py) and one deltarun worker
+   per ggml-python build (bench/_deltarun_worker.py: the model opened and timed exactly as
+   `deltarun bench` does, with its own functions), all with the model loaded once, and then runs
+   rounds: per test (pp512, then tg128) llama.cpp (A) and deltarun (B) one after the other,
+   A B A B ... Each request is one warm-up run plus one timed run on the same random tokens
+   (seed 1234); tg starts after an untimed 16-token prompt and feeds the argmax of each step's
+   logits back. Per round the ratio deltarun t/s / llama.cpp t/s is taken; min / median / max
+   over the rounds are printed, and best/best (each side's fastest run), the figure least moved
+   by other work on the machine. With --quiet-wait, each test waits until fewer than --quiet
+   CPUs are busy (two threads on two cores collapse when anything else runs).
+4. At the end it runs the real `deltarun bench -r 1 -o json` once per build as a cross-check.
+
+llama.cpp is timed two ways (--modes): `eval` = llama-cpp-python's Llama.eval (what a Python
+user of llama.cpp gets), `raw` = llama_decode on a prepared batch via the low-level ctypes API
+(closest to llama-bench). deltarun is timed on two builds of ggml-python 0.0.45 (--ggml-builds):
+`stock` = the installed one (ggml's default GGML_LLAMAFILE=OFF), `llamafile` = the same sdist
+rebuilt with -DGGML_LLAMAFILE=ON in bench/.venv-ggml-llamafile (bench/ggml_llamafile_env.py),
+which is how llama.cpp builds ggml.
+
+--memory instead measures peak resident memory for pp512 + tg128 at ctx 4096 in fresh processes
+(deltarun's Model API vs the llama.cpp worker) and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import ggml_llamafile_env  # noqa: E402
+import llamacpp_env  # noqa: E402
+
+DEFAULT_DIR = Path("/tmp/drbench")
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def busy_cpus(interval: float = 1.0) -> float:
+    """CPUs busy over `interval` seconds (from /proc/stat), whoever keeps them busy."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + vals[4]
+        return sum(vals), idle
+
+    t0, i0 = snap()
+    time.sleep(interval)
+    t1, i1 = snap()
+    total = t1 - t0
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / total) if total else 0.0
+
+
+def wait_quiet(limit: float, max_wait: float) -> float:
+    """Wait (up to max_wait s) until fewer than `limit` CPUs are busy; returns the last reading."""
+    deadline = time.monotonic() + max_wait
+    busy = busy_cpus()
+    while busy > limit and time.monotonic() < deadline:
+        busy = busy_cpus(2.0)
+    return busy
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ensure_models(paths: list[str]) -> list[Path]:
+    if paths:
+        return [Path(p) for p in paths]
+    DEFAULT_DIR.mkdir(parents=True, exist_ok=True)
+    out = []
+    for wtype in ("q8_0", "f16"):
+        p = DEFAULT_DIR / f"bench-{wtype}.gguf"
+        if not p.exists():
+            from deltarun.models.generate import write_model
+
+            print(f"writing {p} (bench preset, {wtype})", file=sys.stderr, flush=True)
+            write_model(p, "bench", wtype)
+        out.append(p)
+    return out
+
+
+class Worker:
+    """One benchmark process with the model loaded; JSON lines in and out (see the worker files)."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        self.info = self._read()
+        if not self.info.get("ready"):
+            raise RuntimeError(f"benchmark worker failed to start: {self.info}")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark worker exited (code {self.proc.poll()})")
+        return json.loads(line)
+
+    def ask(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write('{"cmd": "quit"}\n')
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+        self.proc.wait(timeout=60)
+
+
+def LlamaWorker(python: Path, model: Path, threads: int, batch: int, ctx: int, kv_type: str = "f16") -> Worker:
+    return Worker([str(python), str(HERE / "_llamacpp_worker.py"), str(model), "--threads", str(threads),
+                   "--batch", str(batch), "--ctx", str(ctx), "--kv-type", kv_type])
+
+
+def DeltarunWorker(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> Worker:
+    return Worker([python, str(HERE / "_deltarun_worker.py"), str(model), "--threads", str(threads),
+                   "--batch", str(batch), "--pp", str(pp), "--tg", str(tg)])
+
+
+def deltarun_bench(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> dict[str, float]:
+    """One `deltarun bench -r 1 -o json` run with the given interpreter; tokens/s by test name."""
+    cmd = [python, "-m", "deltarun", "bench", str(model), "-p", str(pp), "-n", str(tg),
+           "-t", str(threads), "-b", str(batch), "-r", "1", "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"deltarun bench failed ({r.returncode}): {r.stderr[-2000:]}")
+    doc = json.loads(r.stdout)
+    return {res["test"]: res["avg_tps"] for res in doc["results"]}
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def deltarun_pythons(args: argparse.Namespace) -> dict[str, str]:
+    """Interpreter per ggml-python build: `stock` (the installed one), `llamafile` (bench venv)."""
+    out = {}
+    for build in [b for b in args.ggml_builds.split(",") if b]:
+        if build == "stock":
+            out[build] = sys.executable
+        elif build == "llamafile":
+            out[build] = str(ggml_llamafile_env.ensure())
+        else:
+            raise SystemExit(f"unknown ggml build {build!r} (stock, llamafile)")
+    return out
+
+
+def run_speed(args: argparse.Namespace, python: Path) -> dict:
+    models = ensure_models(args.model)
+    modes = [m for m in args.modes.split(",") if m]
+    builds = deltarun_pythons(args)
+    tests = [("pp", args.pp, f"pp{args.pp}"), ("tg", args.tg, f"tg{args.tg}")]
+    report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+                    "cores": os.cpu_count(), "threads": args.threads, "batch": args.batch,
+                    "rounds": args.rounds, "modes": modes, "builds": list(builds), "models": {}}
+    for model in models:
+        print(f"\n== {model} ({model.stat().st_size / 2**20:.0f} MiB), {args.threads} threads, "
+              f"batch {args.batch}", flush=True)
+        llama = LlamaWorker(python, model, args.threads, args.batch, max(args.pp, 16 + args.tg))
+        report["llama_cpp_python"] = llama.info.get("llama_cpp_python")
+        report["llama_system_info"] = llama.info.get("system_info")
+        drs = {b: DeltarunWorker(py, model, args.threads, args.batch, args.pp, args.tg) for b, py in builds.items()}
+        report["deltarun_llamafile"] = {b: w.info.get("llamafile") for b, w in drs.items()}
+        rows: list[dict] = []
+        try:
+            for rnd in range(args.rounds):
+                row: dict = {"round": rnd, "load_before": load1()}
+                for kind, n, _ in tests:
+                    busy = wait_quiet(args.quiet, args.quiet_wait) if args.quiet_wait > 0 else busy_cpus(0.5)
+                    row[f"busy_{kind}"] = busy
+                    for mode in modes:                                  # A: llama.cpp
+                        row[f"llama_{mode}_{kind}"] = n / llama.ask(cmd=kind, n=n, mode=mode)["s"]
+                    for build, w in drs.items():                        # B: deltarun
+                        row[f"deltarun_{build}_{kind}"] = n / w.ask(cmd=kind, n=n)["s"]
+                row["load_after"] = load1()
+                rows.append(row)
+                print(f"  round {rnd}: load {row['load_before']:.2f}->{row['load_after']:.2f}  "
+                      + "  ".join(f"{k}={v:.1f}" for k, v in row.items()
+                                  if k.startswith(("llama_", "deltarun_", "busy_"))), flush=True)
+        finally:
+            llama.close()
+            for w in drs.values():
+                w.close()
+        cli = {}
+        if args.cli_check:   # the real command once per build, as a cross-check of the worker numbers
+            for build, py in builds.items():
+                if args.quiet_wait > 0:
+                    wait_quiet(args.quiet, args.quiet_wait)
+                cli[build] = deltarun_bench(py, model, args.threads, args.batch, args.pp, args.tg)
+                print(f"  deltarun bench -r 1 ({build}): " + ", ".join(f"{k} {v:.1f} t/s" for k, v in cli[build].items()),
+                      flush=True)
+        summary: dict = {}
+        for kind, _, test in tests:
+            summary[test] = {}
+            for mode in modes:
+                summary[test][f"llama_{mode}_tps"] = summarize([r[f"llama_{mode}_{kind}"] for r in rows])
+            for build in builds:
+                d = [r[f"deltarun_{build}_{kind}"] for r in rows]
+                summary[test][f"deltarun_{build}_tps"] = summarize(d)
+                for mode in modes:
+                    ll = [r[f"llama_{mode}_{kind}"] for r in rows]
+                    ratios = [a / b for a, b in zip(d, ll)]
+                    summary[test][f"ratio_{build}_vs_{mode}"] = summarize(ratios)
+                    summary[test][f"best_ratio_{build}_vs_{mode}"] = max(d) / max(ll)
+        report["models"][str(model)] = {"rounds": rows, "summary": summary, "cli_check": cli,
+                                        "load": summarize([r["load_before"] for r in rows]),
+                                        "busy": summarize([r[f"busy_{k}"] for r in rows for k, _, _ in tests])}
+    print_speed(report)
+    return report
+
+
+def print_speed(report: dict) -> None:
+    modes, builds = report["modes"], report["builds"]
+    print(f"\n{report['date']}  {report['cpu']}, {report['cores']} CPUs, {report['threads']} threads, "
+          f"batch {report['batch']}, {report['rounds']} rounds A/B, llama-cpp-python "
+          f"{report.get('llama_cpp_python')}")
+    head = ("| model | test | ggml-python build | deltarun t/s (med) | "
+            + " | ".join(f"llama.cpp {m} t/s (med) | ratio vs {m}: min / med / max" for m in modes)
+            + " | load 1-min | busy CPUs before |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for model, doc in report["models"].items():
+        for test, s in doc["summary"].items():
+            for build in builds:
+                cells = [Path(model).name, test, build, f"{s[f'deltarun_{build}_tps']['median']:.2f}"]
+                for m in modes:
+                    r = s[f"ratio_{build}_vs_{m}"]
+                    cells += [f"{s[f'llama_{m}_tps']['median']:.2f}",
+                              f"{r['min']:.3f} / **{r['median']:.3f}** / {r['max']:.3f} "
+                              f"(best/best {s[f'best_ratio_{build}_vs_{m}']:.3f})"]
+                ld, bz = doc["load"], doc["busy"]
+                cells += [f"{ld['min']:.1f}-{ld['max']:.1f}", f"{bz['min']:.1f}-{bz['max']:.1f}"]
+                print("| " + " | ".join(cells) + " |")
+
+
+# ------------------------------------------------------------------------------------ memory
+DELTARUN_MEM = r"""
+import json, resource, sys
+import numpy as np
+from deltarun.runner.model import Model
+path, threads, ctx, pp, tg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+base = rss()
+m = Model(path, n_ctx=ctx, n_threads=threads)
+after_load = rss()
+toks = np.random.default_rng(1234).integers(0, m.hp.n_vocab, size=pp).tolist()
+logits = m.eval(toks)
+for _ in range(tg):
+    logits = m.eval([int(np.argmax(logits))])
+print(json.dumps({"base": base, "after_load": after_load, "rss": rss(),
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def run_memory(args: argparse.Namespace, python: Path) -> dict:
+    models = ensure_models(args.model)
+    report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "ctx": args.ctx, "models": {}}
+    print("| model | ctx | deltarun peak RSS | llama.cpp peak RSS | ratio | deltarun RSS after load |")
+    print("|---|---|---|---|---|---|")
+    for model in models:
+        r = subprocess.run([sys.executable, "-c", DELTARUN_MEM, str(model), str(args.threads), str(args.ctx),
+                            str(args.pp), str(args.tg)], capture_output=True, text=True, cwd=ROOT)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr[-2000:])
+        dr = json.loads(r.stdout.strip().splitlines()[-1])
+        w = LlamaWorker(python, model, args.threads, args.batch, args.ctx)
+        try:
+            w.ask(cmd="pp", n=args.pp, mode="eval")
+            w.ask(cmd="tg", n=args.tg, mode="eval")
+            ll = w.ask(cmd="rss")
+            ll["after_load"] = w.info["rss"]
+        finally:
+            w.close()
+        ratio = dr["peak"] / ll["peak"]
+        report["models"][str(model)] = {"deltarun": dr, "llama": ll, "ratio": ratio,
+                                        "file_size": model.stat().st_size}
+        mib = 2 ** 20
+        print(f"| {model.name} | {args.ctx} | {dr['peak'] / mib:.0f} MiB | {ll['peak'] / mib:.0f} MiB | "
+              f"{ratio:.3f} | {dr['after_load'] / mib:.0f} MiB (file {model.stat().st_size / mib:.0f} MiB) |",
+              flush=True)
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", default=[], help="GGUF to compare (repeatable); "
+                    "default: the bench preset as Q8_0 and F16 in /tmp/drbench")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="eval,raw", help="llama.cpp timing modes: eval, raw")
+    ap.add_argument("--ggml-builds", default="stock,llamafile",
+                    help="deltarun on which ggml-python builds: stock (installed), llamafile "
+                         "(bench/.venv-ggml-llamafile, built on first use)")
+    ap.add_argument("--quiet", type=float, default=0.3,
+                    help="before each round wait until fewer than this many CPUs are busy ...")
+    ap.add_argument("--quiet-wait", type=float, default=120.0, help="... for at most this many seconds")
+    ap.add_argument("--no-cli-check", dest="cli_check", action="store_false",
+                    help="skip the final `deltarun bench` run per build")
+    ap.add_argument("--memory", action="store_true", help="measure peak RSS (ctx --ctx) instead of speed")
+    ap.add_argument("--ctx", type=int, default=4096, help="context size for --memory")
+    ap.add_argument("--json", help="also write the full results here")
+    args = ap.parse_args()
+
+    python = llamacpp_env.ensure()
+    report = run_memory(args, python) if args.memory else run_speed(args, python)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
