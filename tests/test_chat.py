@@ -200,14 +200,16 @@ def test_dropped_thinking_restores_the_checkpoint_and_matches_a_fresh_session(mo
     assert fresh.ask("Again") == answer
 
 
-def test_stop_string_leftover_restores_the_checkpoint_and_matches_a_fresh_session(model_path):
-    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=1) as m:
+@pytest.mark.parametrize("n_rs_seq", [0, 1])
+def test_stop_string_leftover_is_undone_and_matches_a_fresh_session(model_path, n_rs_seq):
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=n_rs_seq) as m:
         tok = m.tokenizer
         answer = tok.encode(" Hi X!")
         assert [tok.decode([t]) for t in answer[-2:]] == [" X", "!"]
         # " X" is evaluated before "!" completes the stop string: the model holds a token that is
-        # not in the conversation. It came from a one-token decode ubatch, which no rollback
-        # slot can undo, so the next turn returns to the checkpoint taken after the first prompt.
+        # not in the conversation. It came from a one-token decode ubatch: with a rollback slot
+        # (K = 2) it is undone within the slots, with none (K = 1) the next turn returns to the
+        # checkpoint taken after the first prompt.
         session = ChatSession(m, sampler=Scripted(answer), stop=["X!"])
         assert session.ask("Hello") == " Hi "
         assert session.last_stop_reason == "stop" and session.messages[-1]["content"] == " Hi "
@@ -215,9 +217,14 @@ def test_stop_string_leftover_restores_the_checkpoint_and_matches_a_fresh_sessio
         session.sampler = Sampler(GREEDY)
         session.n_predict = 5
         first_prompt = session._checkpoint.n_past
+        held = len(m.tokens())
         after = session.ask("More")
-        assert session.last_turn.restored and not session.last_recomputed
-        assert session.last_reused_tokens == first_prompt
+        assert not session.last_recomputed
+        if n_rs_seq:
+            assert session.last_turn.rolled_back == 1 and not session.last_turn.restored
+            assert session.last_reused_tokens == held - 1
+        else:
+            assert session.last_turn.restored and session.last_reused_tokens == first_prompt
         m.reset()
         fresh = ChatSession(m, n_predict=5)
         fresh.messages = copy.deepcopy(session.messages[:-2])

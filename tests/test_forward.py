@@ -190,8 +190,9 @@ def test_rollback_slots_hold_past_states(tiny_model_path, reference_of, delta_ne
                 ref_conv, ref_ssm = hist[-1 - r]
                 np.testing.assert_allclose(conv[r], ref_conv, rtol=1e-5, atol=1e-5)
                 np.testing.assert_allclose(ssm[r], ref_ssm, rtol=1e-4, atol=1e-5)
-            if n_tokens < K:                         # the conv window before the ubatch lands in slot n
+            if n_tokens < K:                         # the state before the ubatch lands in slot n
                 np.testing.assert_allclose(conv[n_tokens], hist[-1 - n_tokens][0], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(ssm[n_tokens], hist[-1 - n_tokens][1], rtol=1e-4, atol=1e-5)
 
 
 def test_decode_reuses_graphs(tiny_model_path):

@@ -20,7 +20,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
-@pytest.mark.parametrize("m_tokens,r", [(2, 1), (4, 3), (5, 2), (70, 3)])
+@pytest.mark.parametrize("m_tokens,r", [(2, 1), (4, 3), (3, 3), (1, 1), (5, 2), (70, 3)])
 def test_rollback_restores_the_state_r_tokens_back(tiny_model_path, delta_net, m_tokens, r):
     """After a ubatch of m tokens and a rollback of r, the next token sees exactly the state of a
     run that never evaluated those r tokens (compared with the numpy reference)."""
@@ -58,9 +58,14 @@ def test_rollback_beyond_the_slots_is_an_error(tiny_model_path):
         m.eval(prompt(6))
         with pytest.raises(RollbackError, match="rollback slots"):
             m.rollback(3)            # K - 1 = 2 slots back at most
+        before = m.tokens()
         m.eval([5])
         with pytest.raises(RollbackError):
-            m.rollback(1)            # a one-token ubatch keeps no earlier state
+            m.rollback(2)            # a one-token ubatch reaches back one token
+        m.rollback(1)                # ... to the state it started from
+        assert m.tokens() == before
+        with pytest.raises(RollbackError):
+            m.rollback(1)            # and no further
         m.rollback(0)
     with Model(tiny_model_path("tiny"), n_ctx=64) as m:
         m.eval(prompt(4))

@@ -313,6 +313,12 @@ class _Builder:
         n_written = min(T, K)
         dst = self.view(ssm_all, (D, N, n_written), (nb(ssm_all)[1], nb(ssm_all)[2]), ub.seq_head * nb(ssm_all)[1])
         self.expand(self.cb(ggml.ggml_cpy(c, snaps, dst), "ssm_state_store", il))
+        if T < K:
+            # slot T: the state the ubatch started from (its conv window is slot T too), so that
+            # the whole ubatch can be rolled back; slots beyond stay unwritten
+            start = self.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
+            self.expand(self.cb(ggml.ggml_cpy(c, ggml.ggml_reshape_2d(c, state, D, N), start),
+                                "ssm_state_store_start", il))
 
         z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
         normed = self.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)

@@ -255,9 +255,9 @@ def _capture(model: Any, tokens: list[int], name: str, decode: bool) -> GraphCap
     """Record every node of the prefill (or decode) graph of `tokens`.
 
     On a device, nodes that compute nothing (views, reshapes, ...) are not asked for: each asked
-    node makes ggml's scheduler run the graph up to it as a graph of its own, and on Mesa's
-    lavapipe graphs made of a view alone, in the primitive delta-net's decode graph, crashed
-    later runs (3 in 6; none in 6 without them). Their values are their sources', compared
+    node makes ggml's scheduler run the graph up to it as a graph of its own, and with graphs
+    made of a view alone, comparing the primitive delta-net on Mesa's lavapipe crashed in about
+    half of the runs (21 of 42), 1 in 12 without them. Their values are their sources', compared
     anyway; they show as not observed.
     """
     from deltarun.runner import graph_dump as gd

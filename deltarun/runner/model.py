@@ -249,15 +249,15 @@ class Model:
         """Drop the last n_tokens of a sequence: the KV rows are forgotten (masked, then
         overwritten) and the recurrent state is restored from slot r.
 
-        Slot r of the last ubatch of m tokens holds the state r tokens back for r < m (the SSM
-        slots reaching back past the ubatch are not written, as in llama.cpp), so at most
-        min(m - 1, n_rs_seq) tokens can be undone in total. Restoring copies slot r into slot 0:
-        the graph always reads the live state from slot 0.
+        After a ubatch of m tokens slot r holds the state r tokens back for r <= min(m, K-1)
+        (slot m, when m < K, is the state the ubatch started from), so at most min(m, n_rs_seq)
+        tokens can be undone in total. Restoring copies slot r into slot 0: the graph always reads
+        the live state from slot 0.
         """
         state = self.memory.seqs[seq]
         if n_tokens == 0:
             return
-        limit = min(state.last_ubatch - 1, self.n_rs_seq) - state.rolled_back
+        limit = min(state.last_ubatch, self.n_rs_seq) - state.rolled_back
         if not 0 < n_tokens <= limit:
             raise RollbackError(
                 f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.n_rs_seq} rollback "
