@@ -79,8 +79,11 @@ class Weights:
         self.buffers.append(buffer)
         self.buffer = buffer
         base = self.file.data_base_address
-        for info in infos:
-            ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0, info.nbytes)
+        with _upload_progress(sum(i.nbytes for i in infos), backend.name) as bar:
+            for info in infos:
+                ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0,
+                                             info.nbytes)
+                bar.update(info.nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -94,3 +97,20 @@ class Weights:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
+
+
+PROGRESS_MIN_BYTES = 256 << 20
+
+
+def _upload_progress(total: int, where: str) -> Any:
+    """A progress bar on stderr while a large model is copied to a device (a terminal only).
+
+    On the CPU nothing is copied (the file is mapped), so loading is one quick call and shows none.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    quiet = total < PROGRESS_MIN_BYTES or not sys.stderr.isatty()
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading weights to {where}",
+                disable=quiet, leave=False)
