@@ -277,7 +277,7 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
     from deltarun.runner.chat_template import ChatTemplate
     from deltarun.runner.sampling import Sampler
 
-    stdin = click.get_text_stream("stdin")
+    stdin = sys.stdin
     interactive = not single and stdin.isatty()
     params = sampling_params(**opts)
     if interactive:

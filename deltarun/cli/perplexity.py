@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import json
 import math
 from pathlib import Path
@@ -70,7 +72,7 @@ def perplexity(model: Path, file: Path | None, chunks: int | None, kl_base: Path
         if text_mode:
             click.echo(f"{m.path}: {result.n_tokens} tokens, {len(windows)} windows of {n_ctx} "
                        f"(scoring the second half of each)", err=True)
-        with click.progressbar(length=len(windows), label="perplexity", file=click.get_text_stream("stderr"),
+        with click.progressbar(length=len(windows), label="perplexity", file=sys.stderr,
                                show_pos=True, show_eta=True) as bar:
             for w in iter_perplexity(m, windows, kl_base, None, result):
                 result.windows.append(w)
