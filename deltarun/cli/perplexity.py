@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
