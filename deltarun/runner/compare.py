@@ -247,29 +247,11 @@ def _weight_types(model: Any) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-#: ops that compute nothing (their values are their source's)
-NO_OPS = ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")
-
-
 def _capture(model: Any, tokens: list[int], name: str, decode: bool) -> GraphCapture:
-    """Record every node of the prefill (or decode) graph of `tokens`.
-
-    On a device, nodes that compute nothing (views, reshapes, ...) are not asked for: each asked
-    node makes ggml's scheduler run the graph up to it as a graph of its own, and with graphs
-    made of a view alone, comparing the primitive delta-net on Mesa's lavapipe crashed in about
-    half of the runs (21 of 42), 1 in 12 without them. Their values are their sources', compared
-    anyway; they show as not observed.
-    """
     from deltarun.runner import graph_dump as gd
 
-    patterns = None
-    if not model.backend.is_cpu:
-        n_past = len(tokens) - 1 if decode else 0
-        shape = gd.ubatch_shape(model, 1 if decode else len(tokens), 1, n_past, not decode)
-        names = {r.name for r in gd.dump_graph(model, shape, allocate=False).nodes if r.op not in NO_OPS}
-        patterns = ["re:^(" + "|".join(re.escape(n) for n in sorted(names)) + ")$"]
     dump, arrays = gd.capture_values(model, tokens, decode=decode, all_outputs=not decode, keep_arrays=True,
-                                     n_first=0, patterns=patterns)
+                                     n_first=0)
     n_past = len(tokens) - 1 if decode else 0
     return GraphCapture(name=name, n_tokens=1 if decode else len(tokens), n_past=n_past, nodes=dump.nodes,
                         leafs=dump.leafs, arrays=arrays, n_splits=int(dump.summary["n_splits"]))
