@@ -183,12 +183,7 @@ class KLBaseWriter:
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
-        for closer in (getattr(self, "f", None), getattr(self, "zf", None)):
-            try:
-                if closer is not None:
-                    closer.close()
-            except Exception:
-                pass
+        _close_quietly(getattr(self, "f", None), getattr(self, "zf", None))
         try:
             os.unlink(self.tmp)
         except OSError:
@@ -244,12 +239,17 @@ class KLBaseReader:
         return np.frombuffer(data, dtype="<f2").reshape(n_rows, self.n_vocab)
 
     def close(self) -> None:
-        for closer in (getattr(self, "f", None), getattr(self, "zf", None)):
-            try:
-                if closer is not None:
-                    closer.close()
-            except Exception:
-                pass
+        _close_quietly(getattr(self, "f", None), getattr(self, "zf", None))
+
+
+def _close_quietly(*handles: Any) -> None:
+    """Close the npy stream and its zip archive, ignoring errors (used when giving up on a file)."""
+    for handle in handles:
+        try:
+            if handle is not None:
+                handle.close()
+        except Exception:
+            pass
 
 
 # --------------------------------------------------------------------------------------------- the run
