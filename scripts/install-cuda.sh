@@ -12,8 +12,9 @@
 # nvidia-cublas pip package (its library folder is then preloaded by `import ggml`, see below).
 # Without a driver library (libcuda, e.g. a build machine without GPU) VMM is switched off.
 # Environment: DELTARUN_WHEEL_CACHE (default ~/.cache/deltarun-wheels) keeps the built wheel
-# outside the clone (the build takes minutes on 16 cores, about an hour on 2); NICE (default 10);
-# JOBS (default: all cores).
+# outside the clone, per CPU (scripts/ggml-wheel.sh); the build takes minutes on 16 cores, about an
+# hour on 2. NICE (default 10); JOBS (default: all cores). The CPU side is built with
+# GGML_LLAMAFILE=ON, as scripts/install.sh does.
 #
 # After installing, two fixes are applied to the installed package (idempotent):
 # - ggml-python 0.0.45 binds ggml_backend_cuda_allreduce_tensor for every CUDA build, but ggml
@@ -23,10 +24,6 @@
 #   finds it without LD_LIBRARY_PATH.
 set -euo pipefail
 
-VERSION=0.0.45
-CACHE=${DELTARUN_WHEEL_CACHE:-$HOME/.cache/deltarun-wheels}
-NICE=${NICE:-10}
-JOBS=${JOBS:-$(nproc)}
 VENV=""
 ARCH=""
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,6 +36,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 log() { echo "[install-cuda] $*" >&2; }
+. "$REPO/scripts/ggml-wheel.sh"
 
 # 1. nvcc and the architecture
 NVCC=$(command -v nvcc || true)
@@ -56,15 +54,10 @@ fi
 log "nvcc $NVCC (CUDA $CUDA_MAJOR), architecture sm_$ARCH"
 
 # 2. The environment to install into
-if [ -n "$VENV" ]; then
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  PY=$VENV/bin/python
-else
-  PY=$(command -v python)
-fi
+pick_python "$VENV"
 
 # 3. cuBLAS: the toolkit's, or the nvidia-cublas wheel's
-CMAKE_ARGS="-DGGML_CUDA=ON;-DCMAKE_CUDA_ARCHITECTURES=$ARCH"
+CMAKE_ARGS="-DGGML_CUDA=ON;-DCMAKE_CUDA_ARCHITECTURES=$ARCH;-DGGML_LLAMAFILE=ON"
 PRELOAD_DIR=""
 if ls "$CUDA_ROOT"/lib64/libcublas.so* "$CUDA_ROOT"/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
   log "cuBLAS from the toolkit ($CUDA_ROOT)"
@@ -91,23 +84,8 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
   CMAKE_ARGS="$CMAKE_ARGS;-DGGML_CUDA_NO_VMM=ON"
 fi
 
-# 4. The wheel: cached, or built once
-WHEELS=$CACHE/cuda-sm$ARCH
-mkdir -p "$WHEELS"
-WHEEL=$(ls "$WHEELS"/ggml_python-$VERSION-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$WHEEL" ]; then
-  log "building ggml-python $VERSION with CUDA ($JOBS jobs) -> $WHEELS"
-  log "cmake args: $CMAKE_ARGS"
-  BUILD=$(mktemp -d)
-  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS nice -n "$NICE" "$PY" -m pip wheel --no-deps --no-binary ggml-python \
-    --no-cache-dir -w "$BUILD" --config-settings=cmake.args="$CMAKE_ARGS" "ggml-python==$VERSION"
-  mv "$BUILD"/ggml_python-*.whl "$WHEELS"/
-  rm -rf "$BUILD"
-  WHEEL=$(ls "$WHEELS"/ggml_python-$VERSION-*.whl | head -1)
-fi
-log "installing $WHEEL"
-"$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
-"$PY" -m pip install -q numpy typing_extensions
+# 4. The wheel: cached (per architecture and CPU), or built once
+install_ggml_wheel cuda-sm$ARCH "$CMAKE_ARGS"
 if [ -n "$VENV" ]; then
   "$PY" -m pip install -q -e "$REPO[test]"
 fi

@@ -8,17 +8,16 @@
 # --no-apt     do not install Debian packages (they must already be there).
 #
 # Exit status 3: apt is unavailable (no apt-get, no root/sudo, or no network) for a needed step.
-# Environment: DELTARUN_WHEEL_CACHE (default ~/.cache/deltarun-wheels) keeps the built wheel and
-# the unpacked Vulkan headers between runs, outside the clone; a second run installs the cached
-# wheel in seconds instead of compiling for ~10 minutes. NICE (default 10) is the build's niceness.
+# Environment: DELTARUN_WHEEL_CACHE (default ~/.cache/deltarun-wheels) keeps the built wheel (per
+# CPU, see scripts/ggml-wheel.sh) and the unpacked Vulkan headers between runs, outside the clone;
+# a second run installs the cached wheel in seconds instead of compiling for ~10 minutes. NICE
+# (default 10) is the build's niceness, JOBS the number of compile jobs. The CPU side is built with
+# GGML_LLAMAFILE=ON, as scripts/install.sh does.
 #
 # Works without a GPU: Mesa's lavapipe (mesa-vulkan-drivers) runs Vulkan on the CPU; select it
 # with GGML_VK_VISIBLE_DEVICES=0 (ggml-vulkan skips CPU devices otherwise).
 set -euo pipefail
 
-VERSION=0.0.45
-CACHE=${DELTARUN_WHEEL_CACHE:-$HOME/.cache/deltarun-wheels}
-NICE=${NICE:-10}
 VENV=""
 APT=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,6 +30,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 log() { echo "[install-vulkan] $*" >&2; }
+. "$REPO/scripts/ggml-wheel.sh"
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO=sudo
 
@@ -52,7 +52,7 @@ fi
 # 2. Vulkan headers new enough for ggml-vulkan (VK_EXT_layer_settings, Vulkan-Headers >= 1.3.261).
 #    Debian 12 ships 1.3.239: fetch trixie's libvulkan-dev with a private apt state (the system's
 #    sources, lists and status untouched) and only unpack it; the system loader works with it.
-CMAKE_ARGS="-DGGML_VULKAN=ON"
+CMAKE_ARGS="-DGGML_VULKAN=ON;-DGGML_LLAMAFILE=ON"
 if ! grep -q LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp 2>/dev/null; then
   HDR=$CACHE/vulkan-headers
   if ! grep -q LayerSettingEXT "$HDR/usr/include/vulkan/vulkan_structs.hpp" 2>/dev/null; then
@@ -78,36 +78,14 @@ if ! grep -q LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp 2>/dev/null;
   CMAKE_ARGS="$CMAKE_ARGS;-DVulkan_INCLUDE_DIR=$HDR/usr/include"
 fi
 
-# 3. The environment to install into.
-if [ -n "$VENV" ]; then
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  PY=$VENV/bin/python
-else
-  PY=$(command -v python)
-fi
-
-# 4. The wheel: cached, or built once (scikit-build-core splits cmake.args on ';').
-WHEELS=$CACHE/vulkan
-mkdir -p "$WHEELS"
-WHEEL=$(ls "$WHEELS"/ggml_python-$VERSION-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$WHEEL" ]; then
-  log "building ggml-python $VERSION with Vulkan (about 10 minutes on 2 cores) -> $WHEELS"
-  log "cmake args: $CMAKE_ARGS"
-  BUILD=$(mktemp -d)
-  nice -n "$NICE" "$PY" -m pip wheel --no-deps --no-binary ggml-python --no-cache-dir -w "$BUILD" \
-    --config-settings=cmake.args="$CMAKE_ARGS" "ggml-python==$VERSION"
-  mv "$BUILD"/ggml_python-*.whl "$WHEELS"/
-  rm -rf "$BUILD"
-  WHEEL=$(ls "$WHEELS"/ggml_python-$VERSION-*.whl | head -1)
-fi
-log "installing $WHEEL"
-"$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
-"$PY" -m pip install -q numpy typing_extensions
+# 3. The environment, and the wheel: cached, or built once (about 10 minutes on 2 cores).
+pick_python "$VENV"
+install_ggml_wheel vulkan "$CMAKE_ARGS"
 if [ -n "$VENV" ]; then
   "$PY" -m pip install -q -e "$REPO[test]"
 fi
 
-# 5. Check: the build has the Vulkan backend and lavapipe (or a GPU) shows up.
+# 4. Check: the build has the Vulkan backend and lavapipe (or a GPU) shows up.
 GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} "$PY" - <<'PY'
 import ctypes
 import ggml

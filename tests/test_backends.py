@@ -79,6 +79,17 @@ def test_devices_command_table_and_json():
     assert any(d["registry"] == "CPU" for d in data["devices"])
     assert set(data["built_with"]) == {"vulkan", "cuda"}
     assert data["auto"] == (be.best_device().backend_name if be.best_device() else "cpu")
+    assert data["cpu_features"] == be.cpu_features()
+
+
+def test_cpu_features_say_whether_llamafile_kernels_are_built_in(monkeypatch):
+    assert ("LLAMAFILE" in be.cpu_features()) == bool(ggml.ggml_cpu_has_llamafile())
+    monkeypatch.setattr(ggml, "ggml_cpu_has_llamafile", lambda: 0)
+    r = run("devices")
+    assert "LLAMAFILE" not in r.stdout and "scripts/install.sh" in r.stdout
+    monkeypatch.setattr(ggml, "ggml_cpu_has_llamafile", lambda: 1)
+    r = run("devices")
+    assert "LLAMAFILE" in r.stdout and "scripts/install.sh" not in r.stdout
 
 
 def test_auto_without_a_gpu_is_the_cpu():
@@ -245,3 +256,19 @@ def test_scheduler_puts_back_the_srcs_it_rewrote(tiny_model_path):
         # a graph whose nodes are not those of the snapshot is not touched
         other = next(x for x in m._graphs.values() if x is not g)
         assert not be.restore_srcs(other.gf, saved)
+
+
+def test_default_threads_count_physical_cores_in_the_affinity_mask(tmp_path, monkeypatch):
+    # 4 CPUs in 2 cores (SMT pairs 0,2 and 1,3) plus a core (4,5) outside this process's mask
+    siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3", 4: "4-5", 5: "4-5"}
+    for cpu, text in siblings.items():
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert be.physical_cores(str(tmp_path)) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 4})
+    assert be.physical_cores(str(tmp_path)) == 3
+    # no topology: one core per CPU
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 8})
+    assert be.physical_cores(str(tmp_path)) == 2

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 import deltarun
 from deltarun.cli.main import cli
+from deltarun.runner import backend as be
 from deltarun.runner.bench import SCHEMA, SCHEMA_VERSION, TG_PROMPT
 
 
@@ -37,6 +38,8 @@ def test_json_schema_and_a_2x2_grid(model):
     assert data["deltarun_version"] == deltarun.__version__
     machine = data["machine"]
     assert {"platform", "machine", "processor", "python", "cpu_count", "cpu_affinity"} <= set(machine)
+    assert machine["ggml_cpu_features"] == be.cpu_features()
+    assert ("LLAMAFILE" in machine["ggml_cpu_features"]) == bool(be.ggml.ggml_cpu_has_llamafile())
     assert machine["cpu_count"] == os.cpu_count()
     m = data["model"]
     assert m["path"] == str(model) and m["size_bytes"] > 0 and m["n_params"] > 0
@@ -58,13 +61,23 @@ def test_json_schema_and_a_2x2_grid(model):
 def test_markdown_and_csv(model):
     md = ok("bench", model, "-p", "8", "-n", "4", "-r", "1", "-t", "1", "-b", "8")
     lines = md.stdout.strip().splitlines()
-    assert lines[0].startswith("| model | size | params | backend | threads | n_batch | test | t/s |")
+    assert lines[0].startswith("| model | size | params | backend | ngl | threads | n_batch | test | t/s |")
+    assert "| cpu | all | 1 | 8 | pp8 |" in lines[2]
     assert len(lines) == 4 and "| pp8 |" in lines[2] and "| tg4 |" in lines[3] and " ± " in lines[3]
     assert "MiB" in lines[2]
     c = ok("bench", model, "-p", "0", "-n", "3", "-r", "1", "-t", "1", "--backend", "cpu,cpu-ref", "-o", "csv")
     rows = list(csv.DictReader(io.StringIO(c.stdout)))
     assert [(r["backend"], r["test"], r["kind"]) for r in rows] == [("cpu", "tg3", "tg"), ("cpu-ref", "tg3", "tg")]
     assert float(rows[0]["avg_tps"]) > 0
+
+
+def test_gpu_layers_are_a_grid_dimension(model):
+    # on the CPU backend every layer is on the CPU whatever -ngl says; the rows still record it
+    c = ok("bench", model, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-b", "8", "-ngl", "0,2", "-o", "json")
+    rows = json.loads(c.stdout)["results"]
+    assert [(r["gpu_layers"], r["test"]) for r in rows] == [(0, "pp8"), (2, "pp8")]
+    c = ok("bench", model, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-b", "8", "-o", "json")
+    assert [r["gpu_layers"] for r in json.loads(c.stdout)["results"]] == [None]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -366,7 +366,9 @@ def test_readme_setup_is_what_ci_runs():
     readme = (REPO / "README.md").read_text()
     setup = readme.split("## Set up", 1)[1]
     commands = _blocks(setup, "sh")[0].strip().splitlines()
-    assert commands == ["pip install -e '.[test]'", "python -m pytest -q"]
+    assert commands == ["scripts/install.sh", "python -m pytest -q"]
+    install = (REPO / "scripts" / "install.sh").read_text()
+    assert "pip install -q -e \"$REPO[test]\"" in install and "-DGGML_LLAMAFILE=ON" in install
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert "set -euo pipefail" in ci
     assert [line for line in ci if line in commands] == commands

@@ -341,8 +341,14 @@ def test_values_of_every_node_and_two_runs_agree(model_path: Path, tmp_path: Pat
         for n in second.nodes:
             if n.values is not None:
                 np.testing.assert_array_equal(arrays2[n.id], arrays[n.id])
-        logits = m.logits_for(tokens)[-1]
-        np.testing.assert_array_equal(logits, arrays[first.find("result_output")[0].id].reshape(-1)[-len(logits):])
+        captured = arrays[first.find("result_output")[0].id].reshape(-1)
+        # the same graph (one ubatch, last row out) evaluated normally gives the same bits ...
+        m.reset()
+        logits = m.eval(tokens)
+        np.testing.assert_array_equal(logits, captured[-len(logits):])
+        # ... and a graph of another shape (every row out) agrees to rounding: its matrix products
+        # may take another kernel (llamafile's sgemm for many rows, vec_dot for one)
+        np.testing.assert_allclose(m.logits_for(tokens)[-1], logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
 
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):

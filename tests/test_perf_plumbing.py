@@ -55,6 +55,19 @@ def test_graph_count_does_not_grow_with_decode_length(tiny_model_path):
         assert m.stats.n_graph_builds == builds
 
 
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+def test_compute_buffers_are_reserved_once_for_the_largest_ubatch(tiny_model_path, delta_net):
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=96, n_batch=32, n_threads=1, delta_net=delta_net) as m:
+        reserved = m.sched.compute_buffer_size()
+        assert reserved > 0 and m.stats.n_graph_builds == 0       # the worst-case graph is not kept
+        logits = m.eval(prompt(70), all_logits=True)[-1]          # two full ubatches and a short one
+        for _ in range(5):
+            logits = m.eval([int(np.argmax(logits))])
+        m.reset()
+        m.logits_for(prompt(32, seed=4))                            # a full ubatch with every output
+        assert m.sched.compute_buffer_size() == reserved
+
+
 def test_fast_inputs_match_generic_inputs(tiny_model_path, monkeypatch):
     """The in-place input buffers give bit-identical logits to the one-array-per-input path."""
     path = tiny_model_path("tiny", "q8_0")

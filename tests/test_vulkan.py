@@ -153,6 +153,18 @@ def test_gpu_layers_split_the_graph_between_vulkan_and_cpu(tiny_model_path):
     assert where["attn_norm-0"] == "CPU" and where["l_out-3"] == "Vulkan0"
 
 
+def test_graph_and_bench_take_gpu_layers(tiny_model_path):
+    path = tiny_model_path("tiny", "f32")
+    d = json.loads(deltarun("graph", path, "--backend", "vulkan", "-ngl", "2", "--format", "json", "-t", "1").stdout)
+    assert d["summary"]["n_splits"] > 1
+    where = {n["name"]: n["backend"] for n in d["nodes"]}
+    assert where["attn_norm-0"] == "CPU" and where["l_out-3"] == "Vulkan0"
+    p = deltarun("bench", path, "--backend", "vulkan", "-ngl", "0,4", "-p", "8", "-n", "2", "-r", "1", "-t", "1",
+                 "-o", "json")
+    rows = json.loads(p.stdout)["results"]
+    assert [(r["gpu_layers"], r["test"]) for r in rows] == [(0, "pp8"), (0, "tg2"), (4, "pp8"), (4, "tg2")]
+
+
 @pytest.mark.parametrize("preset", ["tiny-eqheads", "tiny-legacy", "tiny-tied"])
 def test_other_presets_match_the_cpu(tiny_model_path, preset):
     rep = compare(tiny_model_path(preset, "f32"), "-n", "12", "-s", "4")

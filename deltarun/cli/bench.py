@@ -15,7 +15,7 @@ from deltarun.runner.memory import KV_TYPES
 def _int_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[int]:
     """-p 128 -p 256,512 -> [128, 256, 512]; each value a non-negative integer (positive for -t/-b)."""
     out: list[int] = []
-    minimum = 1 if param.name in ("threads", "batch") else 0
+    minimum = 1 if param.name in ("threads", "batch") else 0   # -p/-n 0 skip; -ngl 0 is all on the CPU
     for value in values:
         for part in value.split(","):
             part = part.strip()
@@ -53,6 +53,9 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
               help="Ubatch sizes (tokens per graph) [default: 512].")
 @click.option("--backend", multiple=True, callback=_str_list, metavar="NAME[,NAME...]",
               help="ggml backends (cpu, cpu-ref) [default: cpu].")
+@click.option("--gpu-layers", "-ngl", multiple=True, callback=_int_list, metavar="N[,N...]",
+              help="With a device backend: layers on the device, the rest on the CPU, as llama-bench -ngl "
+                   "[default: all on the device].")
 @click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default="f16", show_default=True,
               help="Type of the KV cache.")
 @click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
@@ -60,7 +63,8 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
 @click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
               help="Report format (json schema: see deltarun.runner.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
-          batch: list[int], backend: list[str], kv_type: str, delta_net: str, output: str) -> None:
+          batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
+          output: str) -> None:
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
     -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
@@ -68,11 +72,13 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     single-token evaluations after a 16-token prompt. Each test runs once as a warm-up, then -r
     times; t/s is the mean ± standard deviation over those runs.
     """
+    from deltarun.runner.backend import LLAMAFILE_HINT
     from deltarun.runner.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
                                        markdown_row, to_csv, to_json)
 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
-                      batch=batch or [512], backends=backend or ["cpu"], repetitions=repetitions,
+                      batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
+                      repetitions=repetitions,
                       kv_type=kv_type, delta_net=delta_net)
     settings: dict[str, Any] = {}
     info: dict[str, Any] = {}
@@ -91,5 +97,8 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     else:
         import deltarun
 
+        features = report.machine["ggml_cpu_features"]
         click.echo(f"\ndeltarun {deltarun.__version__}, {report.machine['platform']}, "
-                   f"{report.machine['cpu_count']} CPUs", err=True)
+                   f"{report.machine['cpu_count']} CPUs, ggml CPU: {' '.join(features)}", err=True)
+    if "LLAMAFILE" not in report.machine["ggml_cpu_features"]:
+        click.echo(f"note: {LLAMAFILE_HINT}", err=True)

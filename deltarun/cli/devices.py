@@ -24,7 +24,8 @@ def devices(as_json: bool) -> None:
     best = be.best_device()
     if as_json:
         click.echo(json.dumps({"devices": [d.to_dict() for d in devs], "built_with": built,
-                               "auto": best.backend_name if best else "cpu"}, indent=1))
+                               "auto": best.backend_name if best else "cpu",
+                               "cpu_features": be.cpu_features()}, indent=1))
         return
     rows = [["#", "name", "description", "type", "memory free / total", "--backend"]]
     for d in devs:
@@ -36,6 +37,10 @@ def devices(as_json: bool) -> None:
         click.echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
     click.echo("")
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
+    features = be.cpu_features()
+    click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {be.physical_cores()}")
+    if "LLAMAFILE" not in features:
+        click.echo(f"note: {be.LLAMAFILE_HINT}")
     for kind, ok in built.items():
         if not ok:
             click.echo(f"{kind}: not in this build; {be.install_hint(kind)}")

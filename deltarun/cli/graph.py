@@ -41,7 +41,11 @@ DEFAULT_DECODE_PAST = 32
 @click.option("--kv-type", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
               help="Type of the KV cache.")
 @click.option("--threads", "-t", type=click.IntRange(min=1), default=None, help="CPU threads.")
-@click.option("--backend", default="cpu", show_default=True, metavar="NAME", help="ggml backend (cpu, cpu-ref).")
+@click.option("--backend", default="cpu", show_default=True, metavar="NAME",
+              help="ggml backend: cpu, cpu-ref, vulkan[:N], cuda[:N], auto (`deltarun devices`).")
+@click.option("--gpu-layers", "-ngl", type=click.IntRange(min=0), default=None,
+              help="With a device backend: the last N layers on the device, the rest on the CPU (as -ngl); "
+                   "the dump shows each node's backend and the scheduler's splits [default: all on the device].")
 @click.option("--layer", type=click.IntRange(min=0), default=None,
               help="Keep only the nodes of layer L (names ending in -L) and their direct sources.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
@@ -60,6 +64,7 @@ DEFAULT_DECODE_PAST = 32
               help="With --values: how many leading elements to show per node.")
 def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: bool, outputs: str,
           rs_slots: int, delta_net: str, ctx: int, kv_type: str, threads: int | None, backend: str,
+          gpu_layers: int | None,
           layer: int | None, fmt: str, output: Path | None, values: bool, prompt: str | None,
           patterns: tuple[str, ...], dump_dir: Path | None, n_first: int) -> None:
     """Dump the ggml graph the runner computes for one ubatch shape of MODEL."""
@@ -86,7 +91,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
     try:
         if values:
             m = Model(model, backend=backend, n_ctx=ctx, n_batch=ctx, n_threads=threads, n_rs_seq=rs_slots - 1,
-                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net)
+                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
             ids = m.tokenizer.encode(prompt or "")
             if len(ids) > ctx:
                 raise DeltarunError(f"the prompt has {len(ids)} tokens, more than the context {ctx}")
@@ -99,7 +104,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
         else:
             batch = max(n_tok * seqs, rs_slots)
             m = Model(model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
-                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net)
+                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
             shape = gd.ubatch_shape(m, n_tok, seqs, n_past, all_outputs)
             dump = gd.dump_graph(m, shape, layer=layer, n_past=n_past)
     finally:

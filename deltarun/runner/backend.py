@@ -45,12 +45,60 @@ DEVICE_TYPE_NAMES = {
 }
 
 
-def physical_cores() -> int:
-    """A default thread count: the cores this process may use (ggml does best at one per core)."""
+def physical_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
+    """The default thread count: physical cores this process may run on, as llama.cpp defaults to.
+
+    ggml's matrix kernels saturate a core's vector units with one thread, so a second thread on
+    an SMT sibling only adds synchronisation. Cores are counted as distinct sibling sets among the
+    CPUs in this process's affinity mask; without that topology information, each CPU is a core.
+    """
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"{sysfs}/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings = _parse_cpu_list(f.read())
+        except (OSError, ValueError):
+            siblings = {cpu}
+        cores.add(frozenset(siblings & set(cpus)) or frozenset({cpu}))
+    return max(1, len(cores))
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    """Linux's CPU list syntax, e.g. "0-3,8,10-11"."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+CPU_FEATURES = ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "bmi2", "avx512", "avx512_vbmi",
+                "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma", "dotprod", "matmul_int8", "sve",
+                "sme", "llamafile")
+LLAMAFILE_HINT = ("this ggml-python was built without llamafile's matrix kernels, so prompt processing "
+                  "is slower than llama.cpp's; scripts/install.sh builds it with them (see the README)")
+
+
+def cpu_features() -> list[str]:
+    """What ggml's CPU backend was compiled with (ggml_cpu_has_*), llama.cpp's system info.
+
+    `llamafile` matters most for speed: llama.cpp builds with it, ggml's own default leaves it off.
+    """
+    found = []
+    for name in CPU_FEATURES:
+        fn = getattr(ggml, f"ggml_cpu_has_{name}", None)
+        try:
+            if fn is not None and fn():
+                found.append(name.upper())
+        except (AttributeError, OSError):  # pragma: no cover - symbol missing from this build
+            pass
+    return found
 
 
 def install_hint(kind: str) -> str:
@@ -462,8 +510,10 @@ class Scheduler:
 
     def reserve(self, gf: Any) -> None:
         """Size the compute buffers for the largest graph once, so later graphs never reallocate."""
+        self._allocated = None   # reserving resets the scheduler: the next graph is allocated anew
         if not ggml.ggml_backend_sched_reserve(self.handle, gf):
-            raise BackendError("the backend refused to reserve compute buffers for the graph")
+            raise BackendError("the backend could not reserve compute buffers for the largest ubatch "
+                               "(lower --batch or --ctx)")
 
     def allocate(self, gf: Any, ctx: Any) -> None:
         """Allocate `gf` (whose tensors live in `ctx`) unless it is the graph allocated last.
@@ -513,5 +563,4 @@ class Scheduler:
         if self.handle:
             ggml.ggml_backend_sched_free(self.handle)
             self.handle = 0
-        self._c_callback = None
         self._c_callback = None

@@ -20,22 +20,23 @@ JSON schema (`to_json`, `deltarun bench --output json`), version 1::
       "schema": "deltarun-bench", "schema_version": 1,
       "deltarun_version": "0.1.0",
       "machine": {"platform": str, "machine": str, "processor": str, "python": str,
-                  "cpu_count": int, "cpu_affinity": int},
+                  "cpu_count": int, "cpu_affinity": int, "ggml_cpu_features": [str]},
       "model": {"path": str, "name": str | null, "file_type": int | null,
                 "size_bytes": int, "n_params": int},
       "settings": {"repetitions": int, "tg_prompt": int, "kv_type": str, "delta_net": str,
                    "n_ctx": int},
       "results": [
         {"test": "pp512" | "tg128", "kind": "pp" | "tg", "n_prompt": int, "n_gen": int,
-         "backend": str, "threads": int, "batch": int, "repetitions": int,
+         "backend": str, "gpu_layers": int | null, "threads": int, "batch": int, "repetitions": int,
          "samples_s": [float], "samples_tps": [float],
          "avg_s": float, "avg_tps": float, "stddev_tps": float}
       ]
     }
 
 ``size_bytes`` and ``n_params`` count every tensor in the file (llama-bench's model size and
-parameter count). Rows come in grid order: backend, batch, threads, then the pp tests, then the
-tg tests.
+parameter count). ``gpu_layers`` is the --gpu-layers value (null: everything on the backend's
+device). Rows come in grid order: backend, gpu_layers, batch, threads, then the pp tests, then
+the tg tests.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ TOKEN_SEED = 1234
 
 
 def machine_info() -> dict[str, Any]:
+    from deltarun.runner.backend import cpu_features
+
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -74,6 +77,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count() or 1,
         "cpu_affinity": affinity,
+        "ggml_cpu_features": cpu_features(),
     }
 
 
@@ -97,6 +101,7 @@ class BenchConfig:
     threads: Sequence[int] = ()          # empty: the physical-core default
     batch: Sequence[int] = (512,)
     backends: Sequence[str] = ("cpu",)
+    gpu_layers: Sequence[int] = ()       # empty: everything on the backend's device
     repetitions: int = 5
     kv_type: str = "f16"
     delta_net: str = "fused"
@@ -109,6 +114,7 @@ class BenchResult:
     n_prompt: int
     n_gen: int
     backend: str
+    gpu_layers: int | None
     threads: int
     batch: int
     repetitions: int
@@ -185,32 +191,33 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
     if settings_out is not None:
         settings_out.update(repetitions=cfg.repetitions, tg_prompt=TG_PROMPT, kv_type=cfg.kv_type,
                             delta_net=cfg.delta_net, n_ctx=n_ctx)
-    for backend in cfg.backends:
-        for batch in cfg.batch:
-            with Model(cfg.model, backend=backend, n_ctx=n_ctx, n_batch=batch, n_threads=threads[0],
-                       kv_type=cfg.kv_type, delta_net=cfg.delta_net) as m:
-                if info_out is not None and not info_out:
-                    info_out.update(model_info(m))
-                rng = np.random.default_rng(TOKEN_SEED)
-                tokens = rng.integers(0, m.hp.n_vocab, size=max(pps + [TG_PROMPT]), dtype=np.int64).tolist()
-                for t in threads:
-                    m.backend.set_threads(t)
-                    jobs: list[tuple[str, int, int, Callable[[], float]]] = []
-                    for p in pps:
-                        jobs.append(("pp", p, 0, lambda p=p: _time_pp(m, tokens[:p])))
-                    for n in tgs:
-                        jobs.append(("tg", 0, n, lambda n=n: _time_tg(m, tokens[:TG_PROMPT], n)))
-                    for kind, p, n, run in jobs:
-                        run()  # warm-up: builds every graph shape the test uses
-                        r = BenchResult(test=f"{kind}{p or n}", kind=kind, n_prompt=p, n_gen=n,
-                                        backend=m.backend.name, threads=t, batch=batch,
-                                        repetitions=cfg.repetitions)
-                        for _ in range(cfg.repetitions):
-                            s = run()
-                            r.samples_s.append(s)
-                            r.samples_tps.append((p or n) / s if s > 0 else float("inf"))
-                        yield r
-                m.reset()
+    gpu_layers: list[int | None] = list(cfg.gpu_layers) or [None]
+    grid = [(b, ngl, batch) for b in cfg.backends for ngl in gpu_layers for batch in cfg.batch]
+    for backend, ngl, batch in grid:
+        with Model(cfg.model, backend=backend, n_ctx=n_ctx, n_batch=batch, n_threads=threads[0],
+                   kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl) as m:
+            if info_out is not None and not info_out:
+                info_out.update(model_info(m))
+            rng = np.random.default_rng(TOKEN_SEED)
+            tokens = rng.integers(0, m.hp.n_vocab, size=max(pps + [TG_PROMPT]), dtype=np.int64).tolist()
+            for t in threads:
+                m.backend.set_threads(t)
+                jobs: list[tuple[str, int, int, Callable[[], float]]] = []
+                for p in pps:
+                    jobs.append(("pp", p, 0, lambda p=p: _time_pp(m, tokens[:p])))
+                for n in tgs:
+                    jobs.append(("tg", 0, n, lambda n=n: _time_tg(m, tokens[:TG_PROMPT], n)))
+                for kind, p, n, run in jobs:
+                    run()  # warm-up: builds every graph shape the test uses
+                    r = BenchResult(test=f"{kind}{p or n}", kind=kind, n_prompt=p, n_gen=n,
+                                    backend=m.backend.name, gpu_layers=ngl, threads=t, batch=batch,
+                                    repetitions=cfg.repetitions)
+                    for _ in range(cfg.repetitions):
+                        s = run()
+                        r.samples_s.append(s)
+                        r.samples_tps.append((p or n) / s if s > 0 else float("inf"))
+                    yield r
+            m.reset()
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
@@ -236,7 +243,7 @@ def _count(n: int) -> str:
     return str(n)
 
 
-MD_COLUMNS = ("model", "size", "params", "backend", "threads", "n_batch", "test", "t/s")
+MD_COLUMNS = ("model", "size", "params", "backend", "ngl", "threads", "n_batch", "test", "t/s")
 
 
 def markdown_header() -> str:
@@ -248,7 +255,7 @@ def markdown_header() -> str:
 def markdown_row(model: dict[str, Any], r: BenchResult) -> str:
     name = model.get("name") or Path(model.get("path", "?")).name
     cells = (str(name), _bytes(model.get("size_bytes", 0)), _count(model.get("n_params", 0)), r.backend,
-             str(r.threads), str(r.batch), r.test, f"{r.avg_tps:.2f} ± {r.stddev_tps:.2f}")
+             "all" if r.gpu_layers is None else str(r.gpu_layers), str(r.threads), str(r.batch), r.test, f"{r.avg_tps:.2f} ± {r.stddev_tps:.2f}")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -260,7 +267,7 @@ def to_json(report: BenchReport) -> str:
     return json.dumps(report.as_dict(), indent=2)
 
 
-CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "threads", "batch", "test", "kind", "n_prompt",
+CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "batch", "test", "kind", "n_prompt",
               "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps")
 
 

@@ -139,9 +139,11 @@ class Model:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, n_rs_seq, kv_type, mtp=mtp,
                              placement=self.placement)
-        largest = UbatchShape(n_seq_tokens=n_batch, n_seqs=1, n_outputs=n_batch, n_kv=n_ctx, delta_net=delta_net)
+        n_ub = min(n_batch, n_ctx)
+        largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net)
         self.sched = Scheduler(self.backend.sched_backends,   # [device, CPU] or [CPU]
                                graph_size=self.graph_builder.graph_size(largest))
+        self._reserve_compute_buffers(largest)
         self._graphs: dict[UbatchShape, _Graph] = {}
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
@@ -359,6 +361,19 @@ class Model:
             slot_stride, cell_stride = ssm.contents.nb[2], ssm.contents.nb[1]
             ggml.ggml_backend_tensor_get(ssm, cell.ctypes.data, r * slot_stride + seq * cell_stride, cell.nbytes)
             ggml.ggml_backend_tensor_set(ssm, cell.ctypes.data, seq * cell_stride, cell.nbytes)
+
+    def _reserve_compute_buffers(self, largest: UbatchShape) -> None:
+        """Size the compute buffers for the largest ubatch now, as llama.cpp does at context creation:
+        the memory a session needs is known (and refused) up front, and no later graph reallocates
+        the buffers mid-generation. The worst-case graph is built only for this and dropped."""
+        size = self.graph_builder.graph_size(largest)
+        ctx = new_context(2 * size)
+        try:
+            gf = ggml.ggml_new_graph_custom(ctx, size, False)
+            self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, largest)
+            self.sched.reserve(gf)
+        finally:
+            ggml.ggml_free(ctx)
 
     def _graph(self, shape: UbatchShape) -> _Graph:
         g = self._graphs.get(shape)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Install deltarun (editable, with the test tools) on ggml-python built the way llama.cpp builds
+# ggml for the CPU.
+#
+#   scripts/install.sh [--venv DIR]
+#
+# --venv DIR   create (if needed) and install into this virtual environment; default: the
+#              current `python`'s environment.
+#
+# The only difference from a plain `pip install -e '.[test]'` is GGML_LLAMAFILE=ON: llamafile's
+# tinyBLAS matrix kernels, which llama.cpp enables and ggml's own CMake default leaves off. Prompt
+# processing (batched matrix products) is 1.3-1.5x faster with them (bench/RESULTS.md); decoding
+# is unchanged. The wheel is built once (about 2 minutes on 2 cores) and kept in
+# DELTARUN_WHEEL_CACHE (default ~/.cache/deltarun-wheels), outside the clone, per CPU.
+# An environment whose ggml-python already has llamafile is left as it is.
+set -euo pipefail
+
+VENV=""
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --venv) VENV=$2; shift 2 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+log() { echo "[install] $*" >&2; }
+. "$REPO/scripts/ggml-wheel.sh"
+pick_python "$VENV"
+
+has_llamafile() {
+  "$PY" -c "import ggml, sys; sys.exit(0 if ggml.ggml_cpu_has_llamafile() else 1)" 2>/dev/null
+}
+# ggml-python first, so that installing deltarun finds the pinned version there and builds nothing.
+if has_llamafile && "$PY" -m pip show ggml-python 2>/dev/null | grep -qx "Version: $GGML_PYTHON_VERSION"; then
+  log "ggml-python $GGML_PYTHON_VERSION with llamafile is already installed"
+else
+  install_ggml_wheel cpu-llamafile "-DGGML_LLAMAFILE=ON"
+fi
+"$PY" -m pip install -q -e "$REPO[test]"
+has_llamafile || { log "ggml-python was replaced by a build without llamafile"; exit 1; }
+log "done: $("$PY" -m deltarun --version 2>/dev/null || echo deltarun)"
