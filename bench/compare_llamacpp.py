@@ -26,10 +26,10 @@ What it does
 
 llama.cpp is timed two ways (--modes): `eval` = llama-cpp-python's Llama.eval (what a Python
 user of llama.cpp gets), `raw` = llama_decode on a prepared batch via the low-level ctypes API
-(closest to llama-bench). deltarun is timed on two builds of ggml-python 0.0.45 (--ggml-builds):
-`stock` = the installed one (ggml's default GGML_LLAMAFILE=OFF), `llamafile` = the same sdist
-rebuilt with -DGGML_LLAMAFILE=ON in bench/.venv-ggml-llamafile (bench/ggml_llamafile_env.py),
-which is how llama.cpp builds ggml.
+(closest to llama-bench). deltarun is timed on the installed ggml-python (--ggml-builds
+installed: scripts/install.sh builds it with -DGGML_LLAMAFILE=ON, as llama.cpp builds ggml) and,
+with --ggml-builds installed,stock, also on the plain sdist build (ggml's default
+GGML_LLAMAFILE=OFF) in bench/.venv-ggml-stock (bench/ggml_stock_env.py, built on first use).
 
 --memory instead measures peak resident memory for pp512 + tg128 at ctx 4096 in fresh processes
 (deltarun's Model API vs the llama.cpp worker) and prints the ratio.
@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-import ggml_llamafile_env  # noqa: E402
+import ggml_stock_env  # noqa: E402
 import llamacpp_env  # noqa: E402
 
 DEFAULT_DIR = Path("/tmp/drbench")
@@ -169,15 +169,15 @@ def summarize(xs: list[float]) -> dict[str, float]:
 
 
 def deltarun_pythons(args: argparse.Namespace) -> dict[str, str]:
-    """Interpreter per ggml-python build: `stock` (the installed one), `llamafile` (bench venv)."""
+    """Interpreter per ggml-python build: `installed` (this Python's), `stock` (bench venv)."""
     out = {}
     for build in [b for b in args.ggml_builds.split(",") if b]:
-        if build == "stock":
+        if build == "installed":
             out[build] = sys.executable
-        elif build == "llamafile":
-            out[build] = str(ggml_llamafile_env.ensure())
+        elif build == "stock":
+            out[build] = str(ggml_stock_env.ensure())
         else:
-            raise SystemExit(f"unknown ggml build {build!r} (stock, llamafile)")
+            raise SystemExit(f"unknown ggml build {build!r} (installed, stock)")
     return out
 
 
@@ -328,9 +328,9 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default="eval,raw", help="llama.cpp timing modes: eval, raw")
-    ap.add_argument("--ggml-builds", default="stock,llamafile",
-                    help="deltarun on which ggml-python builds: stock (installed), llamafile "
-                         "(bench/.venv-ggml-llamafile, built on first use)")
+    ap.add_argument("--ggml-builds", default="installed",
+                    help="deltarun on which ggml-python builds: installed (this Python's), stock "
+                         "(GGML_LLAMAFILE=OFF, bench/.venv-ggml-stock, built on first use)")
     ap.add_argument("--quiet", type=float, default=0.3,
                     help="before each round wait until fewer than this many CPUs are busy ...")
     ap.add_argument("--quiet-wait", type=float, default=120.0, help="... for at most this many seconds")
