@@ -171,6 +171,23 @@ def test_several_sequences_in_one_ubatch(tiny_model_path, reference_of):
     assert rel_err(out[2], rb) < F32_TOL
 
 
+def test_several_sequences_decode_together(tiny_model_path, reference_of):
+    """Decode ubatches of one token per sequence (positions differ per sequence) against the reference."""
+    prompts = {0: prompt(9, seed=1), 1: prompt(14, seed=2)}
+    ref = reference_of("tiny")
+    with Model(tiny_model_path("tiny"), n_ctx=64, kv_type="f32", n_seq_max=2) as m:
+        last = {s: m.eval(p, seq=s) for s, p in prompts.items()}
+        for _ in range(4):
+            nxt = {s: [int(np.argmax(last[s]))] for s in prompts}
+            calls = m.stats.n_eval_calls
+            last = m.eval_batch(nxt)
+            assert m.stats.n_eval_calls == calls + 1          # both sequences in one ubatch
+        for s, p in prompts.items():
+            ref.reset()
+            expected = ref.forward(m.tokens(s))[-1]
+            assert rel_err(last[s], expected) < F32_TOL
+
+
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 @pytest.mark.parametrize("K,n_tokens", [(1, 5), (4, 2), (4, 3), (4, 9), (3, 70)])
 def test_rollback_slots_hold_past_states(tiny_model_path, reference_of, delta_net, K, n_tokens):
@@ -217,7 +234,7 @@ def test_conv_state_written_by_one_set_rows(tiny_model_path, K, n_tokens):
         (shape, g), = m._graphs.items()
         kw = min(n_tokens + 1, K)
         # inputs share the compute buffer with later nodes: read them back before computing
-        m._set_inputs(g.io, [toks], [0], 0, shape)
+        m._set_inputs(g, [toks], [0], shape)
         assert tensor_to_numpy(g.io["rs_s_slot_rev"]).tolist() == list(range(kw - 1, -1, -1))
         conv_caches = {name_of(m.memory.conv[il]): il for il in m.hp.linear_layers}
         writes: dict[int, list] = {il: [] for il in m.hp.linear_layers}

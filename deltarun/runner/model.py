@@ -35,13 +35,14 @@ _NP_OF_GGML = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32, ggm
 
 
 class _InputPlan:
-    """Host-side buffers for the inputs one graph uses, filled in place on every step.
+    """Host-side buffers for the inputs one allocated graph reads, filled in place on every step.
 
-    Built on the first step after the graph was allocated (only then is it known which inputs the
-    graph really reads: unused ones get no memory and are skipped). Inputs that depend on the
+    Made on the first step after the graph was allocated: only then is it known which inputs the
+    graph really reads (unused ones get no memory and are skipped). Inputs that depend on the
     shape only (state cells, rollback-slot order, output rows) are computed once here; they are
     still copied to the backend every step, because the allocator reuses input memory for later
-    nodes.
+    nodes. Each step then costs a few numpy writes into preallocated arrays and one
+    ggml_backend_tensor_set per input, whatever the number of layers.
     """
 
     __slots__ = ("io", "bufs", "const")
@@ -52,12 +53,13 @@ class _InputPlan:
         self.bufs: dict[str, tuple[Any, np.ndarray, int, int]] = {}
         for name, t in io.items():
             c = t.contents
-            if not (c.flags & ggml.GGML_TENSOR_FLAG_INPUT) or not c.buffer or c.type not in _NP_OF_GGML:
+            if not (c.flags & ggml.GGML_TENSOR_FLAG_INPUT) or not c.buffer:
                 continue
             nd = int(ggml.ggml_n_dims(t))
             arr = np.zeros(tuple(reversed([int(c.ne[i]) for i in range(nd)])), dtype=_NP_OF_GGML[c.type])
-            if arr.nbytes == int(ggml.ggml_nbytes(t)):   # inputs are contiguous; anything else: generic path
-                self.bufs[name] = (t, arr, arr.ctypes.data, arr.nbytes)
+            if arr.nbytes != int(ggml.ggml_nbytes(t)):
+                raise AssertionError(f"graph input {name} is not a contiguous tensor")
+            self.bufs[name] = (t, arr, arr.ctypes.data, arr.nbytes)
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
         per_seq = shape.n_outputs // n_seqs
         fixed = {
@@ -67,15 +69,24 @@ class _InputPlan:
         if "rs_s_slot_rev" in self.bufs:
             kw = self.bufs["rs_s_slot_rev"][1].size
             fixed["rs_s_slot_rev"] = np.arange(kw - 1, -1, -1, dtype=np.int32)
-        #: name -> (tensor, address, nbytes, host array) of the shape-only inputs, already filled
-        #: (the array is kept so that the address stays valid)
-        self.const: dict[str, tuple[Any, int, int, np.ndarray]] = {}
+        #: the used shape-only inputs, already filled: moved out of `bufs`
+        self.const: dict[str, tuple[Any, np.ndarray, int, int]] = {}
         for name, values in fixed.items():
-            entry = self.bufs.get(name)
-            if entry is not None and entry[1].size == values.size:
-                t, arr, addr, nbytes = self.bufs.pop(name)
-                arr.reshape(-1)[:] = values.reshape(-1)
-                self.const[name] = (t, addr, nbytes, arr)
+            if name in self.bufs:
+                self.const[name] = self.bufs.pop(name)
+                self.const[name][1].reshape(-1)[:] = values.reshape(-1)
+
+    def array(self, name: str) -> np.ndarray | None:
+        """The host array of input `name` to fill in place, or None when the graph does not read it."""
+        e = self.bufs.get(name)
+        return None if e is None else e[1]
+
+    def send(self) -> None:
+        """Copy every used input, the shape-only ones included, to the backend."""
+        for t, _, addr, size in self.bufs.values():
+            _tensor_set(t, addr, 0, size)
+        for t, _, addr, size in self.const.values():
+            _tensor_set(t, addr, 0, size)
 
 
 @dataclass
@@ -83,6 +94,7 @@ class _Graph:
     ctx: Any
     gf: Any
     io: dict[str, Any]
+    inputs: _InputPlan | None = None    # made on the first step after allocation
 
 
 @dataclass
@@ -312,10 +324,13 @@ class Model:
                             delta_net=self.delta_net, mtp=True)
         g = self._graph(shape)
         self.sched.allocate(g.gf, g.ctx)
-        pos = np.arange(start, start + n, dtype=np.int32)[None, :]
-        self._set(g.io, "mtp_tokens", np.asarray(tokens, dtype=np.int32))
-        self._set(g.io, "mtp_hidden", np.asarray(hidden, dtype=np.float32).reshape(n, self.hp.n_embd))
-        self._set_position_inputs(g.io, pos, seq, shape)
+        plan = self._input_plan(g, shape)
+        for name, values in (("mtp_tokens", tokens), ("mtp_hidden", hidden)):
+            arr = plan.array(name)
+            if arr is not None:
+                arr.reshape(-1)[:] = np.asarray(values).reshape(-1)
+        self._fill_positions(plan, np.arange(start, start + n, dtype=np.int32)[None, :], shape)
+        plan.send()
         self.sched.compute(g.gf)
         logits = tensor_to_numpy(g.io["result_output"]).reshape(n, self.hp.n_vocab)
         out = tensor_to_numpy(g.io["mtp_out"]).reshape(n, self.hp.n_embd)
@@ -436,7 +451,7 @@ class Model:
                             seq_head=seq_head, delta_net=self.delta_net)
         g = self._graph(shape)
         self.sched.allocate(g.gf, g.ctx)
-        self._set_inputs(g.io, tokens, starts, seq_head, shape)
+        self._set_inputs(g, tokens, starts, shape)
         self.sched.compute(g.gf)
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
         _tensor_get(g.io["result_output"], logits.ctypes.data, 0, logits.nbytes)
@@ -453,107 +468,46 @@ class Model:
         self.stats.eval_seconds += time.perf_counter() - t0
         return logits
 
-    @staticmethod
-    def _set(io: dict[str, Any], name: str, values: np.ndarray) -> None:
-        """Fill a graph input, if this graph has it and uses it (unused inputs get no memory)."""
-        t = io.get(name)
-        if t is not None and t.contents.buffer:
-            numpy_to_tensor(t, values)
+    def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
+        """The input plan of allocated graph `g`, made on its first step."""
+        if g.inputs is None:
+            g.inputs = _InputPlan(g.io, shape)
+        return g.inputs
 
-    def _input_plan(self, io: dict[str, Any], shape: UbatchShape, seq_head: int) -> _InputPlan | None:
-        """The graph's input buffers (None: use the generic path, e.g. before allocation)."""
-        if seq_head != shape.seq_head:
-            return None
-        plans = self.__dict__.setdefault("_input_plans", {})
-        plan = plans.get(shape)
-        if plan is None or plan.io is not io:
-            plan = _InputPlan(io, shape)
-            if not plan.bufs and not plan.const:   # nothing allocated yet: do not remember
-                return None
-            plans[shape] = plan
-        return plan
-
-    def _set_position_inputs(self, io: dict[str, Any], pos: np.ndarray, seq_head: int, shape: UbatchShape) -> None:
-        """Positions, output rows, causal mask and KV rows for positions `pos` [n_seqs, n]."""
-        plan = self._input_plan(io, shape, seq_head)
-        if plan is None:
-            return self._set_position_inputs_generic(io, pos, seq_head, shape)
+    def _fill_positions(self, plan: _InputPlan, pos: np.ndarray, shape: UbatchShape) -> None:
+        """Positions, causal mask and KV rows for positions `pos` [n_seqs, n] of sequences seq_head.."""
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
-        bufs, send = plan.bufs, []
-        e = bufs.get("inp_pos")
-        if e is not None:
-            e[1].reshape(-1)[:] = pos.reshape(-1)
-            send.append(e)
-        e = bufs.get("kq_mask")
-        if e is not None:
-            mask = e[1].reshape(n_seqs, n, shape.n_kv)
+        arr = plan.array("inp_pos")
+        if arr is not None:
+            arr.reshape(-1)[:] = pos.reshape(-1)
+        arr = plan.array("kq_mask")
+        if arr is not None:
+            mask = arr.reshape(n_seqs, n, shape.n_kv)
             if n * n_seqs == 1:        # decode: one row, 0 up to the position, -inf after
                 mask.fill(NEG_INF)
                 mask[0, 0, :int(pos[0, 0]) + 1] = 0.0
             else:
                 cols = np.arange(shape.n_kv)[None, None, :]
                 mask[...] = np.where(cols <= pos[:, :, None], 0.0, NEG_INF)
-            send.append(e)
-        elif "kq_mask" in io and io["kq_mask"].contents.buffer:
-            cols = np.arange(shape.n_kv)[None, None, :]
-            self._set(io, "kq_mask", np.where(cols <= pos[:, :, None], 0.0, NEG_INF).astype(np.float32))
-        e = bufs.get("kv_idxs")
-        if e is not None:
+        arr = plan.array("kv_idxs")
+        if arr is not None:
             if n * n_seqs == 1:
-                e[1][0] = seq_head * self.n_ctx + int(pos[0, 0])
+                arr[0] = shape.seq_head * self.n_ctx + int(pos[0, 0])
             else:
-                seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
-                e[1].reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
-            send.append(e)
-        for t, _, addr, size in send:
-            _tensor_set(t, addr, 0, size)
-        e = plan.const.get("inp_out_ids")
-        if e is not None:
-            _tensor_set(e[0], e[1], 0, e[2])
+                seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None]
+                arr.reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
 
-    def _set_inputs(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
-                    shape: UbatchShape) -> None:
-        plan = self._input_plan(io, shape, seq_head)
-        if plan is None:
-            return self._set_inputs_generic(io, tokens, starts, seq_head, shape)
+    def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape) -> None:
+        plan = self._input_plan(g, shape)
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
+        arr = plan.array("inp_tokens")
         if n * n_seqs == 1:
             pos = np.array([[starts[0]]], dtype=np.int32)
+            if arr is not None:
+                arr[0] = tokens[0][0]
         else:
             pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-        e = plan.bufs.get("inp_tokens")
-        if e is not None:
-            if n * n_seqs == 1:
-                e[1][0] = tokens[0][0]
-            else:
-                e[1].reshape(n_seqs, n)[...] = tokens
-            _tensor_set(e[0], e[2], 0, e[3])
-        self._set_position_inputs(io, pos, seq_head, shape)
-        for name in ("rs_s_copy", "rs_s_slot_rev"):
-            e = plan.const.get(name)
-            if e is not None:
-                _tensor_set(e[0], e[1], 0, e[2])
-
-    # the plain forms: any graph, allocated or not (one host array per input and step)
-    def _set_position_inputs_generic(self, io: dict[str, Any], pos: np.ndarray, seq_head: int,
-                                     shape: UbatchShape) -> None:
-        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
-        self._set(io, "inp_pos", pos.reshape(-1).astype(np.int32))
-        per_seq = shape.n_outputs // n_seqs
-        rows = (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).astype(np.int32)
-        self._set(io, "inp_out_ids", rows.reshape(-1))
-        cols = np.arange(shape.n_kv)[None, None, :]
-        self._set(io, "kq_mask", np.where(cols <= pos[:, :, None], 0.0, NEG_INF).astype(np.float32))
-        seq_ids = np.arange(seq_head, seq_head + n_seqs)[:, None]
-        self._set(io, "kv_idxs", (seq_ids * self.n_ctx + pos).astype(np.int64).reshape(-1))
-
-    def _set_inputs_generic(self, io: dict[str, Any], tokens: list[list[int]], starts: list[int], seq_head: int,
-                            shape: UbatchShape) -> None:
-        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
-        pos = np.stack([np.arange(s, s + n, dtype=np.int32) for s in starts])          # [n_seqs, n]
-        self._set(io, "inp_tokens", np.asarray(tokens, dtype=np.int32).reshape(-1))
-        self._set_position_inputs_generic(io, pos, seq_head, shape)
-        self._set(io, "rs_s_copy", np.arange(seq_head, seq_head + n_seqs, dtype=np.int32))
-        if "rs_s_slot_rev" in io:
-            kw = int(io["rs_s_slot_rev"].contents.ne[0])
-            self._set(io, "rs_s_slot_rev", np.arange(kw - 1, -1, -1, dtype=np.int32))
+            if arr is not None:
+                arr.reshape(n_seqs, n)[...] = tokens
+        self._fill_positions(plan, pos, shape)
+        plan.send()
