@@ -8,7 +8,7 @@
 What it does
 ------------
 1. On first use it builds llama-cpp-python from source into bench/.venv-llamacpp (CPU backend,
-   -march=native, OpenMP: see bench/llamacpp_env.py; ~20-40 min on two cores). Version 0.3.36 is
+   -march=native, OpenMP: see bench/bench_envs.py; ~20-40 min on two cores). Version 0.3.36 is
    pinned: its vendored llama.cpp (ggml 0.25.3) has the `qwen3next` architecture.
 2. It writes the synthetic "bench" preset (hidden 1024, 8 layers, 16 experts top-4) as Q8_0 and
    F16 to /tmp/drbench/ unless --model is given.
@@ -29,7 +29,7 @@ user of llama.cpp gets), `raw` = llama_decode on a prepared batch via the low-le
 (closest to llama-bench). deltarun is timed on the installed ggml-python (--ggml-builds
 installed: scripts/install.sh builds it with -DGGML_LLAMAFILE=ON, as llama.cpp builds ggml) and,
 with --ggml-builds installed,stock, also on the plain sdist build (ggml's default
-GGML_LLAMAFILE=OFF) in bench/.venv-ggml-stock (bench/ggml_stock_env.py, built on first use).
+GGML_LLAMAFILE=OFF) in bench/.venv-ggml-stock (bench/bench_envs.py, built on first use).
 
 --memory instead measures peak resident memory for pp512 + tg128 at ctx 4096 in fresh processes
 (deltarun's Model API vs the llama.cpp worker) and prints the ratio.
@@ -52,8 +52,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-import ggml_stock_env  # noqa: E402
-import llamacpp_env  # noqa: E402
+from bench_envs import GGML_STOCK, LLAMACPP  # noqa: E402
 
 DEFAULT_DIR = Path("/tmp/drbench")
 
@@ -175,7 +174,7 @@ def deltarun_pythons(args: argparse.Namespace) -> dict[str, str]:
         if build == "installed":
             out[build] = sys.executable
         elif build == "stock":
-            out[build] = str(ggml_stock_env.ensure())
+            out[build] = str(GGML_STOCK.ensure())
         else:
             raise SystemExit(f"unknown ggml build {build!r} (installed, stock)")
     return out
@@ -341,7 +340,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the full results here")
     args = ap.parse_args()
 
-    python = llamacpp_env.ensure()
+    python = LLAMACPP.ensure()
     report = run_memory(args, python) if args.memory else run_speed(args, python)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -158,9 +158,9 @@ def main() -> None:
           f"peak {best['peak'] / mib:.0f} MiB")
     if args.llama:
         sys.path.insert(0, str(HERE))
-        import llamacpp_env
+        from bench_envs import LLAMACPP
 
-        d = run(str(llamacpp_env.ensure()), LLAMA_LOAD, str(big), str(args.ctx))
+        d = run(str(LLAMACPP.ensure()), LLAMA_LOAD, str(big), str(args.ctx))
         print(f"  llama.cpp (llama-cpp-python, mmap): load {d['load_s']:.3f} s, RSS after load "
               f"{d['rss_after_load'] / mib:.0f} MiB (+{(d['rss_after_load'] - d['rss_before']) / mib:.0f})")
 
