@@ -188,6 +188,40 @@ def test_several_sequences_decode_together(tiny_model_path, reference_of):
             assert rel_err(last[s], expected) < F32_TOL
 
 
+def test_copied_sequence_continues_like_the_original(tiny_model_path):
+    """copy_seq copies the KV cells (K rows, transposed V rows) and the live recurrent state."""
+    toks = prompt(21, seed=4)
+    with Model(tiny_model_path("tiny"), n_ctx=64, kv_type="f32", n_seq_max=3) as m:
+        m.eval(prompt(30, seed=5), seq=1)          # stale cells in the destination must not matter
+        m.eval(prompt(7, seed=6), seq=2)
+        m.eval(toks, seq=2)
+        m.reset()
+        first = m.eval(toks, seq=0)
+        m.copy_seq(0, 1)
+        assert m.tokens(1) == toks and m.n_past(1) == len(toks)
+        nxt = [int(np.argmax(first))]
+        np.testing.assert_array_equal(m.eval(nxt, seq=1), m.eval(nxt, seq=0))
+
+
+def test_attention_reads_the_stored_v_rows_without_a_copy(tiny_model_path):
+    """V is stored transposed (one row per channel across the cells), so the decode graph multiplies
+    a view of the cache: no per-step CONT of n_kv cells of V."""
+    from deltarun.runner.ggml_util import ggml, name_of, ne
+
+    with Model(tiny_model_path("tiny"), n_ctx=512, kv_type="f16") as m:
+        m.eval(prompt(300, seed=3))
+        m.eval([1])
+        shape, g = next((s, g) for s, g in m._graphs.items() if s.n_seq_tokens == 1)
+        il = m.hp.attention_layers[0]
+        nodes = [ggml.ggml_graph_node(g.gf, i) for i in range(ggml.ggml_graph_n_nodes(g.gf))]
+        kqv = next(t for t in nodes if name_of(t) == f"kqv-{il}")
+        v = kqv.contents.src[0]
+        assert name_of(v) == f"v_view-{il}" and name_of(v.contents.view_src) == f"cache_v_l{il}"
+        assert tuple(ne(v)[:3]) == (shape.n_kv, m.hp.head_dim, m.hp.n_head_kv)
+        assert not any(t.contents.op == ggml.GGML_OP_CONT and t.contents.src[0]
+                       and name_of(t.contents.src[0]).startswith(f"v_view-{il}") for t in nodes)
+
+
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 @pytest.mark.parametrize("K,n_tokens", [(1, 5), (4, 2), (4, 3), (4, 9), (3, 70)])
 def test_rollback_slots_hold_past_states(tiny_model_path, reference_of, delta_net, K, n_tokens):

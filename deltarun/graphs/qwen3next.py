@@ -124,6 +124,8 @@ class _Builder:
         if self.hp.attention_layers or ub.mtp:
             self.kq_mask = self.input("kq_mask", ggml.GGML_TYPE_F32, ub.n_kv, ub.n_seq_tokens, 1, ub.n_seqs)
             self.kv_idxs = self.input("kv_idxs", ggml.GGML_TYPE_I64, ub.n_tokens)
+            # V is stored transposed: each value element is its own row, at (seq, channel, cell)
+            self.v_idxs = self.input("v_idxs", ggml.GGML_TYPE_I64, self.hp.head_dim * self.hp.n_head_kv * ub.n_tokens)
 
     def head(self, x: Tensor, norm: Tensor, lm_head: Tensor) -> None:
         """Final norm (kept as output `result_norm`: the hidden state MTP drafts from) and LM head."""
@@ -219,25 +221,28 @@ class _Builder:
         q = self.cb(self._rope(q, **rope), "Qcur", il)
         k = self.cb(self._rope(k, **rope), "Kcur", il)
 
-        # store K and V rows of this ubatch into the cache; later reads go through the stored views
+        # store K rows and V elements of this ubatch into the cache (V transposed, see Memory);
+        # later reads go through views of the stored tensors
         k_cache, v_cache = self.mem.k[il], self.mem.v[il]
-        k2 = ggml.ggml_reshape_2d(c, k, hd * nkv, n_tokens)
+        width = hd * nkv
+        k2 = ggml.ggml_reshape_2d(c, k, width, n_tokens)
         k_store = self.cb(ggml.ggml_set_rows(c, k_cache, k2, self.kv_idxs), "k_cache_store", il)
-        v_store = self.cb(ggml.ggml_set_rows(c, v_cache, v, self.kv_idxs), "v_cache_store", il)
+        v_rows = ggml.ggml_reshape_2d(c, v_cache, 1, ggml.ggml_nelements(v_cache))
+        v_store = self.cb(ggml.ggml_set_rows(c, v_rows, ggml.ggml_reshape_2d(c, v, 1, width * n_tokens), self.v_idxs),
+                          "v_cache_store", il)
 
         n_kv, n_ctx = ub.n_kv, self.mem.n_ctx
-        row_k, row_v = nb(k_cache)[1], nb(v_cache)[1]
-        esz_k, esz_v = ggml.ggml_element_size(k_cache), ggml.ggml_element_size(v_cache)
+        row_k, esz_k = nb(k_cache)[1], ggml.ggml_element_size(k_cache)
+        row_v = n_ctx * ggml.ggml_element_size(v_cache)
         k_view = self.cb(self.view(k_store, (hd, n_kv, nkv, N), (row_k, hd * esz_k, n_ctx * row_k),
                                    ub.seq_head * n_ctx * row_k), "k_view", il)
-        v_view = self.view(v_store, (hd, n_kv, nkv, N), (row_v, hd * esz_v, n_ctx * row_v),
-                           ub.seq_head * n_ctx * row_v)
+        v_view = self.cb(self.view(v_store, (n_kv, hd, nkv, N), (row_v, hd * row_v, width * row_v),
+                                   ub.seq_head * width * row_v), "v_view", il)                # [n_kv, hd, nkv, N]
 
         q = ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, hd, nh, T, N), 0, 2, 1, 3)  # [hd, T, nh, N]
         kq = self.cb(ggml.ggml_mul_mat(c, k_view, q), "kq", il)                           # [n_kv, T, nh, N]
         kq = self.cb(ggml.ggml_soft_max_ext(c, kq, self.kq_mask, 1.0 / math.sqrt(hd), 0.0), "kq_soft_max", il)
-        v_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, v_view))                           # [n_kv, hd, nkv, N]
-        kqv = self.cb(ggml.ggml_mul_mat(c, v_t, kq), "kqv", il)                           # [hd, T, nh, N]
+        kqv = self.cb(ggml.ggml_mul_mat(c, v_view, kq), "kqv", il)                        # [hd, T, nh, N]
         out = ggml.ggml_cont_2d(c, ggml.ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n_tokens)
         self.cb(out, "attn_pregate", il)
 

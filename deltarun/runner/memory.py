@@ -55,10 +55,14 @@ class Memory:
         self.ssm: dict[int, Tensor] = {}
         kv_rows = n_ctx * n_seq_max
         self.mtp_layers = list(range(hp.n_layer, hp.n_layer + hp.n_mtp)) if mtp else []
+        width = hp.head_dim * hp.n_head_kv
         for il in hp.attention_layers + self.mtp_layers:
-            width = hp.head_dim * hp.n_head_kv
+            # K: one row per cell. V: transposed, one row per (sequence, channel) across the cells
+            # (llama.cpp's layout without flash attention), so attention multiplies the stored rows
+            # as they are instead of transposing n_kv cells of V on every step.
             self.k[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_k_l{il}")
-            self.v[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_v_l{il}")
+            self.v[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], n_ctx, width * n_seq_max),
+                                  f"cache_v_l{il}")
         for il in hp.linear_layers:
             self.conv[il] = set_name(ggml.ggml_new_tensor_2d(
                 self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.n_slots, n_seq_max), f"cache_r_l{il}")

@@ -289,13 +289,16 @@ class Model:
         """
         mem, hp = self.memory, self.hp
         n = mem.seqs[src].n_past
-        for il in list(mem.k) :
-            for cache in (mem.k[il], mem.v[il]):
-                row = cache.contents.nb[1]
-                buf = np.empty(n * row, dtype=np.uint8)
+        for il in list(mem.k):
+            # each sequence owns one contiguous block of either cache: K's first n rows are its
+            # cells; V (transposed) holds the cells in every row of its block, so all of it is copied
+            for cache, size in ((mem.k[il], n * mem.k[il].contents.nb[1]),
+                                (mem.v[il], int(ggml.ggml_nbytes(mem.v[il])) // mem.n_cells)):
+                block = int(ggml.ggml_nbytes(cache)) // mem.n_cells
+                buf = np.empty(size, dtype=np.uint8)
                 if n:
-                    ggml.ggml_backend_tensor_get(cache, buf.ctypes.data, src * self.n_ctx * row, buf.nbytes)
-                    ggml.ggml_backend_tensor_set(cache, buf.ctypes.data, dst * self.n_ctx * row, buf.nbytes)
+                    ggml.ggml_backend_tensor_get(cache, buf.ctypes.data, src * block, size)
+                    ggml.ggml_backend_tensor_set(cache, buf.ctypes.data, dst * block, size)
         for il in hp.linear_layers:
             conv = mem.conv[il]
             row = conv.contents.nb[1]
@@ -489,13 +492,18 @@ class Model:
             else:
                 cols = np.arange(shape.n_kv)[None, None, :]
                 mask[...] = np.where(cols <= pos[:, :, None], 0.0, NEG_INF)
+        seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None]
         arr = plan.array("kv_idxs")
-        if arr is not None:
+        if arr is not None:                # K row of (sequence, position)
             if n * n_seqs == 1:
                 arr[0] = shape.seq_head * self.n_ctx + int(pos[0, 0])
             else:
-                seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None]
                 arr.reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
+        arr = plan.array("v_idxs")
+        if arr is not None:                # V element (sequence, channel, position), V being transposed
+            width = arr.size // (n * n_seqs)
+            rows = (seq_ids * width)[:, :, None] + np.arange(width)[None, None, :]       # [n_seqs, 1, width]
+            arr.reshape(n_seqs, n, width)[...] = rows * self.n_ctx + pos[:, :, None]
 
     def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape) -> None:
         plan = self._input_plan(g, shape)
