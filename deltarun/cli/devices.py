@@ -16,7 +16,7 @@ def devices(as_json: bool) -> None:
     see the README (scripts/install-vulkan.sh, scripts/install-cuda.sh) for the Vulkan and CUDA
     variants. ggml-vulkan lists CPU devices such as Mesa's lavapipe only with GGML_VK_VISIBLE_DEVICES=0.
     """
-    from deltarun.cli.options import format_bytes
+    from deltarun.runner.units import format_bytes
     from deltarun.runner import backend as be
 
     devs = be.list_devices()

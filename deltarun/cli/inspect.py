@@ -16,7 +16,8 @@ from typing import Any
 
 import click
 
-from deltarun.cli.options import MODEL_DEFAULTS, format_bytes, format_count
+from deltarun.cli.options import MODEL_DEFAULTS
+from deltarun.runner.units import format_bytes, format_count
 from deltarun.runner.errors import ModelFileError
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.memory import KV_TYPES, memory_bytes

@@ -56,6 +56,7 @@ import numpy as np
 
 import deltarun
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.units import format_bytes, format_count
 
 SCHEMA = "deltarun-bench"
 SCHEMA_VERSION = 1
@@ -228,21 +229,6 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 
 
 # --------------------------------------------------------------------------------------------- output
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError  # pragma: no cover
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return str(n)
-
-
 MD_COLUMNS = ("model", "size", "params", "backend", "ngl", "threads", "n_batch", "test", "t/s")
 
 
@@ -254,8 +240,9 @@ def markdown_header() -> str:
 
 def markdown_row(model: dict[str, Any], r: BenchResult) -> str:
     name = model.get("name") or Path(model.get("path", "?")).name
-    cells = (str(name), _bytes(model.get("size_bytes", 0)), _count(model.get("n_params", 0)), r.backend,
-             "all" if r.gpu_layers is None else str(r.gpu_layers), str(r.threads), str(r.batch), r.test, f"{r.avg_tps:.2f} ± {r.stddev_tps:.2f}")
+    cells = (str(name), format_bytes(model.get("size_bytes", 0)), format_count(model.get("n_params", 0)),
+             r.backend, "all" if r.gpu_layers is None else str(r.gpu_layers), str(r.threads), str(r.batch),
+             r.test, f"{r.avg_tps:.2f} ± {r.stddev_tps:.2f}")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -267,8 +254,8 @@ def to_json(report: BenchReport) -> str:
     return json.dumps(report.as_dict(), indent=2)
 
 
-CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "batch", "test", "kind", "n_prompt",
-              "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps")
+CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "batch", "test", "kind",
+              "n_prompt", "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps")
 
 
 def to_csv(report: BenchReport) -> str:

@@ -106,6 +106,7 @@ from deltarun.graphs.qwen3next import UbatchShape
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.files import write_atomically
 from deltarun.runner.ggml_util import NP_TYPES, ggml, name_of
+from deltarun.runner.units import format_bytes
 
 SCHEMA_VERSION = 1
 N_FIRST = 8
@@ -273,10 +274,10 @@ class GraphDump:
         lines.append(f"  nodes {s['n_nodes']}, leafs {s['n_leafs']}, graph splits {s['n_splits']}")
         lines.append("  nodes by op: " + ", ".join(f"{op} {n}" for op, n in s["ops"].items()))
         for key, label in (("compute_buffer_bytes", "compute buffer"), ("weight_bytes", "weights read")):
-            parts = ", ".join(f"{be} {_bytes(n)}" for be, n in s[key].items()) or "-"
+            parts = ", ".join(f"{be} {format_bytes(n)}" for be, n in s[key].items()) or "-"
             lines.append(f"  {label}: {parts}")
-        lines.append(f"  model weights {_bytes(s['model_weight_bytes'])}, memory (KV + state) "
-                     f"{_bytes(s['memory_bytes'])}")
+        lines.append(f"  model weights {format_bytes(s['model_weight_bytes'])}, memory (KV + state) "
+                     f"{format_bytes(s['memory_bytes'])}")
         return lines
 
     def to_dot(self) -> str:
@@ -710,14 +711,6 @@ def _num(x: Any) -> str:
     if isinstance(x, int):
         return str(x)
     return f"{x:.6g}"
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)  # pragma: no cover
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
