@@ -45,7 +45,7 @@ class _InputPlan:
     ggml_backend_tensor_set per input, whatever the number of layers.
     """
 
-    __slots__ = ("io", "bufs", "const")
+    __slots__ = ("io", "bufs", "const", "v_row_starts")
 
     def __init__(self, io: dict[str, Any], shape: UbatchShape):
         self.io = io
@@ -69,6 +69,7 @@ class _InputPlan:
         if "rs_s_slot_rev" in self.bufs:
             kw = self.bufs["rs_s_slot_rev"][1].size
             fixed["rs_s_slot_rev"] = np.arange(kw - 1, -1, -1, dtype=np.int32)
+        self.v_row_starts: np.ndarray | None = None   # see Model._fill_positions
         #: the used shape-only inputs, already filled: moved out of `bufs`
         self.const: dict[str, tuple[Any, np.ndarray, int, int]] = {}
         for name, values in fixed.items():
@@ -501,9 +502,11 @@ class Model:
                 arr.reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
         arr = plan.array("v_idxs")
         if arr is not None:                # V element (sequence, channel, position), V being transposed
-            width = arr.size // (n * n_seqs)
-            rows = (seq_ids * width)[:, :, None] + np.arange(width)[None, None, :]       # [n_seqs, 1, width]
-            arr.reshape(n_seqs, n, width)[...] = rows * self.n_ctx + pos[:, :, None]
+            if plan.v_row_starts is None:  # where each (sequence, channel) row starts: [n_seqs, 1, width]
+                width = arr.size // (n * n_seqs)
+                rows = (seq_ids * width)[:, :, None] + np.arange(width)[None, None, :]
+                plan.v_row_starts = rows * self.n_ctx
+            np.add(plan.v_row_starts, pos[:, :, None], out=arr.reshape(n_seqs, n, -1))
 
     def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape) -> None:
         plan = self._input_plan(g, shape)
