@@ -89,3 +89,13 @@ def test_gpu_layers_are_a_grid_dimension(model):
 def test_bad_arguments(model, args, message):
     r = invoke("bench", model, "-r", "1", *args)
     assert r.exit_code != 0 and message in r.output
+
+
+def test_bench_says_when_ggml_lacks_the_llamafile_kernels(model, monkeypatch):
+    args = ("bench", model, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-b", "8")
+    monkeypatch.setattr(be.ggml, "ggml_cpu_has_llamafile", lambda: 0)
+    r = ok(*args)
+    assert "scripts/install.sh" in r.stderr and "LLAMAFILE" not in r.stderr
+    monkeypatch.setattr(be.ggml, "ggml_cpu_has_llamafile", lambda: 1)
+    r = ok(*args)
+    assert "scripts/install.sh" not in r.stderr and "LLAMAFILE" in r.stderr
