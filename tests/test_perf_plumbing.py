@@ -18,7 +18,7 @@ from deltarun.runner.fast_gguf import ArrayParts, FastGGUFReader, array_values
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.ggml_util import ggml
 from deltarun.runner.model import KV_PAD, Model
-from deltarun.runner.tokenizer import Tokenizer, TokenizerError, _rank_merges
+from deltarun.runner.tokenizer import Tokenizer, TokenizerError, _rank_merges, _rank_merges_loop
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 VOCAB_GGUF = DATA_DIR / "vocab" / "ggml-vocab-qwen2.gguf"
@@ -191,22 +191,6 @@ def test_fast_reader_rejects_a_truncated_string_array(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ tokenizer
-def _rank_merges_loop(merges, token_to_id):
-    """The plain loop (the reference for the bulk fast path)."""
-    ranks = {}
-    for rank, line in enumerate(merges):
-        parts = line.split(" ")
-        if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise TokenizerError(f"merge #{rank} {line!r} is not two tokens separated by one space")
-        left, right = parts
-        for name in (left, right, left + right):
-            if name not in token_to_id:
-                raise TokenizerError(f"merge #{rank} {line!r} refers to token {name!r}, "
-                                     "which is not in the vocabulary")
-        ranks.setdefault((left, right), rank)
-    return ranks
-
-
 @pytest.mark.parametrize("merges", [
     ["a b", "ab c"],
     ["a b", "a b", "ab c"],                   # a repeated pair keeps its first rank

@@ -446,6 +446,11 @@ def _rank_merges(merges: Sequence[str], token_to_id: dict[str, int]) -> dict[tup
                 fast = dict(zip(zip(lefts, rights), range(len(lines))))
                 if len(fast) == len(lines):
                     return fast
+    return _rank_merges_loop(merges, token_to_id)
+
+
+def _rank_merges_loop(merges: Sequence[str], token_to_id: dict[str, int]) -> dict[tuple[str, str], int]:
+    """The line-by-line parse: the reference for the bulk path, and the one that names a bad line."""
     ranks: dict[tuple[str, str], int] = {}
     for rank, line in enumerate(merges):
         parts = line.split(" ")
