@@ -1,7 +1,7 @@
 """deltarun side of bench/compare_llamacpp.py: `deltarun bench`'s measurement, kept loaded.
 
-Same protocol as bench/_llamacpp_worker.py (JSON lines; each pp/tg command = one warm-up run + one
-timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.runner.bench:
+Same protocol as bench/_llamacpp_worker.py (bench/_worker_protocol.py: JSON lines; each pp/tg
+command = one warm-up run + one timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.runner.bench:
 context = bench_context, ubatch = --batch, threads, f16 KV, fused delta-net) and timed by the
 same functions (`_time_pp`, `_time_tg`) on the same tokens, so a round costs no process start or
 model load and the two engines can be interleaved closely.
@@ -10,15 +10,14 @@ model load and the two engines can be interleaved closely.
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import sys
 
 import numpy as np
 
 from deltarun.runner import bench as B
 from deltarun.runner.ggml_util import ggml
 from deltarun.runner.model import Model
+
+from _worker_protocol import serve
 
 
 def main() -> None:
@@ -37,27 +36,12 @@ def main() -> None:
               kv_type=args.kv_type, delta_net=cfg.delta_net)
     rng = np.random.default_rng(B.TOKEN_SEED)
     tokens = rng.integers(0, m.hp.n_vocab, size=max(args.pp, B.TG_PROMPT), dtype=np.int64).tolist()
-    out = sys.stdout
-    print(json.dumps({"ready": True, "llamafile": int(ggml.ggml_cpu_has_llamafile()),
-                      "ggml": ggml.__file__}), file=out, flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        cmd = req.get("cmd")
-        if cmd == "quit":
-            break
-        if cmd in ("pp", "tg"):
-            n = req["n"]
-            run = (lambda: B._time_pp(m, tokens[:n])) if cmd == "pp" else \
-                (lambda: B._time_tg(m, tokens[:B.TG_PROMPT], n))
-            run()                                                  # warm-up
-            print(json.dumps({"s": run(), "builds": m.stats.n_graph_builds}), file=out, flush=True)
-        elif cmd == "rss":
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * 4096
-            print(json.dumps({"rss": rss, "peak": peak}), file=out, flush=True)
-        else:
-            print(json.dumps({"error": f"unknown command {cmd!r}"}), file=out, flush=True)
+
+    def run(cmd: str, n: int, mode: str) -> float:
+        return B._time_pp(m, tokens[:n]) if cmd == "pp" else B._time_tg(m, tokens[:B.TG_PROMPT], n)
+
+    serve({"llamafile": int(ggml.ggml_cpu_has_llamafile()), "ggml": ggml.__file__}, run,
+          extra=lambda: {"builds": m.stats.n_graph_builds})
     m.close()
 
 

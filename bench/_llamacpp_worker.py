@@ -1,15 +1,9 @@
 """llama.cpp side of bench/compare_llamacpp.py; runs inside bench/.venv-llamacpp.
 
-Loads one GGUF with llama-cpp-python and answers JSON commands, one per line on stdin, with one
-JSON line on stdout (everything llama.cpp logs goes to stderr):
-
-    {"cmd": "pp", "n": 512, "mode": "eval"}   -> {"s": seconds}
-    {"cmd": "tg", "n": 128, "mode": "eval"}   -> {"s": seconds}
-    {"cmd": "rss"}                             -> {"rss": bytes, "peak": bytes}
-    {"cmd": "quit"}
-
-Each pp/tg command is one warm-up run plus one timed run, the same procedure as
-`deltarun bench -r 1` (deltarun/runner/bench.py), on the same tokens:
+Loads one GGUF with llama-cpp-python and answers the commands of bench/_worker_protocol.py (JSON
+lines; everything llama.cpp logs goes to stderr). Each pp/tg command is one warm-up run plus one
+timed run, the same procedure as `deltarun bench -r 1` (deltarun/runner/bench.py), on the same
+tokens:
 
 - pp<P>: P tokens (numpy default_rng(1234), as deltarun's bench) evaluated from an empty state;
 - tg<N>: a 16-token prompt (not timed), then N single-token evaluations, each feeding the argmax
@@ -23,22 +17,16 @@ low-level ctypes API, which is as close to llama-bench as Python gets.
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import sys
 import time
 
 import numpy as np
 
 import llama_cpp
 
+from _worker_protocol import rss_bytes, serve
+
 TG_PROMPT = 16
 TOKEN_SEED = 1234
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def main() -> None:
@@ -110,27 +98,9 @@ def main() -> None:
                 tok = last_logits_argmax()
         return time.perf_counter() - t0
 
-    out = sys.stdout
-    print(json.dumps({"ready": True, "n_vocab": n_vocab, "rss": rss_bytes(),
-                      "llama_cpp_python": llama_cpp.__version__,
-                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}),
-          file=out, flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        cmd = req.get("cmd")
-        if cmd == "quit":
-            break
-        if cmd in ("pp", "tg"):
-            run = run_pp if cmd == "pp" else run_tg
-            run(req["n"], req.get("mode", "eval"))          # warm-up
-            s = run(req["n"], req.get("mode", "eval"))
-            print(json.dumps({"s": s}), file=out, flush=True)
-        elif cmd == "rss":
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            print(json.dumps({"rss": rss_bytes(), "peak": peak}), file=out, flush=True)
-        else:
-            print(json.dumps({"error": f"unknown command {cmd!r}"}), file=out, flush=True)
-
+    serve({"n_vocab": n_vocab, "rss": rss_bytes(), "llama_cpp_python": llama_cpp.__version__,
+           "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")},
+          lambda cmd, n, mode: (run_pp if cmd == "pp" else run_tg)(n, mode))
 
 if __name__ == "__main__":
     main()

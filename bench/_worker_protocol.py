@@ -1,0 +1,45 @@
+"""The JSON-lines loop both bench workers answer (bench/compare_llamacpp.py drives them).
+
+Plain Python only: it runs in deltarun's environment and in bench/.venv-llamacpp alike.
+
+    {"cmd": "pp", "n": 512, "mode": "eval"}   -> {"s": seconds, ...}
+    {"cmd": "tg", "n": 128, "mode": "eval"}   -> {"s": seconds, ...}
+    {"cmd": "rss"}                             -> {"rss": bytes, "peak": bytes}
+    {"cmd": "quit"}
+
+Each pp/tg command is one warm-up run plus one timed run, as `deltarun bench -r 1`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from typing import Any, Callable
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def serve(ready: dict[str, Any], run: Callable[[str, int, str], float],
+          extra: Callable[[], dict[str, Any]] = dict) -> None:
+    """Announce `ready`, then answer commands; `run(cmd, n, mode)` times one pp or tg run, and
+    `extra()` adds fields to each timing reply."""
+    out = sys.stdout
+    print(json.dumps(dict(ready, ready=True)), file=out, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req.get("cmd")
+        if cmd == "quit":
+            break
+        if cmd in ("pp", "tg"):
+            mode = req.get("mode", "eval")
+            run(cmd, req["n"], mode)                                   # warm-up
+            print(json.dumps(dict(s=run(cmd, req["n"], mode), **extra())), file=out, flush=True)
+        elif cmd == "rss":
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            print(json.dumps({"rss": rss_bytes(), "peak": peak}), file=out, flush=True)
+        else:
+            print(json.dumps({"error": f"unknown command {cmd!r}"}), file=out, flush=True)
