@@ -45,10 +45,9 @@ class _InputPlan:
     ggml_backend_tensor_set per input, whatever the number of layers.
     """
 
-    __slots__ = ("io", "bufs", "const", "v_row_starts")
+    __slots__ = ("bufs", "const", "v_row_starts")
 
-    def __init__(self, io: dict[str, Any], shape: UbatchShape):
-        self.io = io
+    def __init__(self, io: dict[str, Any], shape: UbatchShape, n_ctx: int):
         #: name -> (tensor, host array, its address, nbytes), for every used input
         self.bufs: dict[str, tuple[Any, np.ndarray, int, int]] = {}
         for name, t in io.items():
@@ -69,7 +68,13 @@ class _InputPlan:
         if "rs_s_slot_rev" in self.bufs:
             kw = self.bufs["rs_s_slot_rev"][1].size
             fixed["rs_s_slot_rev"] = np.arange(kw - 1, -1, -1, dtype=np.int32)
-        self.v_row_starts: np.ndarray | None = None   # see Model._fill_positions
+        #: where the cache row of each (sequence, V channel) starts, [n_seqs, 1, width]: V is stored
+        #: transposed, so a V element's row index is this plus the token's position
+        self.v_row_starts: np.ndarray | None = None
+        if "v_idxs" in self.bufs:
+            width = self.bufs["v_idxs"][1].size // (n * n_seqs)
+            seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None, None]
+            self.v_row_starts = (seq_ids * width + np.arange(width)[None, None, :]) * n_ctx
         #: the used shape-only inputs, already filled: moved out of `bufs`
         self.const: dict[str, tuple[Any, np.ndarray, int, int]] = {}
         for name, values in fixed.items():
@@ -293,9 +298,9 @@ class Model:
         for il in list(mem.k):
             # each sequence owns one contiguous block of either cache: K's first n rows are its
             # cells; V (transposed) holds the cells in every row of its block, so all of it is copied
-            for cache, size in ((mem.k[il], n * mem.k[il].contents.nb[1]),
-                                (mem.v[il], int(ggml.ggml_nbytes(mem.v[il])) // mem.n_cells)):
+            for cache in (mem.k[il], mem.v[il]):
                 block = int(ggml.ggml_nbytes(cache)) // mem.n_cells
+                size = n * cache.contents.nb[1] if cache is mem.k[il] else block
                 buf = np.empty(size, dtype=np.uint8)
                 if n:
                     ggml.ggml_backend_tensor_get(cache, buf.ctypes.data, src * block, size)
@@ -475,7 +480,7 @@ class Model:
     def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
         """The input plan of allocated graph `g`, made on its first step."""
         if g.inputs is None:
-            g.inputs = _InputPlan(g.io, shape)
+            g.inputs = _InputPlan(g.io, shape, self.n_ctx)
         return g.inputs
 
     def _fill_positions(self, plan: _InputPlan, pos: np.ndarray, shape: UbatchShape) -> None:
@@ -493,19 +498,15 @@ class Model:
             else:
                 cols = np.arange(shape.n_kv)[None, None, :]
                 mask[...] = np.where(cols <= pos[:, :, None], 0.0, NEG_INF)
-        seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None]
         arr = plan.array("kv_idxs")
         if arr is not None:                # K row of (sequence, position)
             if n * n_seqs == 1:
                 arr[0] = shape.seq_head * self.n_ctx + int(pos[0, 0])
             else:
+                seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None]
                 arr.reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
         arr = plan.array("v_idxs")
-        if arr is not None:                # V element (sequence, channel, position), V being transposed
-            if plan.v_row_starts is None:  # where each (sequence, channel) row starts: [n_seqs, 1, width]
-                width = arr.size // (n * n_seqs)
-                rows = (seq_ids * width)[:, :, None] + np.arange(width)[None, None, :]
-                plan.v_row_starts = rows * self.n_ctx
+        if arr is not None:                # V element (sequence, channel, position)
             np.add(plan.v_row_starts, pos[:, :, None], out=arr.reshape(n_seqs, n, -1))
 
     def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape) -> None:
