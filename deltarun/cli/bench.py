@@ -72,7 +72,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     single-token evaluations after a 16-token prompt. Each test runs once as a warm-up, then -r
     times; t/s is the mean ± standard deviation over those runs.
     """
-    from deltarun.runner.backend import LLAMAFILE_HINT
+    from deltarun.runner.backend import llamafile_note
     from deltarun.runner.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
                                        markdown_row, to_csv, to_json)
 
@@ -100,5 +100,6 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
         features = report.machine["ggml_cpu_features"]
         click.echo(f"\ndeltarun {deltarun.__version__}, {report.machine['platform']}, "
                    f"{report.machine['cpu_count']} CPUs, ggml CPU: {' '.join(features)}", err=True)
-    if "LLAMAFILE" not in report.machine["ggml_cpu_features"]:
-        click.echo(f"note: {LLAMAFILE_HINT}", err=True)
+    note = llamafile_note(report.machine["ggml_cpu_features"])
+    if note:
+        click.echo(note, err=True)

@@ -39,8 +39,9 @@ def devices(as_json: bool) -> None:
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
     features = be.cpu_features()
     click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {be.physical_cores()}")
-    if "LLAMAFILE" not in features:
-        click.echo(f"note: {be.LLAMAFILE_HINT}")
+    note = be.llamafile_note(features)
+    if note:
+        click.echo(note)
     for kind, ok in built.items():
         if not ok:
             click.echo(f"{kind}: not in this build; {be.install_hint(kind)}")

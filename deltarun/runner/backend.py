@@ -81,8 +81,6 @@ def _parse_cpu_list(text: str) -> set[int]:
 CPU_FEATURES = ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "bmi2", "avx512", "avx512_vbmi",
                 "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma", "dotprod", "matmul_int8", "sve",
                 "sme", "llamafile")
-LLAMAFILE_HINT = ("this ggml-python was built without llamafile's matrix kernels, so prompt processing "
-                  "is slower than llama.cpp's; scripts/install.sh builds it with them (see the README)")
 
 
 def cpu_features() -> list[str]:
@@ -99,6 +97,14 @@ def cpu_features() -> list[str]:
         except (AttributeError, OSError):  # pragma: no cover - symbol missing from this build
             pass
     return found
+
+
+def llamafile_note(features: list[str]) -> str | None:
+    """What to tell a user whose ggml-python lacks llamafile's kernels (None when it has them)."""
+    if "LLAMAFILE" in features:
+        return None
+    return ("note: this ggml-python was built without llamafile's matrix kernels, so prompt processing "
+            "is slower than llama.cpp's; scripts/install.sh builds it with them (see the README)")
 
 
 def install_hint(kind: str) -> str:
