@@ -12,7 +12,8 @@
 #                         (scikit-build-core splits CMAKE_ARGS on ';'); NICE and JOBS apply.
 # The caller defines `log`.
 
-GGML_PYTHON_VERSION=0.0.45
+GGML_PYTHON_VERSION=$(sed -n 's/.*"ggml-python==\([0-9.]*\)".*/\1/p' "$(dirname "${BASH_SOURCE[0]}")/../pyproject.toml")
+[ -n "$GGML_PYTHON_VERSION" ] || { echo "ggml-wheel.sh: no ggml-python pin in pyproject.toml" >&2; exit 1; }
 CACHE=${DELTARUN_WHEEL_CACHE:-$HOME/.cache/deltarun-wheels}
 NICE=${NICE:-10}
 JOBS=${JOBS:-$(nproc)}
