@@ -16,10 +16,9 @@ On lavapipe, quantised matrix products differ from the CPU's by 0.5-1% (the CPU 
 quantises the activations to Q8; lavapipe has no integer dot product), enough to flip the MoE's
 expert choice where two experts nearly tie, so the quantised test checks the logits only.
 
-Mesa 22.3's lavapipe crashes now and then with heap corruption (see the README: mostly fixed by
-`Scheduler.allocate` restoring sources and by `backend.vulkan_workaround`; what remains shows with
-the primitive delta-net's graphs). A run that dies from a signal is retried twice, with a warning
-in the test output, so that one such crash does not fail CI while a reproducible one still does.
+Lavapipe before Mesa 24 corrupts its own heap now and then while it runs these graphs (Debian
+12's 22.3.6: 2-3 of 12 `compare` runs of tiny-legacy); scripts/install-vulkan.sh unpacks Mesa 25
+from bookworm-backports there and `.ci/run` points the Vulkan loader at it (VK_DRIVER_FILES).
 """
 
 from __future__ import annotations
@@ -65,15 +64,9 @@ if not DEVICES:
 
 
 def deltarun(*args: str | Path, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess:
-    """Run the CLI in a subprocess. A run killed by a signal is retried twice (and says so): see
-    the module docstring on lavapipe."""
-    for attempt in range(3):
-        p = subprocess.run([sys.executable, "-m", "deltarun", *[str(a) for a in args]], env=env or _env(),
-                           capture_output=True, text=True, timeout=TIMEOUT)
-        if p.returncode >= 0:
-            break
-        print(f"\nWARNING: deltarun {args[0]} died with signal {-p.returncode} (attempt {attempt + 1}): "
-              f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
+    """Run the CLI in a subprocess."""
+    p = subprocess.run([sys.executable, "-m", "deltarun", *[str(a) for a in args]], env=env or _env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
     if code is not None:
         assert p.returncode == code, (p.returncode, p.stdout[-4000:], p.stderr[-4000:])
     return p
@@ -128,9 +121,7 @@ def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
     assert rep["passed"], rep["failures"]
     assert rep["sides"][1]["device"].startswith("Vulkan0")
     for g in rep["graphs"]:
-        # the same graph but for the packed copy of V a device gets before the attention product
-        assert g["n_failed"] == 0 and g["matched_by"] == "name" and not g["only_a"]
-        assert sorted(g["only_b"]) == ["v_packed-3"]
+        assert g["n_failed"] == 0 and g["matched_by"] == "index" and not g["only_a"] and not g["only_b"]
         ran_on = {n["backend_b"] for n in g["nodes"] if n["backend_b"]}
         assert "Vulkan0" in ran_on
     assert rep["logits"]["top1_agreement"] == 1.0
@@ -139,11 +130,11 @@ def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
 
 def test_f32_primitive_delta_net_matches_the_cpu(tiny_model_path):
     # 70 tokens: the chunked delta rule (cumsum, tri, solve_tri, ...) crosses a chunk boundary.
-    # Prefill only: on lavapipe, moving from one primitive-delta-net graph to another crashes
-    # about one run in three (see the README), a single graph never did.
-    rep = compare(tiny_model_path("tiny", "f32"), "-n", "70", "-s", "0", "--delta-net", "primitive")
+    rep = compare(tiny_model_path("tiny", "f32"), "-n", "70", "-s", "4", "--delta-net", "primitive")
     assert rep["passed"], rep["failures"]
-    assert rep["graphs"][0]["n_failed"] == 0 and rep["logits"]["top1_agreement"] == 1.0
+    assert [g["graph"] for g in rep["graphs"]] == ["prefill", "decode"]
+    assert all(g["n_failed"] == 0 for g in rep["graphs"]) and rep["logits"]["top1_agreement"] == 1.0
+    assert rep["greedy"]["match"]
 
 
 def test_gpu_layers_split_the_graph_between_vulkan_and_cpu(tiny_model_path):

@@ -242,11 +242,6 @@ class _Builder:
         q = ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, hd, nh, T, N), 0, 2, 1, 3)  # [hd, T, nh, N]
         kq = self.cb(ggml.ggml_mul_mat(c, k_view, q), "kq", il)                           # [n_kv, T, nh, N]
         kq = self.cb(ggml.ggml_soft_max_ext(c, kq, self.kq_mask, 1.0 / math.sqrt(hd), 0.0), "kq_soft_max", il)
-        if not ggml.ggml_backend_buffer_is_host(v_cache.contents.buffer):
-            # On a device the product gets V packed first: ggml-vulkan converts a strided operand to
-            # F16 anyway, and with this view it wrote outside its buffers (heap corruption on Mesa's
-            # lavapipe with the tiny-tied preset). The CPU reads the stored rows directly.
-            v_view = self.cb(ggml.ggml_cont(c, v_view), "v_packed", il)
         kqv = self.cb(ggml.ggml_mul_mat(c, v_view, kq), "kqv", il)                        # [hd, T, nh, N]
         out = ggml.ggml_cont_2d(c, ggml.ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n_tokens)
         self.cb(out, "attn_pregate", il)
