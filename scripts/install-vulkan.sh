@@ -92,7 +92,7 @@ fi
 
 # 3. lavapipe for testing without a GPU. Debian 12's (Mesa 22.3.6) corrupts its own heap now and
 #    then while it runs ggml's graphs: a fault in its command-execution thread, 2-3 runs in 12 of
-#    `deltarun compare` on the tiny-legacy model, none in 16 with Mesa 25.0.7 (2026-11-30). Where
+#    `deltarun compare` on the tiny-legacy model, none in 31 with Mesa 25.0.7 (2026-11-30). Where
 #    the system's Mesa is older than 24, unpack bookworm-backports' mesa-vulkan-drivers into the
 #    cache (libvulkan_lvp.so runs with the system's LLVM 15 and libdrm) and point the Vulkan loader
 #    at it through VK_DRIVER_FILES in --env-file; the system's Mesa stays installed and in use
