@@ -111,7 +111,7 @@ if [ -n "$MESA" ] && dpkg --compare-versions "$MESA" lt 24 && [ "$CODENAME" = bo
   fi
   DRIVER_ENV="export VK_DRIVER_FILES=$ICD"
   export VK_DRIVER_FILES=$ICD
-  log "lavapipe: $(VK_DRIVER_FILES=$ICD vulkaninfo --summary 2>/dev/null | sed -n 's/^[[:space:]]*driverInfo *= *//p' | head -1) ($ICD)"
+  log "lavapipe: $(vulkaninfo --summary 2>/dev/null | sed -n 's/^[[:space:]]*driverInfo *= *//p' | head -1) ($ICD)"
 elif [ -n "$MESA" ]; then
   log "lavapipe: the system's Mesa $MESA"
 fi

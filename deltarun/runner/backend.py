@@ -316,10 +316,9 @@ def vulkan_workaround() -> None:
     scripts/install-vulkan.sh). It stays off because the order then is deltarun's: `compare`
     matches a device graph to the CPU's node by node and `graph` shows the order that ran; with it
     on, graphs are matched by name and unnamed nodes go unchecked (133 instead of 321 nodes per
-    graph of the tiny model). Not measured on a GPU; it
-    only costs some overlap between nodes. The user's own GGML_VK_DISABLE_GRAPH_OPTIMIZE, or
-    DELTARUN_VK_WORKAROUNDS=0, wins. ggml reads it when it first opens the device, so it is set
-    before that.
+    graph of the tiny model). Not measured on a GPU; it only costs some overlap between nodes.
+    The user's own GGML_VK_DISABLE_GRAPH_OPTIMIZE, or DELTARUN_VK_WORKAROUNDS=0, wins. ggml reads
+    it when it first opens the device, so it is set before that.
     """
     if os.environ.get("DELTARUN_VK_WORKAROUNDS") != "0":
         os.environ.setdefault("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1")
