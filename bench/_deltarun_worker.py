@@ -1,7 +1,7 @@
 """deltarun side of bench/compare_llamacpp.py: `deltarun bench`'s measurement, kept loaded.
 
 Same protocol as bench/_llamacpp_worker.py (bench/_worker_protocol.py: JSON lines; each pp/tg
-command = one warm-up run + one timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.runner.bench:
+command = one warm-up run + one timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.apps.bench:
 context = bench_context, ubatch = --batch, threads, f16 KV, fused delta-net) and timed by the
 same functions (`_time_pp`, `_time_tg`) on the same tokens, so a round costs no process start or
 model load and the two engines can be interleaved closely.
@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from deltarun.runner import bench as B
+from deltarun.apps import bench as B
 from deltarun.runner.ggml_util import ggml
 from deltarun.runner.model import Model
 

@@ -2,7 +2,7 @@
 
 Loads one GGUF with llama-cpp-python and answers the commands of bench/_worker_protocol.py (JSON
 lines; everything llama.cpp logs goes to stderr). Each pp/tg command is one warm-up run plus one
-timed run, the same procedure as `deltarun bench -r 1` (deltarun/runner/bench.py), on the same
+timed run, the same procedure as `deltarun bench -r 1` (deltarun/apps/bench.py), on the same
 tokens:
 
 - pp<P>: P tokens (numpy default_rng(1234), as deltarun's bench) evaluated from an empty state;

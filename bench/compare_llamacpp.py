@@ -104,7 +104,7 @@ def ensure_models(paths: list[str]) -> list[Path]:
     for wtype in ("q8_0", "f16"):
         p = DEFAULT_DIR / f"bench-{wtype}.gguf"
         if not p.exists():
-            from deltarun.models.generate import write_model
+            from deltarun.model_files.generate import write_model
 
             print(f"writing {p} (bench preset, {wtype})", file=sys.stderr, flush=True)
             write_model(p, "bench", wtype)

@@ -5,7 +5,7 @@
 
 deltarun stores the last d_conv-1 columns of each linear layer's conv input with ONE set_rows
 into the rollback slots (`_Builder.write_conv_slots`, indexed by rs_s_slot_rev). Without rollback
-slots (n_rs_seq = 0, K = 1, the default) that set_rows copies 3-float rows, conv_dim of them per
+slots (K = --rs-slots = 1, the default) that set_rows copies 3-float rows, conv_dim of them per
 layer and token, and shows up as ~2.5 % of a decode step in `perf` (llama.cpp uses a plain copy).
 This script patches the builder in-process so that for K == 1 the store is a ggml_cpy of the
 same view, checks that 40 decode steps give bit-identical logits, and times tg128 both ways in
@@ -32,7 +32,7 @@ def patch() -> None:
     orig = Q._Builder.write_conv_slots
 
     def write_conv_slots(self, conv_all, conv_input, il):
-        if self.mem.n_slots != 1 or self.kw != 1:
+        if self.mem.rs_slots != 1 or self.kw != 1:
             return orig(self, conv_all, conv_input, il)
         hp, ub, c = self.hp, self.ub, self.ctx
         dc1, ch, T, N = hp.ssm_d_conv - 1, hp.conv_dim, ub.n_seq_tokens, ub.n_seqs

@@ -35,7 +35,7 @@ def main() -> None:
 
     path = args.model
     if path is None:
-        from deltarun.models.generate import ensure_default_model
+        from deltarun.model_files.generate import ensure_default_model
 
         path = ensure_default_model()
 

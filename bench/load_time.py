@@ -7,7 +7,7 @@
 
 Every measurement runs in a fresh Python process (imports excluded from the timed part, page
 cache warm: the file was read before). The big file is the Qwen3-Next architecture written by
-deltarun.models.generate with hidden 2048, 8 layers, 16 experts, F16, and the real Qwen2
+deltarun.model_files.generate with hidden 2048, 8 layers, 16 experts, F16, and the real Qwen2
 vocabulary of /work/shared/data/vocab/ggml-vocab-qwen2.gguf (151,936 tokens, 151,387 merges), so
 its metadata is as heavy as a real Qwen3-Next file's; it goes to /tmp, never into the repo.
 """
@@ -94,8 +94,8 @@ def run(python: str, code: str, *argv: str) -> dict:
 
 def write_big(path: Path) -> None:
     """The Qwen3-Next generator's file, with the real vocabulary and a bigger config."""
-    from deltarun.models import generate as gen
-    from deltarun.models.vocab import TinyVocab
+    from deltarun.model_files import generate as gen
+    from deltarun.model_files.vocab import TinyVocab
 
     from deltarun.runner.fast_gguf import FastGGUFReader, array_values
 

@@ -1,1 +1,2 @@
-"""Generator of small synthetic Qwen3-Next GGUF models (installed as deltarun.models)."""
+"""Model files and their generators: synthetic GGUF models written like the converter's output
+(installed as deltarun.model_files)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.models.vocab import tiny_vocab
+from deltarun.model_files.vocab import tiny_vocab
 
 ARCH = "qwen3next"
 
@@ -224,7 +224,7 @@ def storage_type(name: str, arr: np.ndarray, wtype: str) -> gguf.GGMLQuantizatio
 
 
 def chat_template() -> str:
-    return resources.files("deltarun.models").joinpath("data/qwen3-chat-template.jinja").read_text()
+    return resources.files("deltarun.model_files").joinpath("data/qwen3-chat-template.jinja").read_text()
 
 
 def write_model(path: str | Path, config: ModelConfig | str = "tiny", wtype: str = "f32", seed: int = 0,

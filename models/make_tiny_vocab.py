@@ -108,7 +108,7 @@ def added_tokens(tokens: list[str], types: list[int]) -> list[tuple[str, int]]:
 
 
 def build_tiny_vocab(vocab_path: Path, n_merges: int = DEFAULT_MERGES) -> dict[str, Any]:
-    """The JSON document ``deltarun.models.vocab.tiny_vocab`` reads."""
+    """The JSON document ``deltarun.model_files.vocab.tiny_vocab`` reads."""
     tokens, types, merges = read_real_vocab(vocab_path)
     normal, kept_merges = cut_normal_tokens(tokens, merges, n_merges)
     specials = added_tokens(tokens, types)

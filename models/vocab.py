@@ -54,7 +54,7 @@ class TinyVocab:
 @lru_cache(maxsize=1)
 def tiny_vocab() -> TinyVocab:
     """Load the packaged tiny vocabulary (read once, then shared)."""
-    resource = resources.files("deltarun.models").joinpath("data").joinpath(VOCAB_RESOURCE)
+    resource = resources.files("deltarun.model_files").joinpath("data").joinpath(VOCAB_RESOURCE)
     text = resource.read_text("utf-8")
     doc = json.loads(text)
     return TinyVocab(

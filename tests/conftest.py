@@ -31,7 +31,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path(tiny_model_dir: Path) -> TinyModelPath:
     """Factory: (preset="tiny", wtype="f32", seed=0, **config changes) -> path of the written GGUF."""
-    from deltarun.models import generate as gen
+    from deltarun.model_files import generate as gen
 
     cache: dict[tuple, Path] = {}
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import deltarun
 from deltarun.cli.main import cli
 from deltarun.runner import backend as be
-from deltarun.runner.bench import SCHEMA, SCHEMA_VERSION, TG_PROMPT
+from deltarun.apps.bench import SCHEMA, SCHEMA_VERSION, TG_PROMPT
 
 
 def invoke(*args):

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from deltarun.cli.main import cli
-from deltarun.runner.chat import ChatSession, StopMatcher, ThinkingSplitter, common_prefix_length
+from deltarun.apps.chat import ChatSession, StopMatcher, ThinkingSplitter, common_prefix_length
 from deltarun.runner.chat_template import ChatTemplate, qwen3_template_source
 from deltarun.runner.errors import ContextFullError, TokenizerError
 from deltarun.runner.model import Model
@@ -200,9 +200,9 @@ def test_dropped_thinking_restores_the_checkpoint_and_matches_a_fresh_session(mo
     assert fresh.ask("Again") == answer
 
 
-@pytest.mark.parametrize("n_rs_seq", [0, 1])
-def test_stop_string_leftover_is_undone_and_matches_a_fresh_session(model_path, n_rs_seq):
-    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=n_rs_seq) as m:
+@pytest.mark.parametrize("rs_slots", [1, 2])
+def test_stop_string_leftover_is_undone_and_matches_a_fresh_session(model_path, rs_slots):
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", rs_slots=rs_slots) as m:
         tok = m.tokenizer
         answer = tok.encode(" Hi X!")
         assert [tok.decode([t]) for t in answer[-2:]] == [" X", "!"]
@@ -220,7 +220,7 @@ def test_stop_string_leftover_is_undone_and_matches_a_fresh_session(model_path, 
         held = len(m.tokens())
         after = session.ask("More")
         assert not session.last_recomputed
-        if n_rs_seq:
+        if rs_slots > 1:
             assert session.last_turn.rolled_back == 1 and not session.last_turn.restored
             assert session.last_reused_tokens == held - 1
         else:
@@ -234,7 +234,7 @@ def test_stop_string_leftover_is_undone_and_matches_a_fresh_session(model_path, 
 def test_cancelled_turn_is_rolled_back_within_the_slots(model_path, monkeypatch):
     """Ctrl-C before the first token leaves the cancelled prompt in the model; the next message
     shares the prefix up to it, and the rest lies in the last prefill ubatch: a rollback undoes it."""
-    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", n_rs_seq=12) as m:
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32", rs_slots=13) as m:
         session = ChatSession(m, n_predict=5, system="S")
         session.ask("Hello")
         real_sample = Sampler.sample

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from deltarun.cli.main import cli
 from deltarun.graphs.qwen3next_spec import read_hparams, validate_tensors
-from deltarun.models import generate as gen
+from deltarun.model_files import generate as gen
 from deltarun.runner.generation import generate_tokens
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.memory import memory_bytes
@@ -214,12 +214,12 @@ def test_inspect_json_numbers(tiny_model):
     assert d["parameters"]["total"] == sum(t.n_elements for t in f.tensors.values())
     mem = d["memory"]
     assert mem["weights"] == sum(t.nbytes for t in f.tensors.values())
-    assert mem["kv_cache"] + mem["recurrent_state"] == memory_bytes(hp, 1000, 1, 2, "f16")
-    assert mem["recurrent_state"] == memory_bytes(hp, 0, 1, 2)
+    assert mem["kv_cache"] + mem["recurrent_state"] == memory_bytes(hp, 1000, 1, 3, "f16")
+    assert mem["recurrent_state"] == memory_bytes(hp, 0, 1, 3)
     assert mem["kv_cache"] == 2 * 1 * 64 * 2 * 1000 * 2   # K and V, one attention layer, f16
     assert d["metadata"]["tokenizer.ggml.tokens"] == "[2330 items]"
     # the memory figure is what a Model really allocates
-    with Model(tiny_model, n_ctx=1000, n_rs_seq=2, n_threads=1) as m:
+    with Model(tiny_model, n_ctx=1000, rs_slots=3, n_threads=1) as m:
         assert m.memory.nbytes >= mem["kv_cache"] + mem["recurrent_state"]
         assert m.memory.nbytes - (mem["kv_cache"] + mem["recurrent_state"]) < 4096
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from deltarun.cli.main import cli
-from deltarun.runner import compare as cmp
+from deltarun.apps import compare as cmp
 
 FAST = ["--threads", "1", "--quiet"]
 

@@ -147,7 +147,7 @@ def test_fused_and_primitive_agree(tiny_model_path):
     path = tiny_model_path("tiny-eqheads")
     results = {}
     for mode in ("fused", "primitive"):
-        with Model(path, n_ctx=256, kv_type="f32", delta_net=mode, n_rs_seq=3) as m:
+        with Model(path, n_ctx=256, kv_type="f32", delta_net=mode, rs_slots=4) as m:
             logits = m.logits_for(toks)
             results[mode] = (logits, m.memory.ssm_slots(0), m.memory.conv_slots(0))
     # both paths are float32; measured 6e-7 on logits, states agree to float32 rounding
@@ -163,7 +163,7 @@ def test_several_sequences_in_one_ubatch(tiny_model_path, reference_of):
     ra = ref.forward(a)
     ref.reset()
     rb = ref.forward(b)
-    with Model(tiny_model_path("tiny"), n_ctx=128, kv_type="f32", n_seq_max=3, n_rs_seq=1) as m:
+    with Model(tiny_model_path("tiny"), n_ctx=128, kv_type="f32", n_seq_max=3, rs_slots=2) as m:
         m.eval(prompt(5, seed=9), seq=0)            # another sequence's state must not leak
         out = m.eval_batch({1: a, 2: b}, all_logits=True)
         assert m.stats.n_eval_calls == 2           # the pair shared one ubatch
@@ -231,7 +231,7 @@ def test_rollback_slots_hold_past_states(tiny_model_path, reference_of, delta_ne
     first = prompt(6, seed=10)
     toks = prompt(n_tokens, seed=11)
     ref.forward(first + toks)
-    with Model(tiny_model_path("tiny"), n_ctx=128, kv_type="f32", n_rs_seq=K - 1, delta_net=delta_net) as m:
+    with Model(tiny_model_path("tiny"), n_ctx=128, kv_type="f32", rs_slots=K, delta_net=delta_net) as m:
         m.eval(first)
         m.eval(toks)
         for il in m.hp.linear_layers:
@@ -262,7 +262,7 @@ def test_conv_state_written_by_one_set_rows(tiny_model_path, K, n_tokens):
     rs_s_slot_rev = {Kw-1..0} with Kw = min(n_tokens + 1, K)."""
     from deltarun.runner.ggml_util import ggml, name_of, ne, nb, tensor_to_numpy
 
-    with Model(tiny_model_path("tiny"), n_ctx=64, kv_type="f32", n_rs_seq=K - 1) as m:
+    with Model(tiny_model_path("tiny"), n_ctx=64, kv_type="f32", rs_slots=K) as m:
         toks = prompt(n_tokens, seed=12)
         m.eval(toks)
         (shape, g), = m._graphs.items()

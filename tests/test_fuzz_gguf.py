@@ -6,7 +6,7 @@ overwrites with random or boundary values, small arithmetic on counts and length
 deleted bytes, truncation. Half the mutations aim at the start of a field (a count, a length, a
 type, a shape, an offset), found by walking the good file; the rest land anywhere in the region.
 
-Each case is written to a file and loaded in a subprocess (`python -m deltarun.runner.fault_probe`,
+Each case is written to a file and loaded in a subprocess (`python -m deltarun.apps.fault_probe`,
 which opens the model and evaluates one token). It must end either loaded (exit 0) or refused with
 deltarun's own error: exit code of a `DeltarunError` subclass and one `ERROR <Class>: <file>: ...`
 line. A signal (GGML_ASSERT abort, segfault), a Python traceback, or a timeout fails the test. The
@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from deltarun.models.generate import write_model
+from deltarun.model_files.generate import write_model
 from deltarun.runner import errors
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -171,7 +171,7 @@ def apply(base: Base, mutations: list[tuple]) -> bytes:
 # --- running one case ---------------------------------------------------------------------------
 def probe(path: Path) -> tuple[str, str]:
     """Load `path` in a subprocess; returns (outcome, detail) or fails the test with the reason."""
-    cmd = [sys.executable, "-m", "deltarun.runner.fault_probe", str(path), "--max-memory-mb", str(MEMORY_CAP_MB)]
+    cmd = [sys.executable, "-m", "deltarun.apps.fault_probe", str(path), "--max-memory-mb", str(MEMORY_CAP_MB)]
     env = dict(os.environ, PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)

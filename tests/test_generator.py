@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from deltarun.graphs.qwen3next_spec import _same_shape, expected_tensors, read_hparams, validate_tensors
-from deltarun.models import generate as gen
+from deltarun.model_files import generate as gen
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.model import Model
 

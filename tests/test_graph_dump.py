@@ -24,8 +24,8 @@ import pytest
 from click.testing import CliRunner
 
 from deltarun.cli.main import cli
-from deltarun.models import generate as gen
-from deltarun.runner import graph_dump as gd
+from deltarun.model_files import generate as gen
+from deltarun.apps import graph_dump as gd
 
 from reference import ReferenceModel, rmsnorm
 
@@ -68,7 +68,7 @@ def test_conv_state_store_is_one_set_rows_per_linear_layer(model_path: Path, tok
     t = by_id(d)
     kw = min(tokens + 1, k)
     assert d["schema_version"] == gd.SCHEMA_VERSION
-    assert d["shape"]["n_seq_tokens"] == tokens and d["shape"]["n_rs_slots"] == k and d["shape"]["n_seqs"] == seqs
+    assert d["shape"]["n_seq_tokens"] == tokens and d["shape"]["rs_slots"] == k and d["shape"]["n_seqs"] == seqs
 
     slot_rev = [x for x in d["leafs"] if x["name"] == "rs_s_slot_rev"]
     assert len(slot_rev) == 1
@@ -323,7 +323,7 @@ def parse_values_rows(txt: str) -> list[list[str]]:
 def test_values_of_every_node_and_two_runs_agree(model_path: Path, tmp_path: Path) -> None:
     from deltarun.runner.model import Model
 
-    with Model(model_path, kv_type="f32", n_rs_seq=2) as m:
+    with Model(model_path, kv_type="f32", rs_slots=3) as m:
         tokens = m.tokenizer.encode(PROMPT)
         first, arrays = gd.capture_values(m, tokens, keep_arrays=True)
         # every node was shown to the callback and read (strided views gathered through their strides)

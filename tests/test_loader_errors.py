@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import pytest
 
-from deltarun.models.generate import write_model
+from deltarun.model_files.generate import write_model
 from deltarun.runner.errors import DeltarunError, ModelFileError, TokenizerError, UnsupportedModelError
 from deltarun.runner.model import Model
 
@@ -546,7 +546,7 @@ def test_every_error_class_is_exercised():
 
 # --- the chat-template check on its own ---------------------------------------------------------
 def test_validate_chat_template():
-    from deltarun.models.generate import chat_template
+    from deltarun.model_files.generate import chat_template
     from deltarun.runner.template_check import validate_chat_template
 
     validate_chat_template(chat_template())

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from deltarun.cli.main import cli
 from deltarun.runner.model import Model
-from deltarun.runner.perplexity import (KLBaseReader, log_softmax, ppl_estimate, run_perplexity,
+from deltarun.apps.perplexity import (KLBaseReader, log_softmax, ppl_estimate, run_perplexity,
                                         scored_per_window, split_windows)
 
 from reference import ReferenceModel

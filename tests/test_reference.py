@@ -427,10 +427,10 @@ def _generator_module():
     if not (REPO / "models" / "generate.py").exists():
         return None
     try:
-        return importlib.import_module("deltarun.models.generate")
+        return importlib.import_module("deltarun.model_files.generate")
     except ModuleNotFoundError as e:
         # the generator is written in parallel; a sibling module it needs may not exist yet
-        if e.name and e.name.startswith("deltarun.models"):
+        if e.name and e.name.startswith("deltarun.model_files"):
             pytest.skip(f"generator not complete yet: {e}")
         raise
 

@@ -9,7 +9,7 @@ from deltarun.runner.errors import RollbackError
 from deltarun.runner.generation import generate_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams
-from deltarun.runner.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats, _accept,
+from deltarun.apps.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats, _accept,
                                          speculative_tokens)
 
 from reference import ReferenceModel
@@ -29,7 +29,7 @@ def test_rollback_restores_the_state_r_tokens_back(tiny_model_path, delta_net, m
     ref = ReferenceModel.from_gguf(path)
     ref.forward(head + ubatch[: m_tokens - r])
     expected = ref.forward(nxt)
-    with Model(path, n_ctx=256, kv_type="f32", n_rs_seq=4, delta_net=delta_net) as m:
+    with Model(path, n_ctx=256, kv_type="f32", rs_slots=5, delta_net=delta_net) as m:
         m.eval(head)
         m.eval(ubatch)
         m.rollback(r)
@@ -42,7 +42,7 @@ def test_rollback_restores_the_state_r_tokens_back(tiny_model_path, delta_net, m
 def test_rollback_in_two_steps_equals_one(tiny_model_path):
     path = tiny_model_path("tiny")
     toks = prompt(8, 4)
-    with Model(path, n_ctx=64, kv_type="f32", n_rs_seq=5) as m:
+    with Model(path, n_ctx=64, kv_type="f32", rs_slots=6) as m:
         m.eval(toks)
         m.rollback(2)
         m.rollback(3)
@@ -54,7 +54,7 @@ def test_rollback_in_two_steps_equals_one(tiny_model_path):
 
 
 def test_rollback_beyond_the_slots_is_an_error(tiny_model_path):
-    with Model(tiny_model_path("tiny"), n_ctx=64, n_rs_seq=2) as m:
+    with Model(tiny_model_path("tiny"), n_ctx=64, rs_slots=3) as m:
         m.eval(prompt(6))
         with pytest.raises(RollbackError, match="rollback slots"):
             m.rollback(3)            # K - 1 = 2 slots back at most
@@ -79,7 +79,7 @@ def _plain(path, toks, n, **kw) -> list[int]:
 
 
 def _speculative(path, toks, n, make_draft, draft_max, **kw) -> tuple[list[int], SpeculativeStats]:
-    with Model(path, n_ctx=256, kv_type="f32", n_rs_seq=draft_max, **kw) as m:
+    with Model(path, n_ctx=256, kv_type="f32", rs_slots=draft_max + 1, **kw) as m:
         draft = make_draft(m)
         stats = SpeculativeStats()
         out = list(speculative_tokens(m, toks, n, Sampler(GREEDY), draft, draft_max, stats=stats))

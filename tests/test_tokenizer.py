@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltarun.models import make_tiny_vocab
-from deltarun.models.vocab import tiny_vocab
+from deltarun.model_files import make_tiny_vocab
+from deltarun.model_files.vocab import tiny_vocab
 from deltarun.runner.errors import TokenizerError
 from deltarun.runner.tokenizer import (
     BYTE_TO_UNICODE,

@@ -61,7 +61,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
 @click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
               help="Gated delta-net kernel.")
 @click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
-              help="Report format (json schema: see deltarun.runner.bench).")
+              help="Report format (json schema: see deltarun.apps.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
           batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
           output: str) -> None:
@@ -73,7 +73,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     times; t/s is the mean ± standard deviation over those runs.
     """
     from deltarun.runner.backend import llamafile_note
-    from deltarun.runner.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
+    from deltarun.apps.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
                                        markdown_row, to_csv, to_json)
 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,

@@ -1,6 +1,6 @@
 """`deltarun chat`: a multi-turn conversation, interactive or driven through stdin.
 
-The conversation logic is `deltarun.runner.chat.ChatSession`; this module reads lines, runs the
+The conversation logic is `deltarun.apps.chat.ChatSession`; this module reads lines, runs the
 slash commands and prints the streamed answers (thinking dimmed or hidden).
 """
 
@@ -54,7 +54,7 @@ class ChatUI:
 
         A full context is reported (or raised with raise_errors).
         """
-        from deltarun.runner.chat import ThinkingSplitter
+        from deltarun.apps.chat import ThinkingSplitter
 
         session = self.session
         stream = session.send(text)
@@ -273,7 +273,7 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
     answers are printed one after the other. Without MODEL the built-in tiny test model (random
     weights) is used.
     """
-    from deltarun.runner.chat import ChatSession
+    from deltarun.apps.chat import ChatSession
     from deltarun.runner.chat_template import ChatTemplate
     from deltarun.runner.sampling import Sampler
 

@@ -1,6 +1,6 @@
 """`deltarun compare`: run the same graphs on two backends (or kernels, or weight files) and compare.
 
-The rules, the per-op limits and the JSON schema are documented in `deltarun.runner.compare`.
+The rules, the per-op limits and the JSON schema are documented in `deltarun.apps.compare`.
 Exit status: 0 when everything is within its limits, 7 when a limit is exceeded (or a NaN
 appears), and the usual error codes otherwise.
 """
@@ -73,7 +73,7 @@ def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: i
 @click.option("--ctx", "-c", type=click.IntRange(min=1), default=None,
               help="Context size [default: prompt + decode steps + 1].")
 @click.option("--threads", "-t", type=click.IntRange(min=1), default=None, help="CPU threads.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema in deltarun.runner.compare).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema in deltarun.apps.compare).")
 @click.option("--show", type=click.Choice(["named", "all", "failures"]), default="named", show_default=True,
               help="Table rows: named nodes, every node, or only failed nodes.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
@@ -89,7 +89,7 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     inputs' errors. Then logits NMSE, top-1 agreement, KL divergence and the greedy continuations.
     Exits with status 7 when a limit is exceeded.
     """
-    from deltarun.runner import compare as cmp
+    from deltarun.apps import compare as cmp
 
     path = resolve_model(model, quiet=quiet or as_json)
     if not path.exists():

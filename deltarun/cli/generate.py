@@ -60,7 +60,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     Timings go to stderr at the end, like llama.cpp's.
     """
     from deltarun.runner.generation import GenerationStats, generate_tokens
-    from deltarun.runner.speculative import SpeculativeStats, speculative_tokens
+    from deltarun.apps.speculative import SpeculativeStats, speculative_tokens
     from deltarun.runner.sampling import Sampler
     from deltarun.runner.tokenizer import StreamDecoder
 

@@ -4,7 +4,7 @@ The graph is built through the model's own graph cache (`Model._graph`), so the 
 what `eval` runs for that shape. With `--values -p PROMPT` the prompt is run through that graph and
 the values of every node (or those matching `--filter`) are recorded through the scheduler's eval
 callback; `--dump-dir` also saves them as .npy files with a manifest. The JSON schema is
-documented in `deltarun.runner.graph_dump`.
+documented in `deltarun.apps.graph_dump`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
           layer: int | None, fmt: str, output: Path | None, values: bool, prompt: str | None,
           patterns: tuple[str, ...], dump_dir: Path | None, n_first: int) -> None:
     """Dump the ggml graph the runner computes for one ubatch shape of MODEL."""
-    from deltarun.runner import graph_dump as gd
+    from deltarun.apps import graph_dump as gd
     from deltarun.runner.model import Model
 
     values = values or prompt is not None
@@ -90,7 +90,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
     m = None
     try:
         if values:
-            m = Model(model, backend=backend, n_ctx=ctx, n_batch=ctx, n_threads=threads, n_rs_seq=rs_slots - 1,
+            m = Model(model, backend=backend, n_ctx=ctx, n_batch=ctx, n_threads=threads, rs_slots=rs_slots,
                       n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
             ids = m.tokenizer.encode(prompt or "")
             if len(ids) > ctx:
@@ -103,7 +103,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
                 click.echo(f"wrote {len(arrays)} tensors and {manifest}", err=True)
         else:
             batch = max(n_tok * seqs, rs_slots)
-            m = Model(model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
+            m = Model(model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
                       n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
             shape = gd.ubatch_shape(m, n_tok, seqs, n_past, all_outputs)
             dump = gd.dump_graph(m, shape, layer=layer, n_past=n_past)

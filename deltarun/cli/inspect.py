@@ -141,8 +141,8 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
                               "weights": sum(t.nbytes for t in f.tensors.values())}
     if hp is not None:
         try:
-            rs = memory_bytes(hp, 0, 1, rs_slots - 1, kv_type)
-            both = memory_bytes(hp, n_ctx, 1, rs_slots - 1, kv_type)
+            rs = memory_bytes(hp, 0, 1, rs_slots, kv_type)
+            both = memory_bytes(hp, n_ctx, 1, rs_slots, kv_type)
             memory.update(kv_cache=both - rs, recurrent_state=rs, total=memory["weights"] + both)
         except Exception as e:  # noqa: BLE001
             problems.append(f"memory: {e}")

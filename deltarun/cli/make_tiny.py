@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from deltarun.models.generate import PRESETS, WEIGHT_TYPES, write_model
+from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
 from deltarun.runner.errors import DeltarunError
 
 

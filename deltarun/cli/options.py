@@ -118,7 +118,7 @@ def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
     """
     if model is not None:
         return Path(model)
-    from deltarun.models import generate as gen
+    from deltarun.model_files import generate as gen
 
     path = gen.default_model_path()
     if not quiet:
@@ -143,7 +143,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
     from deltarun.runner.model import Model
 
     path = resolve_model(model, quiet=quiet)
-    return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, n_rs_seq=rs_slots - 1,
+    return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp)
 
 
@@ -161,7 +161,7 @@ def draft_options(f: F) -> F:
 
 def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int, **opts: Any):
     """Open the target (with enough rollback slots and its MTP block if asked) and the draft source."""
-    from deltarun.runner.speculative import ModelDraft, MtpDraft, NgramDraft
+    from deltarun.apps.speculative import ModelDraft, MtpDraft, NgramDraft
 
     if draft is None:
         return open_model(model, **opts), None

@@ -47,13 +47,13 @@ def perplexity(model: Path, file: Path | None, chunks: int | None, kl_base: Path
     --kl-base compares against saved log-probs of a reference run (another quantisation,
     backend or build): mean/max KL divergence, top-1 agreement and the PPL ratio.
     """
-    from deltarun.runner.perplexity import PerplexityResult, iter_perplexity, prepare_windows, tokenize_text
+    from deltarun.apps.perplexity import PerplexityResult, iter_perplexity, prepare_windows, tokenize_text
 
     if file is None and (kl_base is None or not kl_base.exists()):
         raise click.UsageError("give the text with -f FILE (or an existing --kl-base file to reuse its tokens)")
     text = _read_text(file) if file is not None else None
     if text is None:  # the windows come from the base: open the model with their size
-        from deltarun.runner.perplexity import KLBaseReader
+        from deltarun.apps.perplexity import KLBaseReader
 
         reader = KLBaseReader(kl_base)  # type: ignore[arg-type]
         opts["ctx"] = reader.n_ctx

@@ -145,7 +145,7 @@ class _Builder:
         self.attention_inputs()
         if hp.linear_layers:
             self.s_copy = self.input("rs_s_copy", ggml.GGML_TYPE_I32, ub.n_seqs)
-            self.kw = min(ub.n_seq_tokens + 1, self.mem.n_slots)
+            self.kw = min(ub.n_seq_tokens + 1, self.mem.rs_slots)
             self.slot_rev = self.input("rs_s_slot_rev", ggml.GGML_TYPE_I32, self.kw)
 
         x = ggml.ggml_get_rows(c, self.w["token_embd.weight"], tokens)
@@ -261,7 +261,7 @@ class _Builder:
         S, nk, nv = hp.ssm_d_state, hp.ssm_n_k_heads, hp.ssm_n_v_heads
         r = nv // nk
         T, N = ub.n_seq_tokens, ub.n_seqs
-        K = self.mem.n_slots
+        K = self.mem.rs_slots
         f32 = 4
 
         qkv, z = self.qkvz(cur, il)                                    # [conv_dim, T, N], [value_dim, T*N]
@@ -364,7 +364,7 @@ class _Builder:
         sends the newest window to slot 0.
         """
         hp, ub, c = self.hp, self.ub, self.ctx
-        K, Kw, dc1, ch = self.mem.n_slots, self.kw, hp.ssm_d_conv - 1, hp.conv_dim
+        K, Kw, dc1, ch = self.mem.rs_slots, self.kw, hp.ssm_d_conv - 1, hp.conv_dim
         T, N = ub.n_seq_tokens, ub.n_seqs
         f32 = 4
         src = self.view(conv_input, (dc1, 1, ch, N), (f32, nb(conv_input)[1], nb(conv_input)[2]),

@@ -69,7 +69,7 @@ def make_environment() -> ImmutableSandboxedEnvironment:
 @lru_cache(maxsize=1)
 def qwen3_template_source() -> str:
     """The Qwen3 ChatML template (the one Qwen3 and Qwen3-Next files ship), used as a fallback."""
-    return resources.files("deltarun.models").joinpath("data/qwen3-chat-template.jinja").read_text(encoding="utf-8")
+    return resources.files("deltarun.model_files").joinpath("data/qwen3-chat-template.jinja").read_text(encoding="utf-8")
 
 
 class ChatTemplate:

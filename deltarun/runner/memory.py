@@ -1,7 +1,7 @@
 """The model's memory: KV cache of the full-attention layers and the rollback-slot recurrent state.
 
 Recurrent state, per linear-attention layer and sequence (one cell per sequence), keeps
-K = n_rs_seq + 1 snapshots so that speculative tokens can be rolled back:
+K = rs_slots snapshots (`--rs-slots`) so that speculative tokens can be rolled back:
 
 - conv states: one row per cell of (d_conv-1) * K * channels floats, viewed as
   [d_conv-1, K, channels]: slot r of channel c is the window r tokens back.
@@ -40,12 +40,12 @@ class SeqState:
 class Memory:
     """Backend tensors of the KV cache and recurrent state, plus per-sequence positions."""
 
-    def __init__(self, hp: HParams, backend: Backend, n_ctx: int, n_seq_max: int = 1, n_rs_seq: int = 0,
+    def __init__(self, hp: HParams, backend: Backend, n_ctx: int, n_seq_max: int = 1, rs_slots: int = 1,
                  kv_type: str = "f16", mtp: bool = False, placement: Placement | None = None):
         self.hp = hp
         self.n_ctx = n_ctx
         self.n_cells = n_seq_max
-        self.n_slots = n_rs_seq + 1
+        self.rs_slots = rs_slots
         self.kv_type = kv_type
         layers = hp.n_layer
         self.ctx = new_context(4 * (layers + hp.n_mtp) + 4)
@@ -65,9 +65,9 @@ class Memory:
                                   f"cache_v_l{il}")
         for il in hp.linear_layers:
             self.conv[il] = set_name(ggml.ggml_new_tensor_2d(
-                self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.n_slots, n_seq_max), f"cache_r_l{il}")
+                self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.rs_slots, n_seq_max), f"cache_r_l{il}")
             self.ssm[il] = set_name(ggml.ggml_new_tensor_3d(
-                self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_seq_max, self.n_slots), f"cache_s_l{il}")
+                self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_seq_max, self.rs_slots), f"cache_s_l{il}")
         self.buffers = self._allocate(backend, placement)
         self.buffer = self.buffers[0]
         self.seqs = [SeqState() for _ in range(n_seq_max)]
@@ -104,7 +104,7 @@ class Memory:
         return buffers
 
     def nbytes_expected(self) -> int:
-        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.n_slots - 1, self.kv_type, bool(self.mtp_layers))
+        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.rs_slots, self.kv_type, bool(self.mtp_layers))
 
     @property
     def nbytes(self) -> int:
@@ -120,16 +120,16 @@ class Memory:
         """Conv state of one sequence as numpy (K, d_conv-1, channels): slot, then oldest column first."""
         hp = self.hp
         row = tensor_to_numpy(self.conv[il]).reshape(self.n_cells, -1)[seq]   # [(d_conv-1)*K*channels]
-        arr = row.reshape(hp.conv_dim, self.n_slots, hp.ssm_d_conv - 1)   # numpy of ne [dc1, K, ch]
+        arr = row.reshape(hp.conv_dim, self.rs_slots, hp.ssm_d_conv - 1)   # numpy of ne [dc1, K, ch]
         return arr.transpose(1, 2, 0).copy()
 
     def ssm_slots(self, il: int, seq: int = 0) -> np.ndarray:
         """SSM state of one sequence as numpy (K, H_v, S_k, S_v): M[k, v] per head and slot."""
         hp = self.hp
         S, H = hp.head_v_dim, hp.ssm_n_v_heads
-        arr = tensor_to_numpy(self.ssm[il]).reshape(self.n_slots, self.n_cells, -1)[:, seq, :]   # [K, D]
+        arr = tensor_to_numpy(self.ssm[il]).reshape(self.rs_slots, self.n_cells, -1)[:, seq, :]   # [K, D]
         # ggml stores each head as ne [S_k, S_v] (k fastest) = numpy (S_v, S_k): transpose to (S_k, S_v)
-        return arr.reshape(self.n_slots, H, S, S).transpose(0, 1, 3, 2).copy()
+        return arr.reshape(self.rs_slots, H, S, S).transpose(0, 1, 3, 2).copy()
 
     def free(self) -> None:
         for b in self.buffers:
@@ -141,11 +141,10 @@ class Memory:
             self.ctx = None
 
 
-def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, n_rs_seq: int, kv_type: str = "f16",
+def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, rs_slots: int, kv_type: str = "f16",
                  mtp: bool = False) -> int:
     """Bytes the KV cache and recurrent state take (what `inspect` reports)."""
     kv_elem = 2 if kv_type == "f16" else 4
     kv = 2 * (len(hp.attention_layers) + (hp.n_mtp if mtp else 0)) * hp.head_dim * hp.n_head_kv * n_ctx * n_seq_max * kv_elem
-    slots = n_rs_seq + 1
-    rs = len(hp.linear_layers) * (hp.conv_state_size + hp.ssm_state_size) * slots * n_seq_max * 4
+    rs = len(hp.linear_layers) * (hp.conv_state_size + hp.ssm_state_size) * rs_slots * n_seq_max * 4
     return kv + rs

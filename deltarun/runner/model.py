@@ -133,14 +133,14 @@ class Model:
     """A Qwen3-Next (or other registered architecture) GGUF, ready to evaluate tokens."""
 
     def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_batch: int = 512,
-                 n_threads: int | None = None, n_rs_seq: int = 0, n_seq_max: int = 1, kv_type: str = "f16",
+                 n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
-        if n_ctx <= 0 or n_batch <= 0 or n_rs_seq < 0 or n_seq_max <= 0:
-            raise DeltarunError("n_ctx, n_batch and n_seq_max must be positive and n_rs_seq non-negative")
-        if n_batch < n_rs_seq + 1:
-            raise DeltarunError(f"--batch {n_batch} must be at least --rs-slots {n_rs_seq + 1}")
+        if n_ctx <= 0 or n_batch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
+            raise DeltarunError("n_ctx, n_batch, rs_slots and n_seq_max must be positive")
+        if n_batch < rs_slots:
+            raise DeltarunError(f"--batch {n_batch} must be at least --rs-slots {rs_slots}")
         self.path = Path(path)
         self.file = GGUFFile(path)
         self.graph_builder = graph_builder_for(self.file)
@@ -155,7 +155,7 @@ class Model:
         self.weights = Weights(self.file, names, self.backend, self.placement)
         if mtp and not self.hp.n_mtp:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
-        self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, n_rs_seq, kv_type, mtp=mtp,
+        self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
                              placement=self.placement)
         n_ub = min(n_batch, n_ctx)
         largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net)
@@ -169,8 +169,9 @@ class Model:
 
     # --- public API ---------------------------------------------------------------------------
     @property
-    def n_rs_seq(self) -> int:
-        return self.memory.n_slots - 1
+    def rs_slots(self) -> int:
+        """K, the rollback slots per sequence: up to K-1 tokens can be rolled back."""
+        return self.memory.rs_slots
 
     def n_past(self, seq: int = 0) -> int:
         return self.memory.seqs[seq].n_past
@@ -258,7 +259,7 @@ class Model:
             take = min(limit, left)
             sizes.append(take)
             left -= take
-        keep = min(n, self.memory.n_slots)
+        keep = min(n, self.memory.rs_slots)
         if len(sizes) > 1 and sizes[-1] < keep:
             moved = keep - sizes[-1]
             sizes[-2] -= moved
@@ -270,17 +271,17 @@ class Model:
         overwritten) and the recurrent state is restored from slot r.
 
         After a ubatch of m tokens slot r holds the state r tokens back for r <= min(m, K-1)
-        (slot m, when m < K, is the state the ubatch started from), so at most min(m, n_rs_seq)
+        (slot m, when m < K, is the state the ubatch started from), so at most min(m, K-1)
         tokens can be undone in total. Restoring copies slot r into slot 0: the graph always reads
         the live state from slot 0.
         """
         state = self.memory.seqs[seq]
         if n_tokens == 0:
             return
-        limit = min(state.last_ubatch, self.n_rs_seq) - state.rolled_back
+        limit = min(state.last_ubatch, self.rs_slots - 1) - state.rolled_back
         if not 0 < n_tokens <= limit:
             raise RollbackError(
-                f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.n_rs_seq} rollback "
+                f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.rs_slots} rollback "
                 f"slots and the last ubatch had {state.last_ubatch} tokens, so {max(limit, 0)} can be undone")
         self._restore_slot(n_tokens + state.rolled_back, seq)
         state.rolled_back += n_tokens
@@ -373,7 +374,7 @@ class Model:
         ubatch continues from the state r tokens back.
         """
         hp, mem = self.hp, self.memory
-        K = mem.n_slots
+        K = mem.rs_slots
         for il in hp.linear_layers:
             conv = tensor_to_numpy(mem.conv[il]).reshape(mem.n_cells, -1)
             row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
@@ -422,7 +423,7 @@ class Model:
         n = lengths.pop()
         for s in seqs:
             self._check_tokens(batch[s], s)
-        per_ubatch = max(self.memory.n_slots, self.n_batch // len(seqs))
+        per_ubatch = max(self.memory.rs_slots, self.n_batch // len(seqs))
         outs: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
         done = 0
         for size in self._split(n, per_ubatch):

@@ -221,10 +221,10 @@ def _accept(sampler: Sampler, logits: np.ndarray, draft: Draft, history: list[in
 
 
 def _slots_for(model: Model, draft_max: int) -> int:
-    k_max = min(draft_max, model.n_rs_seq)
+    k_max = min(draft_max, model.rs_slots - 1)
     if k_max < 1:
         raise DeltarunError(f"speculative decoding needs rollback slots: open the model with --rs-slots "
-                            f"{draft_max + 1} (it has {model.n_rs_seq + 1})")
+                            f"{draft_max + 1} (it has {model.rs_slots})")
     return k_max
 
 

@@ -17,7 +17,7 @@ Top level object::
     model           str     path of the GGUF file
     architecture    str     general.architecture
     shape           object  the ubatch shape: n_seq_tokens, n_seqs, n_tokens, n_outputs, n_kv,
-                            seq_head, delta_net, n_past (tokens already in the KV), n_rs_slots (K),
+                            seq_head, delta_net, n_past (tokens already in the KV), rs_slots (K),
                             decode (bool)
     filter          object  {"layer": int|null, "values": [pattern, ...]|null}
     summary         object  see below (always about the whole graph, whatever the filter)
@@ -235,7 +235,7 @@ class GraphDump:
         sh = self.shape
         out.append(f"model: {self.model} ({self.architecture})")
         out.append("shape: " + ", ".join(f"{k}={sh[k]}" for k in (
-            "n_seq_tokens", "n_seqs", "n_outputs", "n_kv", "n_past", "n_rs_slots", "delta_net", "decode")))
+            "n_seq_tokens", "n_seqs", "n_outputs", "n_kv", "n_past", "rs_slots", "delta_net", "decode")))
         if self.layer is not None:
             out.append(f"filter: layer {self.layer} (its nodes and their direct sources)")
         out.append("flags: I input, O output, W weight, M memory (KV / recurrent state), V view")
@@ -470,7 +470,7 @@ def _summary(model: Any, walker: _Walker, nodes: list[TensorRecord], leafs: list
 def _shape_dict(model: Any, shape: UbatchShape, n_past: int) -> dict[str, Any]:
     return {"n_seq_tokens": shape.n_seq_tokens, "n_seqs": shape.n_seqs, "n_tokens": shape.n_tokens,
             "n_outputs": shape.n_outputs, "n_kv": shape.n_kv, "seq_head": shape.seq_head,
-            "delta_net": shape.delta_net, "n_past": n_past, "n_rs_slots": model.memory.n_slots,
+            "delta_net": shape.delta_net, "n_past": n_past, "rs_slots": model.memory.rs_slots,
             "decode": shape.n_seq_tokens == 1 and n_past > 0}
 
 
@@ -723,7 +723,7 @@ def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
 
 def _shape_label(sh: dict[str, Any]) -> str:
     return (f"tokens {sh['n_seq_tokens']} x seqs {sh['n_seqs']}, outputs {sh['n_outputs']}, n_kv {sh['n_kv']}, "
-            f"past {sh['n_past']}, K {sh['n_rs_slots']}, {sh['delta_net']}")
+            f"past {sh['n_past']}, K {sh['rs_slots']}, {sh['delta_net']}")
 
 
 def _dot_escape(s: str) -> str:

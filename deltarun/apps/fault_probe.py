@@ -1,6 +1,6 @@
 """Load one model file and evaluate one token, in a process of its own: a crash probe for tests.
 
-`python -m deltarun.runner.fault_probe FILE` prints one line and exits with
+`python -m deltarun.apps.fault_probe FILE` prints one line and exits with
 
 - 0 and ``OK n_vocab=...`` when the model loaded and evaluated a token;
 - the error's `exit_code` and ``ERROR <ClassName>: <message>`` when deltarun refused the file
@@ -42,7 +42,7 @@ def probe(path: str, n_ctx: int = 64, n_threads: int = 1) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltarun.runner.fault_probe", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m deltarun.apps.fault_probe", description=__doc__.split("\n")[0])
     parser.add_argument("path")
     parser.add_argument("--n-ctx", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)

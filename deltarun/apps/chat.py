@@ -483,7 +483,7 @@ class ChatSession:
                             stats: TurnStats) -> Iterator[str]:
         """The answer's tokens from speculative decoding; each verification step runs with SIGINT
         deferred, so an interrupt never separates a target ubatch from its rollback."""
-        from deltarun.runner.speculative import SpeculativeStats, continue_speculative
+        from deltarun.apps.speculative import SpeculativeStats, continue_speculative
 
         model = self.model
         limit = self.n_predict if self.n_predict >= 0 else model.n_ctx

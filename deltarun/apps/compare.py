@@ -248,7 +248,7 @@ def _weight_types(model: Any) -> dict[str, int]:
 
 
 def _capture(model: Any, tokens: list[int], name: str, decode: bool) -> GraphCapture:
-    from deltarun.runner import graph_dump as gd
+    from deltarun.apps import graph_dump as gd
 
     dump, arrays = gd.capture_values(model, tokens, decode=decode, all_outputs=not decode, keep_arrays=True,
                                      n_first=0)
