@@ -32,20 +32,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_path(tiny_model_dir: Path) -> TinyModelPath:
     """Factory: (preset="tiny", wtype="f32", seed=0, **config changes) -> path of the written GGUF."""
     from deltarun.model_files import generate as gen
+    from deltarun.model_files import qwen35
 
     cache: dict[tuple, Path] = {}
 
     def get(preset: str = "tiny", wtype: str = "f32", seed: int = 0, **changes: object) -> Path:
-        if preset not in gen.PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(gen.PRESETS)}")
+        family = qwen35 if preset in qwen35.PRESETS else gen   # Qwen3.5 presets: models/qwen35.py
+        if preset not in family.PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose from {', '.join([*gen.PRESETS, *qwen35.PRESETS])}")
         if wtype not in gen.WEIGHT_TYPES:
             raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(gen.WEIGHT_TYPES)}")
         key = (preset, wtype, seed, tuple(sorted(changes.items())))
         path = cache.get(key)
         if path is None:
-            cfg = dataclasses.replace(gen.PRESETS[preset], **changes) if changes else gen.PRESETS[preset]
+            cfg = dataclasses.replace(family.PRESETS[preset], **changes) if changes else family.PRESETS[preset]
             suffix = "".join(f"-{k}={v}" for k, v in sorted(changes.items()))
-            path = gen.write_model(tiny_model_dir / f"{preset}-{wtype}-s{seed}{suffix}.gguf", cfg, wtype, seed)
+            path = family.write_model(tiny_model_dir / f"{preset}-{wtype}-s{seed}{suffix}.gguf", cfg, wtype, seed)
             cache[key] = path
         return path
 

@@ -35,6 +35,8 @@ __all__ = [
     "sigmoid",
     "softplus",
     "rope_neox",
+    "rotate_neox",
+    "delta_net_scan",
     "causal_conv_step",
     "gated_delta_net_step",
     "gated_rmsnorm",
@@ -207,13 +209,19 @@ def rope_neox(x, pos, n_rot, base):
     Pairs (i, i + n_rot/2), angle = pos * base^(-2i/n_rot); dims >= n_rot are left untouched.
     """
     half = n_rot // 2
-    theta = pos * base ** (-2.0 * np.arange(half) / n_rot)
+    return rotate_neox(x, pos * base ** (-2.0 * np.arange(half) / n_rot))
+
+
+def rotate_neox(x, theta):
+    """Rotate the pairs (i, i + len(theta)) of the last axis of x by the angles theta (rotate_half
+    form); dims >= 2 * len(theta) are left untouched."""
+    half = len(theta)
     cos, sin = np.cos(theta), np.sin(theta)
     out = np.array(x, dtype=np.float64, copy=True)
     x0 = x[..., :half]
-    x1 = x[..., half:n_rot]
+    x1 = x[..., half:2 * half]
     out[..., :half] = x0 * cos - x1 * sin
-    out[..., half:n_rot] = x0 * sin + x1 * cos
+    out[..., half:2 * half] = x0 * sin + x1 * cos
     return out
 
 
@@ -222,9 +230,14 @@ def rope_neox(x, pos, n_rot, base):
 # --------------------------------------------------------------------------------------------
 
 
-def full_attention(w, prefix, hp: RefHParams, h, positions, k_cache, v_cache):
+def full_attention(w, prefix, hp: RefHParams, h, positions, k_cache, v_cache, rope=None):
     """Gated full attention for a chunk h (T, n_embd) at absolute positions; caches are lists
-    (one (n_head_kv, head_dim) entry per past position) extended in place. Returns (T, n_embd)."""
+    (one (n_head_kv, head_dim) entry per past position) extended in place. Returns (T, n_embd).
+
+    rope(x (heads, head_dim), pos) -> rotated x; default NEOX on the first n_rot dims."""
+    if rope is None:
+        def rope(x, pos):
+            return rope_neox(x, pos, hp.n_rot, hp.rope_base)
     T = h.shape[0]
     hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
     qg = (h @ w[prefix + "attn_q.weight"].T).reshape(T, nh, 2 * hd)
@@ -234,8 +247,8 @@ def full_attention(w, prefix, hp: RefHParams, h, positions, k_cache, v_cache):
     q = rmsnorm(q, hp.eps) * w[prefix + "attn_q_norm.weight"]
     k = rmsnorm(k, hp.eps) * w[prefix + "attn_k_norm.weight"]
     for t, pos in enumerate(positions):
-        q[t] = rope_neox(q[t], pos, hp.n_rot, hp.rope_base)
-        k[t] = rope_neox(k[t], pos, hp.n_rot, hp.rope_base)
+        q[t] = rope(q[t], pos)
+        k[t] = rope(k[t], pos)
     n_past = len(k_cache)
     k_cache.extend(k[t].copy() for t in range(T))
     v_cache.extend(v[t].copy() for t in range(T))
@@ -318,9 +331,18 @@ def linear_attention(w, prefix, hp: RefHParams, h, state):
     beta = sigmoid(b)
     gdecay = softplus(a + w[prefix + "ssm_dt.bias"].reshape(nv)) * w[prefix + "ssm_a"].reshape(nv)
 
-    conv_w = w[prefix + "ssm_conv1d.weight"]
-    conv_b = w.get(prefix + "ssm_conv1d.bias")
-    norm_w = w[prefix + "ssm_norm.weight"]
+    outs = delta_net_scan(state, hp, qkv, z, beta, gdecay, w[prefix + "ssm_conv1d.weight"],
+                          w.get(prefix + "ssm_conv1d.bias"), w[prefix + "ssm_norm.weight"])
+    return outs.reshape(T, nv * S) @ w[prefix + "ssm_out.weight"].T
+
+
+def delta_net_scan(state, hp: RefHParams, qkv, z, beta, gdecay, conv_w, conv_b, norm_w):
+    """The gated delta net after its input projections, token by token: causal conv + SiLU, L2-norm
+    of q and k, q/k heads broadcast to value heads grouped (value head hv uses key head hv // r, as
+    HF's repeat_interleave), the delta rule, the gated RMSNorm. qkv (T, conv_dim), z (T, n_v, S),
+    beta/gdecay (T, n_v); state as in linear_attention, updated in place. Returns (T, n_v, S)."""
+    T = qkv.shape[0]
+    S, nk, nv, r = hp.ssm_state, hp.n_k_heads, hp.n_v_heads, hp.v_per_k
     norm_w = norm_w.reshape(S) if norm_w.size == S else norm_w.reshape(nv, S)  # shared or per head
     kd = hp.key_dim
     outs = np.zeros((T, nv, S))
@@ -335,7 +357,7 @@ def linear_attention(w, prefix, hp: RefHParams, h, state):
         o, state["ssm"] = gated_delta_net_step(state["ssm"], q, k, v, gdecay[t], beta[t])
         outs[t] = gated_rmsnorm(o, z[t], norm_w, hp.eps)
         state["history"].append((state["conv"].copy(), state["ssm"].copy()))
-    return outs.reshape(T, nv * S) @ w[prefix + "ssm_out.weight"].T
+    return outs
 
 
 def _swiglu_ffn(x, gate, up, down):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from deltarun.model_files import qwen35
 from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
 from deltarun.runner.errors import DeltarunError
 
@@ -15,9 +16,10 @@ from deltarun.runner.errors import DeltarunError
 @click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, writable=True, path_type=Path))
 @click.option("--type", "wtype", type=click.Choice(list(WEIGHT_TYPES)), default="f32", show_default=True,
               help="Type of the 2-D weights (norms, routers, conv and ssm_a stay F32, like converted files).")
-@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
+@click.option("--preset", type=click.Choice(list(PRESETS) + list(qwen35.PRESETS)), default="tiny", show_default=True,
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
-                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024).")
+                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024); "
+                   "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
@@ -26,6 +28,9 @@ def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
     The file has the keys, tensor names, shapes and stored conventions of a converted real model,
     so everything deltarun does with real files can be tried on it.
     """
+    if preset in qwen35.PRESETS:
+        _make_qwen35(out, wtype, preset, seed)
+        return
     cfg = PRESETS[preset]
     if mtp and cfg.n_mtp == 0:
         cfg = dataclasses.replace(cfg, n_mtp=1)
@@ -38,3 +43,15 @@ def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
     extra = f" + {cfg.n_mtp} MTP" if cfg.n_mtp else ""
     click.echo(f"wrote {path}: preset {preset}, type {wtype}, seed {seed}, {cfg.n_layer} layers{extra} "
                f"({layers} blocks), {size / 2**20:.1f} MiB")
+
+
+def _make_qwen35(out: Path, wtype: str, preset: str, seed: int) -> None:
+    """A Qwen3.5 preset: HF-order random weights converted as llama.cpp's converter does (MTP included)."""
+    cfg = qwen35.PRESETS[preset]
+    try:
+        path = qwen35.write_model(out, cfg, wtype, seed, name=f"deltarun synthetic {cfg.arch} {preset} {wtype}")
+    except OSError as e:
+        raise DeltarunError(f"cannot write {out}: {e.strerror or e}") from e
+    n_mtp = cfg.mtp_num_hidden_layers
+    click.echo(f"wrote {path}: preset {preset} ({cfg.arch}), type {wtype}, seed {seed}, {cfg.num_hidden_layers} "
+               f"layers + {n_mtp} MTP ({cfg.num_hidden_layers + n_mtp} blocks), {path.stat().st_size / 2**20:.1f} MiB")
