@@ -102,7 +102,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from deltarun.graphs.qwen3next import UbatchShape
+from deltarun.graphs.interface import UbatchShape
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.files import write_atomically
 from deltarun.runner.ggml_util import NP_TYPES, ggml, name_of

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from deltarun.cli.options import model_argument
-from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.memory import KV_TYPES
 
 

@@ -14,7 +14,7 @@ import click
 import numpy as np
 
 from deltarun.cli.options import model_argument, resolve_model
-from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.errors import DeltarunError
 
 DEFAULT_TOKENS = 16

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.errors import DeltarunError
 
 FORMATS = ("txt", "json", "dot", "svg")

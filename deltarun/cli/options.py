@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import click
 
-from deltarun.graphs.qwen3next import DELTA_NET_MODES
+from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.backend import physical_cores
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.memory import KV_TYPES

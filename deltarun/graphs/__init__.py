@@ -17,11 +17,31 @@ ENTRY_POINT_GROUP = "deltarun.graphs"
 def available_architectures() -> dict[str, Any]:
     """architecture name -> entry point, for every installed graph builder."""
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    if "qwen3next" not in found:  # running from a source tree without installed metadata
-        from deltarun.graphs.qwen3next import Qwen3NextGraph
-
-        found["qwen3next"] = Qwen3NextGraph
+    # running from a source tree without installed metadata (or metadata older than a family)
+    for name, (module, cls) in BUILTIN.items():
+        if name not in found:
+            found[name] = _Lazy(module, cls)
     return found
+
+
+#: deltarun's own families: architecture -> (module, class), as registered in pyproject.toml
+BUILTIN = {
+    "qwen3next": ("deltarun.graphs.qwen3next", "Qwen3NextGraph"),
+    "qwen35": ("deltarun.graphs.qwen35", "Qwen35Graph"),
+    "qwen35moe": ("deltarun.graphs.qwen35moe", "Qwen35MoeGraph"),
+}
+
+
+class _Lazy:
+    """An entry-point look-alike for a built-in family (imported on load)."""
+
+    def __init__(self, module: str, cls: str):
+        self.module, self.cls = module, cls
+
+    def load(self) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.cls)
 
 
 def graph_builder_for(gguf_file: Any) -> Any:

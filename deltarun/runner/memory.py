@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from deltarun.graphs.qwen3next_spec import HParams
+from deltarun.graphs.interface import HParams
 from deltarun.runner.backend import Backend, Placement
 from deltarun.runner.errors import BackendError
 from deltarun.runner.ggml_util import Tensor, ctypes, ggml, name_of, new_context, set_name, tensor_to_numpy

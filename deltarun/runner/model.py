@@ -15,8 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from deltarun.graphs import graph_builder_for
-from deltarun.graphs.qwen3next import DELTA_NET_MODES, UbatchShape
+from deltarun.graphs.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape, graph_family_for
 from deltarun.runner.backend import Backend, Placement, Scheduler, init_backend
 from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
 from deltarun.runner.gguf_file import GGUFFile
@@ -25,73 +24,40 @@ from deltarun.runner.memory import Memory
 from deltarun.runner.weights import Weights
 
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
-NEG_INF = -np.inf
 
 # The raw ctypes functions (ggml-python binds them without a Python wrapper): the per-step input
 # and output copies call them directly with precomputed host addresses.
 _tensor_set = ggml.ggml_backend_tensor_set
 _tensor_get = ggml.ggml_backend_tensor_get
-_NP_OF_GGML = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32, ggml.GGML_TYPE_I64: np.int64}
 
 
 class _InputPlan:
-    """Host-side buffers for the inputs one allocated graph reads, filled in place on every step.
+    """The inputs one allocated graph reads, bound to host buffers that are filled in place per step.
 
-    Made on the first step after the graph was allocated: only then is it known which inputs the
-    graph really reads (unused ones get no memory and are skipped). Inputs that depend on the
-    shape only (state cells, rollback-slot order, output rows) are computed once here; they are
-    still copied to the backend every step, because the allocator reuses input memory for later
-    nodes. Each step then costs a few numpy writes into preallocated arrays and one
-    ggml_backend_tensor_set per input, whatever the number of layers.
+    Made on the first step after the graph was allocated: only then is it known which input
+    tensors the graph really reads (see `GraphInput.bind`). Each step then costs the used inputs'
+    `set_input` (a few numpy writes into preallocated arrays; shape-only inputs were filled once)
+    and one ggml_backend_tensor_set per used tensor, whatever the number of layers.
     """
 
-    __slots__ = ("bufs", "const", "v_row_starts")
+    __slots__ = ("fill", "transfers")
 
-    def __init__(self, io: dict[str, Any], shape: UbatchShape, n_ctx: int):
-        #: name -> (tensor, host array, its address, nbytes), for every used input
-        self.bufs: dict[str, tuple[Any, np.ndarray, int, int]] = {}
-        for name, t in io.items():
-            c = t.contents
-            if not (c.flags & ggml.GGML_TENSOR_FLAG_INPUT) or not c.buffer:
-                continue
-            nd = int(ggml.ggml_n_dims(t))
-            arr = np.zeros(tuple(reversed([int(c.ne[i]) for i in range(nd)])), dtype=_NP_OF_GGML[c.type])
-            if arr.nbytes != int(ggml.ggml_nbytes(t)):
-                raise AssertionError(f"graph input {name} is not a contiguous tensor")
-            self.bufs[name] = (t, arr, arr.ctypes.data, arr.nbytes)
-        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
-        per_seq = shape.n_outputs // n_seqs
-        fixed = {
-            "rs_s_copy": np.arange(shape.seq_head, shape.seq_head + n_seqs, dtype=np.int32),
-            "inp_out_ids": (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).astype(np.int32),
-        }
-        if "rs_s_slot_rev" in self.bufs:
-            kw = self.bufs["rs_s_slot_rev"][1].size
-            fixed["rs_s_slot_rev"] = np.arange(kw - 1, -1, -1, dtype=np.int32)
-        #: where the cache row of each (sequence, V channel) starts, [n_seqs, 1, width]: V is stored
-        #: transposed, so a V element's row index is this plus the token's position
-        self.v_row_starts: np.ndarray | None = None
-        if "v_idxs" in self.bufs:
-            width = self.bufs["v_idxs"][1].size // (n * n_seqs)
-            seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None, None]
-            self.v_row_starts = (seq_ids * width + np.arange(width)[None, None, :]) * n_ctx
-        #: the used shape-only inputs, already filled: moved out of `bufs`
-        self.const: dict[str, tuple[Any, np.ndarray, int, int]] = {}
-        for name, values in fixed.items():
-            if name in self.bufs:
-                self.const[name] = self.bufs.pop(name)
-                self.const[name][1].reshape(-1)[:] = values.reshape(-1)
+    def __init__(self, built: BuiltGraph, shape: UbatchShape):
+        #: (tensor, host address, nbytes) of every used input tensor, the shape-only ones included:
+        #: they are copied every step because the allocator reuses input memory for later nodes
+        self.transfers: list[tuple[Any, int, int]] = []
+        #: set_input of the used inputs that change per step
+        self.fill: list[Any] = []
+        for inp in built.inputs:
+            self.transfers.extend(inp.bind(shape))
+            if inp.used and not inp.constant:
+                self.fill.append(inp.set_input)
 
-    def array(self, name: str) -> np.ndarray | None:
-        """The host array of input `name` to fill in place, or None when the graph does not read it."""
-        e = self.bufs.get(name)
-        return None if e is None else e[1]
-
-    def send(self) -> None:
-        """Copy every used input, the shape-only ones included, to the backend."""
-        for t, _, addr, size in self.bufs.values():
-            _tensor_set(t, addr, 0, size)
-        for t, _, addr, size in self.const.values():
+    def set(self, data: UbatchData) -> None:
+        """Fill every input from this step's values and copy them all to the backend."""
+        for fill in self.fill:
+            fill(data)
+        for t, addr, size in self.transfers:
             _tensor_set(t, addr, 0, size)
 
 
@@ -99,8 +65,17 @@ class _InputPlan:
 class _Graph:
     ctx: Any
     gf: Any
-    io: dict[str, Any]
+    built: BuiltGraph
     inputs: _InputPlan | None = None    # made on the first step after allocation
+
+    @property
+    def outputs(self) -> dict[str, Any]:
+        return self.built.outputs
+
+    @property
+    def io(self) -> dict[str, Any]:
+        """Every input and output tensor by name (graph dumps, tests)."""
+        return self.built.tensors
 
 
 @dataclass
@@ -143,7 +118,7 @@ class Model:
             raise DeltarunError(f"--batch {n_batch} must be at least --rs-slots {rs_slots}")
         self.path = Path(path)
         self.file = GGUFFile(path)
-        self.graph_builder = graph_builder_for(self.file)
+        self.graph_builder: GraphFamily = graph_family_for(self.file)
         self.hp = self.graph_builder.hp
         self.tokenizer = self.file.tokenizer()
         self.n_ctx = n_ctx
@@ -334,16 +309,11 @@ class Model:
                             delta_net=self.delta_net, mtp=True)
         g = self._graph(shape)
         self.sched.allocate(g.gf, g.ctx)
-        plan = self._input_plan(g, shape)
-        for name, values in (("mtp_tokens", tokens), ("mtp_hidden", hidden)):
-            arr = plan.array(name)
-            if arr is not None:
-                arr.reshape(-1)[:] = np.asarray(values).reshape(-1)
-        self._fill_positions(plan, np.arange(start, start + n, dtype=np.int32)[None, :], shape)
-        plan.send()
+        pos = np.arange(start, start + n, dtype=np.int32)[None, :]
+        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=[list(tokens)], hidden=hidden))
         self.sched.compute(g.gf)
-        logits = tensor_to_numpy(g.io["result_output"]).reshape(n, self.hp.n_vocab)
-        out = tensor_to_numpy(g.io["mtp_out"]).reshape(n, self.hp.n_embd)
+        logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n, self.hp.n_vocab)
+        out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n, self.hp.n_embd)
         return logits, out
 
     def logits_for(self, tokens: list[int]) -> np.ndarray:
@@ -406,8 +376,8 @@ class Model:
             size = self.graph_builder.graph_size(shape)
             ctx = new_context(2 * size)
             gf = ggml.ggml_new_graph_custom(ctx, size, False)
-            io = self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, shape)
-            g = _Graph(ctx, gf, io)
+            built = self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, shape)
+            g = _Graph(ctx, gf, built)
             self._graphs[shape] = g
             self.stats.n_graph_builds += 1
         return g
@@ -464,9 +434,9 @@ class Model:
         self._set_inputs(g, tokens, starts, shape)
         self.sched.compute(g.gf)
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
-        _tensor_get(g.io["result_output"], logits.ctypes.data, 0, logits.nbytes)
+        _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
         hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
-        _tensor_get(g.io["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
+        _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
         self.last_hidden = hidden
         for st, toks in zip(seqs, tokens):
             st.n_past += n
@@ -481,46 +451,14 @@ class Model:
     def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
         """The input plan of allocated graph `g`, made on its first step."""
         if g.inputs is None:
-            g.inputs = _InputPlan(g.io, shape, self.n_ctx)
+            g.inputs = _InputPlan(g.built, shape)
         return g.inputs
 
-    def _fill_positions(self, plan: _InputPlan, pos: np.ndarray, shape: UbatchShape) -> None:
-        """Positions, causal mask and KV rows for positions `pos` [n_seqs, n] of sequences seq_head.."""
-        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
-        arr = plan.array("inp_pos")
-        if arr is not None:
-            arr.reshape(-1)[:] = pos.reshape(-1)
-        arr = plan.array("kq_mask")
-        if arr is not None:
-            mask = arr.reshape(n_seqs, n, shape.n_kv)
-            if n * n_seqs == 1:        # decode: one row, 0 up to the position, -inf after
-                mask.fill(NEG_INF)
-                mask[0, 0, :int(pos[0, 0]) + 1] = 0.0
-            else:
-                cols = np.arange(shape.n_kv)[None, None, :]
-                mask[...] = np.where(cols <= pos[:, :, None], 0.0, NEG_INF)
-        arr = plan.array("kv_idxs")
-        if arr is not None:                # K row of (sequence, position)
-            if n * n_seqs == 1:
-                arr[0] = shape.seq_head * self.n_ctx + int(pos[0, 0])
-            else:
-                seq_ids = np.arange(shape.seq_head, shape.seq_head + n_seqs)[:, None]
-                arr.reshape(n_seqs, n)[...] = seq_ids * self.n_ctx + pos
-        arr = plan.array("v_idxs")
-        if arr is not None:                # V element (sequence, channel, position)
-            np.add(plan.v_row_starts, pos[:, :, None], out=arr.reshape(n_seqs, n, -1))
-
     def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape) -> None:
-        plan = self._input_plan(g, shape)
-        n, n_seqs = shape.n_seq_tokens, shape.n_seqs
-        arr = plan.array("inp_tokens")
-        if n * n_seqs == 1:
+        """Fill the graph's inputs for token lists of sequences seq_head.. starting at positions `starts`."""
+        n = shape.n_seq_tokens
+        if n * shape.n_seqs == 1:
             pos = np.array([[starts[0]]], dtype=np.int32)
-            if arr is not None:
-                arr[0] = tokens[0][0]
         else:
             pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-            if arr is not None:
-                arr.reshape(n_seqs, n)[...] = tokens
-        self._fill_positions(plan, pos, shape)
-        plan.send()
+        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens))

@@ -1,0 +1,112 @@
+"""Gated full attention over the KV cache (qwen3next / qwen35 style), and its graph inputs.
+
+Q projection holds query and gate per head; q and k get RMSNorm per head, then rope: NEOX
+through `ggml_rope_ext`, or, when the model has `rope.dimension_sections`, interleaved
+multi-section rope (IMRoPE) through `ggml_rope_multi` with 4 positions per token, as llama.cpp
+builds qwen35. K rows and V elements of the ubatch are written into the cache with set_rows (V
+stored transposed, see Memory); attention reads views of the stored tensors; a sigmoid gate
+scales the output before the output projection.
+"""
+
+from __future__ import annotations
+
+import math
+
+from deltarun.graphs.blocks.base import GraphContext
+from deltarun.graphs.inputs import AttentionKVInput, OutputIdsInput, PositionsInput
+from deltarun.graphs.interface import HParams
+from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml, nb
+
+Spec = dict[str, tuple[tuple[int, ...], bool]]
+
+
+def tensors(hp: HParams, p: str) -> Spec:
+    """The weights of one full-attention mixer (prefix `blk.N.`)."""
+    E, hd = hp.n_embd, hp.head_dim
+    return {
+        p + "attn_q.weight": ((E, 2 * hd * hp.n_head), True),
+        p + "attn_k.weight": ((E, hd * hp.n_head_kv), True),
+        p + "attn_v.weight": ((E, hd * hp.n_head_kv), True),
+        p + "attn_output.weight": ((hd * hp.n_head, E), True),
+        p + "attn_q_norm.weight": ((hd,), True),
+        p + "attn_k_norm.weight": ((hd,), True),
+    }
+
+
+def positions(g: GraphContext) -> PositionsInput:
+    per_token = 4 if g.hp.rope_sections else 1
+    return g.input(PositionsInput, lambda: PositionsInput(g.ctx, g.ub, per_token))
+
+
+def output_ids(g: GraphContext) -> OutputIdsInput | None:
+    """The rows whose logits are asked for, when not every row is."""
+    if g.ub.n_outputs == g.ub.n_tokens:
+        return None
+    return g.input(OutputIdsInput, lambda: OutputIdsInput(g.ctx, g.ub))
+
+
+def kv_input(g: GraphContext) -> AttentionKVInput:
+    width = g.hp.head_dim * g.hp.n_head_kv
+    return g.input(AttentionKVInput, lambda: AttentionKVInput(g.ctx, g.ub, width, g.mem.n_ctx))
+
+
+def rope(g: GraphContext, x: Tensor) -> Tensor:
+    hp = g.hp
+    pos = positions(g).pos
+    if hp.rope_sections:
+        sections = c_array(ctypes.c_int, list(hp.rope_sections))
+        return ggml.ggml_rope_multi(g.ctx, x, pos, None, hp.n_rot, sections, ggml.GGML_ROPE_TYPE_IMROPE,
+                                    hp.n_ctx_train, hp.rope_freq_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+    return ggml.ggml_rope_ext(g.ctx, x, pos, None, hp.n_rot, ggml.GGML_ROPE_TYPE_NEOX, hp.n_ctx_train,
+                              hp.rope_freq_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+
+def full_attention(g: GraphContext, cur: Tensor, il: int) -> Tensor:
+    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    p = f"blk.{il}."
+    hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+    T, N = ub.n_seq_tokens, ub.n_seqs
+    n_tokens = ub.n_tokens
+    kv = kv_input(g)
+
+    qg = g.cb(g.mm(w[p + "attn_q.weight"], cur), "Qcur_full", il)
+    qg = ggml.ggml_reshape_4d(c, qg, hd * 2, nh, n_tokens, 1)
+    q = g.view(qg, (hd, nh, n_tokens, 1), nb(qg)[1:], 0)
+    gate = g.cb(g.view(qg, (hd, nh, n_tokens, 1), nb(qg)[1:], hd * ggml.ggml_element_size(qg)), "gate", il)
+    k = ggml.ggml_reshape_3d(c, g.mm(w[p + "attn_k.weight"], cur), hd, nkv, n_tokens)
+    v = g.cb(g.mm(w[p + "attn_v.weight"], cur), "Vcur", il)
+
+    q = g.rms_norm(q, w[p + "attn_q_norm.weight"], "Qcur_normed", il)
+    k = g.rms_norm(k, w[p + "attn_k_norm.weight"], "Kcur_normed", il)
+    q = ggml.ggml_reshape_3d(c, q, hd, nh, n_tokens)
+    q = g.cb(rope(g, q), "Qcur", il)
+    k = g.cb(rope(g, k), "Kcur", il)
+
+    # store K rows and V elements of this ubatch into the cache (V transposed, see Memory);
+    # later reads go through views of the stored tensors
+    k_cache, v_cache = g.mem.k[il], g.mem.v[il]
+    width = hd * nkv
+    k2 = ggml.ggml_reshape_2d(c, k, width, n_tokens)
+    k_store = g.cb(ggml.ggml_set_rows(c, k_cache, k2, kv.kv_idxs), "k_cache_store", il)
+    v_rows = ggml.ggml_reshape_2d(c, v_cache, 1, ggml.ggml_nelements(v_cache))
+    v_store = g.cb(ggml.ggml_set_rows(c, v_rows, ggml.ggml_reshape_2d(c, v, 1, width * n_tokens), kv.v_idxs),
+                   "v_cache_store", il)
+
+    n_kv, n_ctx = ub.n_kv, g.mem.n_ctx
+    row_k, esz_k = nb(k_cache)[1], ggml.ggml_element_size(k_cache)
+    row_v = n_ctx * ggml.ggml_element_size(v_cache)
+    k_view = g.cb(g.view(k_store, (hd, n_kv, nkv, N), (row_k, hd * esz_k, n_ctx * row_k),
+                         ub.seq_head * n_ctx * row_k), "k_view", il)
+    v_view = g.cb(g.view(v_store, (n_kv, hd, nkv, N), (row_v, hd * row_v, width * row_v),
+                         ub.seq_head * width * row_v), "v_view", il)                # [n_kv, hd, nkv, N]
+
+    q = ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, hd, nh, T, N), 0, 2, 1, 3)  # [hd, T, nh, N]
+    kq = g.cb(ggml.ggml_mul_mat(c, k_view, q), "kq", il)                           # [n_kv, T, nh, N]
+    kq = g.cb(ggml.ggml_soft_max_ext(c, kq, kv.kq_mask, 1.0 / math.sqrt(hd), 0.0), "kq_soft_max", il)
+    kqv = g.cb(ggml.ggml_mul_mat(c, v_view, kq), "kqv", il)                        # [hd, T, nh, N]
+    out = ggml.ggml_cont_2d(c, ggml.ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n_tokens)
+    g.cb(out, "attn_pregate", il)
+
+    gate = ggml.ggml_sigmoid(c, ggml.ggml_cont_2d(c, gate, hd * nh, n_tokens))
+    out = g.cb(ggml.ggml_mul(c, out, gate), "attn_gated", il)
+    return g.cb(g.mm(w[p + "attn_output.weight"], out), "attn_output", il)

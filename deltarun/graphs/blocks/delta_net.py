@@ -1,0 +1,349 @@
+"""The gated delta net (linear attention) with its rollback-slot recurrent state.
+
+Shared by every hybrid family. Per linear-attention layer: the q|k|v and z projections (split
+`attn_qkv` + `attn_gate`, or qwen3next's legacy grouped `ssm_in`), beta and the decay gate (from
+qwen3next's fused `ssm_ba` or qwen35's separate `ssm_beta` / `ssm_alpha`), the causal conv over
+the conv state, whose last Kw windows go to the rollback slots with ONE set_rows ordered by
+`rs_s_slot_rev`, L2-normed q/k broadcast to the value heads, and the delta rule itself, fused
+(`ggml_gated_delta_net`, which also writes the K state snapshots) or from primitive ops (the
+one-token recurrence, or the chunked WY form), then the gated RMSNorm and the output projection.
+
+Value-head order (`DeltaNet.broadcast`): with more value heads than key heads, qwen3next files
+keep value heads grouped by key head (value head j*r+i reads key head j), so q/k are repeated
+interleaved before the delta rule; qwen35 files store value heads tiled by the converter (value
+head h reads key head h % H_k), which is what ggml_gated_delta_net does with fewer q/k heads in
+ggml 0.15.3 (CPU, Vulkan and CUDA kernels), so the fused path needs no repeat and the primitive
+path repeats tiled (`ggml_repeat_4d`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deltarun.graphs.blocks.base import GraphContext
+from deltarun.graphs.inputs import RecurrentStateInput
+from deltarun.graphs.interface import HParams
+from deltarun.runner.ggml_util import Tensor, ggml, nb, ne
+
+CHUNK_SIZE = 64  # chunk length of the primitive (chunked) delta rule
+
+Spec = dict[str, tuple[tuple[int, ...], bool]]
+
+
+@dataclass(frozen=True)
+class DeltaNet:
+    """How a family's files lay out the delta net."""
+
+    beta_alpha: str = "fused"     # "fused": ssm_ba (qwen3next); "split": ssm_beta + ssm_alpha (qwen35)
+    broadcast: str = "grouped"    # value-head order: "grouped" (qwen3next) or "tiled" (qwen35)
+    legacy_ssm_in: bool = True    # accept qwen3next's older grouped ssm_in projection
+
+
+def tensors(hp: HParams, p: str, kind: DeltaNet, present: "set[str] | dict") -> Spec:
+    """The weights of one linear-attention mixer (prefix `blk.N.`); `present`: the file's tensor names."""
+    E, nv = hp.n_embd, hp.ssm_n_v_heads
+    t: Spec = {}
+    if kind.legacy_ssm_in and p + "ssm_in.weight" in present:
+        t[p + "ssm_in.weight"] = ((E, 2 * hp.key_dim + 2 * hp.value_dim), True)
+    else:
+        t[p + "attn_qkv.weight"] = ((E, hp.conv_dim), True)
+        t[p + "attn_gate.weight"] = ((E, hp.value_dim), True)
+    t[p + "ssm_conv1d.weight"] = ((hp.ssm_d_conv, hp.conv_dim), True)
+    t[p + "ssm_dt.bias"] = ((nv,), True)
+    t[p + "ssm_a"] = ((nv,), True)
+    if kind.beta_alpha == "fused":
+        t[p + "ssm_ba.weight"] = ((E, 2 * nv), True)
+    else:
+        t[p + "ssm_beta.weight"] = ((E, nv), True)
+        t[p + "ssm_alpha.weight"] = ((E, nv), True)
+    t[p + "ssm_norm.weight"] = ((hp.head_v_dim,), True)
+    t[p + "ssm_out.weight"] = ((hp.value_dim, E), True)
+    return t
+
+
+def recurrent_input(g: GraphContext) -> RecurrentStateInput:
+    return g.input(RecurrentStateInput, lambda: RecurrentStateInput(g.ctx, g.ub, g.mem.rs_slots))
+
+
+def beta_and_gate(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> tuple[Tensor, Tensor]:
+    """beta = sigmoid(x W_beta) and the decay gate = softplus(x W_alpha + dt_bias) * ssm_a, each
+    [1, H_v, T, N]."""
+    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    p = f"blk.{il}."
+    nk, nv = hp.ssm_n_k_heads, hp.ssm_n_v_heads
+    r = nv // nk
+    T, N = ub.n_seq_tokens, ub.n_seqs
+    f32 = 4
+    if kind.beta_alpha == "fused":
+        # ssm_ba rows grouped per key head: [beta (r heads), alpha (r heads)]
+        ba = g.cb(g.mm(w[p + "ssm_ba.weight"], cur), "linear_attn_mixed_ba", il)
+        ba = ggml.ggml_reshape_4d(c, ba, 2 * r, nk, T, N)
+        b = ggml.ggml_cont(c, g.view(ba, (r, nk, T, N), nb(ba)[1:], 0))
+        a = ggml.ggml_cont_3d(c, g.view(ba, (r, nk, T, N), nb(ba)[1:], r * f32), nv, T, N)
+        beta = ggml.ggml_reshape_4d(c, ggml.ggml_sigmoid(c, b), 1, nv, T, N)
+    else:
+        b = g.cb(ggml.ggml_reshape_4d(c, g.mm(w[p + "ssm_beta.weight"], cur), 1, nv, T, N), "beta", il)
+        beta = g.cb(ggml.ggml_sigmoid(c, b), "beta_sigmoid", il)
+        a = g.cb(ggml.ggml_reshape_3d(c, g.mm(w[p + "ssm_alpha.weight"], cur), nv, T, N), "alpha", il)
+    gate = ggml.ggml_softplus(c, ggml.ggml_add(c, a, w[p + "ssm_dt.bias"]))
+    gate = g.cb(ggml.ggml_mul(c, gate, w[p + "ssm_a"]), "gate", il)
+    return beta, ggml.ggml_reshape_4d(c, gate, 1, nv, T, N)
+
+
+def broadcast_qk(g: GraphContext, q: Tensor, k: Tensor, kind: DeltaNet) -> tuple[Tensor, Tensor]:
+    """q, k [S, H_k, T, N] as the delta rule of this graph reads them (see the module docstring)."""
+    hp, c = g.hp, g.ctx
+    S, nk, nv = hp.ssm_d_state, hp.ssm_n_k_heads, hp.ssm_n_v_heads
+    r = nv // nk
+    T, N = g.ub.n_seq_tokens, g.ub.n_seqs
+    if r == 1:
+        return q, k
+    if kind.broadcast == "grouped":  # value head j*r+i reads key head j (repeat-interleave), as llama.cpp does
+        q = ggml.ggml_reshape_4d(c, ggml.ggml_repeat_4d(
+            c, ggml.ggml_reshape_4d(c, q, S, 1, nk, T * N), S, r, nk, T * N), S, nv, T, N)
+        k = ggml.ggml_reshape_4d(c, ggml.ggml_repeat_4d(
+            c, ggml.ggml_reshape_4d(c, k, S, 1, nk, T * N), S, r, nk, T * N), S, nv, T, N)
+        return q, k
+    if g.ub.delta_net == "fused":    # tiled: the fused op maps value head h to key head h % H_k itself
+        return q, k
+    return ggml.ggml_repeat_4d(c, q, S, nv, T, N), ggml.ggml_repeat_4d(c, k, S, nv, T, N)
+
+
+def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> Tensor:
+    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    p = f"blk.{il}."
+    S, nk, nv = hp.ssm_d_state, hp.ssm_n_k_heads, hp.ssm_n_v_heads
+    T, N = ub.n_seq_tokens, ub.n_seqs
+    K = g.mem.rs_slots
+    f32 = 4
+
+    qkv, z = qkvz(g, cur, il)                                    # [conv_dim, T, N], [value_dim, T*N]
+
+    beta, gate = beta_and_gate(g, cur, il, kind)
+    rs = recurrent_input(g)
+
+    # conv state: gather this ubatch's cells (all K slots), read slot 0 as the live state
+    conv_all = g.mem.conv[il]                                   # [(d_conv-1)*K*conv_dim, n_cells]
+    dc1, ch = hp.ssm_d_conv - 1, hp.conv_dim
+    gathered = ggml.ggml_get_rows(c, conv_all, rs.s_copy)        # [(d_conv-1)*K*conv_dim, N]
+    conv_states = g.cb(g.view(gathered, (dc1, ch, N), (K * dc1 * f32, nb(gathered)[1]), 0),
+                          "conv_states", il)
+    conv_input = ggml.ggml_concat(c, conv_states, ggml.ggml_transpose(c, qkv), 0)
+    g.cb(conv_input, "conv_input", il)                          # [d_conv-1+T, conv_dim, N]
+    write_conv_slots(g, rs, conv_all, conv_input, il)
+
+    conv_out = ggml.ggml_ssm_conv(c, conv_input, w[p + "ssm_conv1d.weight"])
+    g.cb(conv_out, "conv_output_raw", il)
+    conv_out = g.cb(ggml.ggml_silu(c, conv_out), "conv_output_silu", il)   # [conv_dim, T, N]
+
+    row = nb(conv_out)[1]
+    q = g.view(conv_out, (S, nk, T, N), (S * f32, row, row * T), 0)
+    k = g.view(conv_out, (S, nk, T, N), (S * f32, row, row * T), hp.key_dim * f32)
+    v = g.view(conv_out, (S, nv, T, N), (S * f32, row, row * T), 2 * hp.key_dim * f32)
+    q = ggml.ggml_l2_norm(c, q, hp.rms_eps)
+    k = ggml.ggml_l2_norm(c, k, hp.rms_eps)
+    q, k = broadcast_qk(g, q, k, kind)
+    g.cb(q, "q_conv_predelta", il)
+    g.cb(k, "k_conv_predelta", il)
+    v = g.cb(ggml.ggml_cont(c, v), "v_conv_predelta", il)
+
+    ssm_all = g.mem.ssm[il]                                     # [D, n_cells, K]
+    D = hp.ssm_state_size
+    live = g.view(ssm_all, (D, g.mem.n_cells), (nb(ssm_all)[1],), 0)
+    state = ggml.ggml_reshape_4d(c, ggml.ggml_get_rows(c, live, rs.s_copy), S, S, nv, N)
+    g.cb(state, "state_predelta", il)
+
+    if ub.delta_net == "fused":
+        out, snaps = delta_net_fused(g, q, k, v, gate, beta, state, K)
+    else:
+        out, snaps = delta_net_primitive(g, q, k, v, gate, beta, state, K, il)
+    g.cb(out, "attn_output", il)
+    n_written = min(T, K)
+    dst = g.view(ssm_all, (D, N, n_written), (nb(ssm_all)[1], nb(ssm_all)[2]), ub.seq_head * nb(ssm_all)[1])
+    g.expand(g.cb(ggml.ggml_cpy(c, snaps, dst), "ssm_state_store", il))
+    if T < K:
+        # slot T: the state the ubatch started from (its conv window is slot T too), so that
+        # the whole ubatch can be rolled back; slots beyond stay unwritten
+        start = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
+        g.expand(g.cb(ggml.ggml_cpy(c, ggml.ggml_reshape_2d(c, state, D, N), start),
+                            "ssm_state_store_start", il))
+
+    z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
+    normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
+    gated = ggml.ggml_mul(c, normed, ggml.ggml_silu(c, z4))
+    final = g.cb(ggml.ggml_reshape_2d(c, gated, hp.value_dim, T * N), "final_output", il)
+    return g.cb(g.mm(w[p + "ssm_out.weight"], final), "linear_attn_out", il)
+
+
+def qkvz(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor]:
+    """The conv input channels q|k|v per token, and the gate z, from either projection form."""
+    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    p = f"blk.{il}."
+    T, N = ub.n_seq_tokens, ub.n_seqs
+    if p + "attn_qkv.weight" in w:
+        qkv = g.cb(g.mm(w[p + "attn_qkv.weight"], cur), "linear_attn_qkv_mixed", il)
+        z = g.cb(g.mm(w[p + "attn_gate.weight"], cur), "z", il)
+        return ggml.ggml_reshape_3d(c, qkv, hp.conv_dim, T, N), z
+    # legacy ssm_in: rows grouped per key head j as [q_j, k_j, v_j (r heads), z_j (r heads)]
+    S, nk, r = hp.ssm_d_state, hp.ssm_n_k_heads, hp.ssm_n_v_heads // hp.ssm_n_k_heads
+    m = g.cb(g.mm(w[p + "ssm_in.weight"], cur), "linear_attn_mixed_qkvz", il)
+    m = ggml.ggml_reshape_4d(c, m, 2 * S + 2 * r * S, nk, T, N)
+    strides = nb(m)[1:]
+    parts = []
+    offset = 0
+    for size in (S, S, r * S, r * S):
+        parts.append(ggml.ggml_cont_3d(c, g.view(m, (size, nk, T, N), strides, offset * 4), size * nk, T, N))
+        offset += size
+    qf, kf, vf, zf = parts
+    qkv = ggml.ggml_concat(c, ggml.ggml_concat(c, qf, kf, 0), vf, 0)
+    g.cb(qkv, "qkv_mixed", il)
+    return qkv, g.cb(ggml.ggml_reshape_2d(c, zf, hp.value_dim, T * N), "z", il)
+
+
+def write_conv_slots(g: GraphContext, rs: RecurrentStateInput, conv_all: Tensor, conv_input: Tensor, il: int) -> None:
+    """Store the last Kw conv windows into slots Kw-1..0 with ONE set_rows.
+
+    The source is a view of one (d_conv-1)-wide window, widened to Kw windows that overlap
+    by d_conv-2 columns (row stride one element); the destination is the 4D view
+    [d_conv-1, K, channels, n_seqs] of this ubatch's cells; `rs_s_slot_rev` = {Kw-1..0}
+    sends the newest window to slot 0.
+    """
+    hp, ub, c = g.hp, g.ub, g.ctx
+    K, Kw, dc1, ch = g.mem.rs_slots, rs.kw, hp.ssm_d_conv - 1, hp.conv_dim
+    T, N = ub.n_seq_tokens, ub.n_seqs
+    f32 = 4
+    src = g.view(conv_input, (dc1, 1, ch, N), (f32, nb(conv_input)[1], nb(conv_input)[2]),
+                    (T - (Kw - 1)) * f32)
+    src.contents.ne[1] = Kw
+    g.cb(src, "conv_state_windows", il)
+    dst = g.view(conv_all, (dc1, K, ch, N), (dc1 * f32, K * dc1 * f32, nb(conv_all)[1]),
+                    ub.seq_head * nb(conv_all)[1])
+    g.expand(g.cb(ggml.ggml_set_rows(c, dst, src, rs.slot_rev), "conv_state_store", il))
+
+
+def delta_net_fused(g: GraphContext, q, k, v, gate, beta, state, K: int) -> tuple[Tensor, Tensor]:
+    """ggml's fused op; returns the output [S, H, T, N] and the snapshots [D, N, min(T, K)]."""
+    c, ub = g.ctx, g.ub
+    S, H = ne(v)[0], ne(v)[1]
+    T, N = ub.n_seq_tokens, ub.n_seqs
+    res = ggml.ggml_gated_delta_net(c, q, k, v, gate, beta, state, K)
+    f32 = 4
+    out = g.view(res, (S, H, T, N), (S * f32, S * H * f32, S * H * T * f32), 0)
+    D = S * S * H
+    snaps = g.view(res, (D, N, min(T, K)), (D * f32, D * N * f32), S * H * T * N * f32)
+    return out, snaps
+
+
+def delta_net_primitive(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int) -> tuple[Tensor, Tensor]:
+    """The delta rule from elementary ops: the one-token recurrence, or the chunked form."""
+    if g.ub.n_seq_tokens == 1:
+        return _delta_net_step(g, q, k, v, gate, beta, state, il)
+    return _delta_net_chunked(g, q, k, v, gate, beta, state, K, il)
+
+
+def _delta_net_step(g: GraphContext, q, k, v, gate, beta, state, il: int) -> tuple[Tensor, Tensor]:
+    """M <- exp(gate) M;  d = beta (v - M^T k);  M <- M + k d^T;  o = M^T q / sqrt(S)."""
+    c = g.ctx
+    S, H, _, N = ne(v)
+    q = ggml.ggml_scale(c, ggml.ggml_reshape_4d(c, q, S, 1, H, N), 1.0 / math.sqrt(S))
+    k = ggml.ggml_reshape_4d(c, k, S, 1, H, N)
+    v = ggml.ggml_reshape_4d(c, v, S, 1, H, N)
+    gate = ggml.ggml_reshape_4d(c, gate, 1, 1, H, N)
+    beta = ggml.ggml_reshape_4d(c, beta, 1, 1, H, N)
+    m = ggml.ggml_mul(c, state, ggml.ggml_exp(c, gate))                   # [S_k, S_v, H, N]
+    kv_mem = ggml.ggml_mul_mat(c, m, k)                                 # [S_v, 1, H, N]
+    d = ggml.ggml_mul(c, ggml.ggml_sub(c, v, kv_mem), beta)             # [S_v, 1, H, N]
+    outer = ggml.ggml_mul_mat(c, ggml.ggml_reshape_4d(c, k, 1, S, H, N),
+                              ggml.ggml_reshape_4d(c, d, 1, S, H, N))  # [S_k, S_v, H, N]
+    m = g.cb(ggml.ggml_add(c, m, outer), "dnet_step_state", il)
+    o = ggml.ggml_mul_mat(c, m, q)                                      # [S_v, 1, H, N]
+    out = ggml.ggml_reshape_4d(c, o, S, H, 1, N)
+    return out, ggml.ggml_reshape_3d(c, m, S * S * H, N, 1)
+
+
+def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int) -> tuple[Tensor, Tensor]:
+    """Chunked (WY) form of the gated delta rule over chunks of C tokens.
+
+    Within a chunk with cumulative log-decay G and start state M0:
+      (I + A) U = B V,  (I + A) W = B e^G K   with A[t,s] = b_t e^(G_t-G_s) k_t.k_s (s < t)
+      Delta = U - W M0
+      O = e^G Q M0 + (L o Q K^T) Delta        with L[t,s] = e^(G_t-G_s) (s <= t)
+      M_end = e^(G_last) M0 + K^T diag(e^(G_last - G)) Delta
+    Zero padding to a whole chunk adds tokens with beta = 0 and gate = 0, which change nothing.
+    """
+    c = g.ctx
+    S, H, T, N = ne(v)
+    C = CHUNK_SIZE
+    pad = (C - T % C) % C
+    nc = (T + pad) // C
+    HN = H * N
+
+    def chunked(x: Tensor, width: int) -> Tensor:  # [width, H, T, N] -> [width, C, nc, H*N]
+        x = ggml.ggml_cont(c, ggml.ggml_permute(c, x, 0, 2, 1, 3))     # [width, T, H, N]
+        if pad:
+            x = ggml.ggml_pad(c, x, 0, pad, 0, 0)
+        return ggml.ggml_reshape_4d(c, x, width, C, nc, HN)
+
+    q = chunked(ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), S)
+    k = chunked(k, S)
+    v = chunked(v, S)
+    gc = ggml.ggml_reshape_4d(c, chunked(gate, 1), C, nc, HN, 1)          # [C, nc, HN]
+    bc = chunked(beta, 1)                                              # [1, C, nc, HN]
+
+    G = g.cb(ggml.ggml_cumsum(c, gc), "dnet_g_cumsum", il)          # [C, nc, HN, 1]
+    G_row = ggml.ggml_reshape_4d(c, G, 1, C, nc, HN)                   # G_t along ne1
+    G_col = ggml.ggml_reshape_4d(c, G, C, 1, nc, HN)                   # G_s along ne0
+    diff = ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_row, C, C, nc, HN), G_col)   # (s, t): G_t - G_s
+    L = ggml.ggml_tri(c, ggml.ggml_exp(c, diff), ggml.GGML_TRI_TYPE_LOWER_DIAG)  # s <= t
+    g.cb(L, "dnet_decay", il)
+
+    kk = ggml.ggml_mul_mat(c, k, k)                                    # (s, t): k_s . k_t
+    A = ggml.ggml_tri(c, ggml.ggml_mul(c, ggml.ggml_mul(c, kk, L), bc), ggml.GGML_TRI_TYPE_LOWER)
+    ident = ggml.ggml_diag(c, ggml.ggml_fill(c, ggml.ggml_view_2d(c, G, C, 1, nb(G)[1], 0), 1.0))
+    lhs = g.cb(ggml.ggml_add(c, A, ident), "dnet_lhs", il)          # I + A, lower triangular
+    eG = ggml.ggml_exp(c, G_row)                                       # [1, C, nc, HN]
+    U = ggml.ggml_solve_tri(c, lhs, ggml.ggml_mul(c, v, bc), True, True, False)            # [S, C, nc, HN]
+    W = ggml.ggml_solve_tri(c, lhs, ggml.ggml_mul(c, k, ggml.ggml_mul(c, bc, eG)), True, True, False)
+    QK = ggml.ggml_mul(c, ggml.ggml_mul_mat(c, k, q), L)               # (s, t): e^(G_t-G_s) q_t . k_s
+    G_last = g.view(G, (1, 1, nc, HN), (nb(G)[1], nb(G)[1], nb(G)[2]), (C - 1) * 4)
+    to_end = ggml.ggml_exp(c, ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_last, 1, C, nc, HN), G_row))
+    KdT = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k, to_end)))  # [C, S, nc, HN]
+    eG_last = ggml.ggml_exp(c, ggml.ggml_cont(c, G_last))               # [1, 1, nc, HN]
+
+    def chunk(t: Tensor, i: int) -> Tensor:
+        return g.view(t, (ne(t)[0], ne(t)[1], 1, ne(t)[3]), nb(t)[1:], i * nb(t)[2])
+
+    m = ggml.ggml_reshape_4d(c, state, S, S, 1, HN)                     # (k, v) per head
+    outs, starts, deltas = [], [], []
+    for i in range(nc):
+        starts.append(m)
+        delta = ggml.ggml_sub(c, chunk(U, i), ggml.ggml_mul_mat(c, m, chunk(W, i)))    # [S_v, C]
+        delta_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, delta))                      # [C, S_v]
+        deltas.append(delta_t)
+        inter = ggml.ggml_mul(c, ggml.ggml_mul_mat(c, m, chunk(q, i)), chunk(eG, i))
+        intra = ggml.ggml_mul_mat(c, delta_t, chunk(QK, i))
+        outs.append(ggml.ggml_add(c, inter, intra))                                     # [S_v, C]
+        m = ggml.ggml_add(c, ggml.ggml_mul(c, m, chunk(eG_last, i)),
+                          ggml.ggml_mul_mat(c, chunk(KdT, i), delta_t))
+        g.cb(m, f"dnet_chunk{i}_state", il)
+    o = outs[0]
+    for part in outs[1:]:
+        o = ggml.ggml_concat(c, o, part, 2)                                             # [S_v, C, nc, HN]
+    o = g.view(o, (S, T, H, N), (nb(o)[1], nb(o)[2] * nc, nb(o)[2] * nc * H), 0)
+    out = ggml.ggml_cont(c, ggml.ggml_permute(c, o, 0, 2, 1, 3))                        # [S, H, T, N]
+
+    # snapshots: slot 0 is the final state; slot r is the state after token T-1-r
+    snaps = [ggml.ggml_reshape_3d(c, m, S * S * H, N, 1)]
+    for r in range(1, min(T, K)):
+        t = T - 1 - r
+        i, l = divmod(t, C)
+        decay_row = g.view(chunk(L, i), (1, C, 1, HN), (nb(L)[1] // C, nb(L)[2], nb(L)[3]), l * nb(L)[1])
+        kd_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, chunk(k, i), decay_row)))
+        e_l = ggml.ggml_exp(c, g.view(G, (1, 1, 1, HN), (nb(G)[1], nb(G)[2], nb(G)[2]), l * 4 + i * nb(G)[1]))
+        m_t = ggml.ggml_add(c, ggml.ggml_mul(c, starts[i], e_l), ggml.ggml_mul_mat(c, kd_t, deltas[i]))
+        snaps.append(ggml.ggml_reshape_3d(c, m_t, S * S * H, N, 1))
+    snap = snaps[0]
+    for s in snaps[1:]:
+        snap = ggml.ggml_concat(c, snap, s, 2)
+    return out, snap

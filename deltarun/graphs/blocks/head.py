@@ -1,0 +1,70 @@
+"""Token embedding, the output head, and the multi-token-prediction (MTP) block's ends.
+
+The MTP block (`blk.{n_layer}`, nextn_predict_layers = 1) drafts one token further than the trunk:
+x = eh_proj(concat(enorm(embed(token)), hnorm(hidden))), then one full-attention decoder block of
+the family (its own KV cache), then shared_head_norm (or output_norm) and the LM head
+(shared_head_head, or the trunk's).
+"""
+
+from __future__ import annotations
+
+from deltarun.graphs.blocks.base import GraphContext
+from deltarun.graphs.inputs import HiddenInput, TokensInput
+from deltarun.graphs.interface import HParams
+from deltarun.runner.ggml_util import Tensor, ggml
+
+Spec = dict[str, tuple[tuple[int, ...], bool]]
+
+
+def tensors(hp: HParams) -> Spec:
+    E, V = hp.n_embd, hp.n_vocab
+    return {"token_embd.weight": ((E, V), True), "output_norm.weight": ((E,), True),
+            "output.weight": ((E, V), False)}
+
+
+def mtp_tensors(hp: HParams, p: str) -> Spec:
+    """The MTP-specific weights of block `p` (`blk.N.`); its decoder block is listed by the family."""
+    E, V = hp.n_embd, hp.n_vocab
+    n = p + "nextn."
+    return {n + "eh_proj.weight": ((2 * E, E), True), n + "enorm.weight": ((E,), True),
+            n + "hnorm.weight": ((E,), True), n + "shared_head_norm.weight": ((E,), False),
+            n + "shared_head_head.weight": ((E, V), False), n + "embed_tokens.weight": ((E, V), False)}
+
+
+def embed(g: GraphContext) -> Tensor:
+    tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub)).tokens
+    return g.cb(ggml.ggml_get_rows(g.ctx, g.w["token_embd.weight"], tokens), "inp_embd")
+
+
+def output(g: GraphContext, x: Tensor, norm: Tensor | None = None, lm_head: Tensor | None = None) -> None:
+    """Final norm (kept as output `result_norm`: the hidden state MTP drafts from) and LM head."""
+    w = g.w
+    norm = w["output_norm.weight"] if norm is None else norm
+    lm_head = w.get("output.weight", w["token_embd.weight"]) if lm_head is None else lm_head
+    x = g.output(g.rms_norm(x, norm, "result_norm", -1), "result_norm")
+    g.expand(x)
+    logits = g.output(g.cb(g.mm(lm_head, x), "result_output"), "result_output")
+    g.expand(logits)
+
+
+def mtp_input(g: GraphContext, il: int) -> Tensor:
+    """eh_proj(concat(enorm(embed(token)), hnorm(hidden))) for MTP block `il`."""
+    c, w = g.ctx, g.w
+    p = f"blk.{il}.nextn."
+    tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub, "mtp_tokens")).tokens
+    hidden = g.input(HiddenInput, lambda: HiddenInput(g.ctx, g.ub, g.hp.n_embd)).hidden
+    emb = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
+    e = g.rms_norm(ggml.ggml_get_rows(c, emb, tokens), w[p + "enorm.weight"], "mtp_enorm", il)
+    h = g.rms_norm(hidden, w[p + "hnorm.weight"], "mtp_hnorm", il)
+    return g.cb(g.mm(w[p + "eh_proj.weight"], ggml.ggml_concat(c, e, h, 0)), "mtp_eh_proj", il)
+
+
+def mtp_output(g: GraphContext, x: Tensor, il: int) -> None:
+    """`mtp_out` (before the final norm: what a chained draft feeds back as the next hidden
+    state), then the MTP block's norm and LM head."""
+    w = g.w
+    p = f"blk.{il}.nextn."
+    g.output(g.cb(x, "mtp_out"), "mtp_out")
+    norm = w.get(p + "shared_head_norm.weight", w["output_norm.weight"])
+    lm_head = w.get(p + "shared_head_head.weight", w.get("output.weight", w["token_embd.weight"]))
+    output(g, x, norm, lm_head)

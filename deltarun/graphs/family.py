@@ -1,0 +1,80 @@
+"""The part every hybrid family shares: from the opened file to a `BuiltGraph` per ubatch shape.
+
+A family subclasses `HybridFamily` and writes three things (see qwen3next.py, qwen35.py):
+`read_hparams(f)` (its key prefix and keys), `tensor_spec(hp, present)` (built from the blocks'
+parts)
+and `forward(g)` / `forward_mtp(g)` (the block diagram). This class reads and validates the file
+when constructed, sizes graphs, and turns a build into the graph's inputs and outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltarun.graphs import spec
+from deltarun.graphs.blocks.base import GraphContext
+from deltarun.graphs.blocks.delta_net import CHUNK_SIZE
+from deltarun.graphs.interface import BuiltGraph, HParams, UbatchShape
+from deltarun.runner.gguf_file import GGUFFile
+from deltarun.runner.ggml_util import Tensor
+
+Spec = dict[str, tuple[tuple[int, ...], bool]]
+
+
+class HybridFamily:
+    """Base of the graph builders of hybrid gated-delta-net / gated-attention families."""
+
+    arch = "?"
+
+    def __init__(self, gguf_file: GGUFFile):
+        self.file = gguf_file
+        self.hp: HParams = self.read_hparams(gguf_file)
+        spec.validate_tensors(self.hp, gguf_file, self.expected_tensors())
+
+    # --- what a family defines ----------------------------------------------------------------
+    @classmethod
+    def read_hparams(cls, f: GGUFFile) -> HParams:
+        raise NotImplementedError
+
+    @classmethod
+    def tensor_spec(cls, hp: HParams, present: dict[str, Any]) -> Spec:
+        """name -> (ne, required) for every tensor the graph reads; where a family accepts
+        alternative layouts, `present` (the file's tensors by name) decides which one."""
+        raise NotImplementedError
+
+    def expected_tensors(self) -> Spec:
+        return self.tensor_spec(self.hp, self.file.tensors)
+
+    def forward(self, g: GraphContext) -> None:
+        raise NotImplementedError
+
+    def forward_mtp(self, g: GraphContext) -> None:
+        raise NotImplementedError
+
+    # --- the runner's interface ---------------------------------------------------------------
+    def graph_size(self, ub: UbatchShape) -> int:
+        """Most nodes the graph of this shape can hold, with margin (ggml aborts past its size).
+
+        Measured: about 80 nodes per layer, and in the primitive delta net about 19 more per chunk
+        of 64 tokens per linear-attention layer (plus a few per rollback snapshot).
+        """
+        hp = self.hp
+        per_layer = 120 * (hp.n_layer + hp.n_mtp)
+        chunks = 0
+        if ub.delta_net == "primitive" and ub.n_seq_tokens > 1:
+            n_chunks = -(-ub.n_seq_tokens // CHUNK_SIZE)
+            chunks = len(hp.linear_layers) * (32 * n_chunks + 16 * min(ub.n_seq_tokens, 64))
+        return 2048 + per_layer + chunks
+
+    def tensor_names(self) -> list[str]:
+        """Names of every weight the graph may read (optional ones included)."""
+        return list(self.expected_tensors())
+
+    def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
+        """Add the forward pass of one ubatch (the trunk, or the MTP block when ub.mtp) to `gf`."""
+        g = GraphContext(ctx, gf, self.hp, w, mem, ub)
+        if ub.mtp:
+            self.forward_mtp(g)
+        else:
+            self.forward(g)
+        return BuiltGraph(list(g.inputs.values()), g.outputs)

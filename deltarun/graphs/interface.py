@@ -1,0 +1,172 @@
+"""What the runner knows about a model family: the one module `deltarun.runner` imports from graphs/.
+
+A family (qwen3next, qwen35, qwen35moe, ...) is a class registered in the `deltarun.graphs`
+entry-point group that follows `GraphFamily`: constructed from the opened GGUF file, it reads and
+validates the hyper-parameters (`hp`, an `HParams`), names the weights it reads, and adds the
+forward pass of one ubatch shape to a ggml graph. The graph it returns (`BuiltGraph`) carries its
+inputs as objects (see `deltarun.graphs.inputs`) that fill themselves from a `UbatchData`, so the
+runner never needs to know which inputs an architecture has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from deltarun.runner.ggml_util import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deltarun.graphs.inputs import GraphInput
+
+DELTA_NET_MODES = ("fused", "primitive")
+
+
+@dataclass(frozen=True)
+class UbatchShape:
+    """Everything that fixes a graph's structure; equal shapes share one graph."""
+
+    n_seq_tokens: int   # tokens per sequence in this ubatch
+    n_seqs: int         # sequences in this ubatch (cells seq_head .. seq_head + n_seqs - 1)
+    n_outputs: int      # rows of logits asked for
+    n_kv: int           # KV positions visible to attention (padded)
+    seq_head: int = 0   # first state cell of the ubatch
+    delta_net: str = "fused"
+    mtp: bool = False   # the multi-token-prediction block instead of the trunk
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_seq_tokens * self.n_seqs
+
+
+@dataclass
+class UbatchData:
+    """The per-step values graph inputs are filled from.
+
+    `pos` [n_seqs, n_seq_tokens] holds each token's position; `tokens` the token ids in the same
+    layout (None when the graph reads none); `hidden` [n_tokens, n_embd] the trunk's hidden states
+    an MTP graph drafts from.
+    """
+
+    pos: np.ndarray
+    tokens: Any = None
+    hidden: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class HParams:
+    """Hyper-parameters of a hybrid (gated delta-net + gated attention) model, named after llama.cpp's.
+
+    Families fill what they use: `n_ff` is the dense FFN width (0 when the FFN is MoE), the
+    `n_expert*` fields are 0 for a dense family, `rope_sections` is empty for plain NEOX rope.
+    """
+
+    n_layer: int              # trunk layers (block_count minus MTP layers)
+    n_ctx_train: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_freq_base: float
+    n_rot: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    ssm_d_conv: int
+    ssm_d_inner: int
+    ssm_d_state: int
+    ssm_n_v_heads: int        # ssm.time_step_rank
+    ssm_n_k_heads: int        # ssm.group_count
+    recurrent: tuple[bool, ...] = field(default=())
+    n_mtp: int = 0
+    n_vocab: int = 0
+    rope_sections: tuple[int, ...] = ()   # rope.dimension_sections (IMRoPE); () for NEOX rope
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.ssm_d_state
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_n_v_heads
+
+    @property
+    def key_dim(self) -> int:
+        return self.head_k_dim * self.ssm_n_k_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_v_dim * self.ssm_n_v_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_state_size(self) -> int:
+        """Floats of one conv-state snapshot of one layer and sequence."""
+        return (self.ssm_d_conv - 1) * self.conv_dim
+
+    @property
+    def ssm_state_size(self) -> int:
+        """Floats of one SSM-state snapshot of one layer and sequence."""
+        return self.head_v_dim * self.head_v_dim * self.ssm_n_v_heads
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.recurrent[i]]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if not self.recurrent[i]]
+
+    @property
+    def layer_pattern(self) -> str:
+        """One letter per block: L linear attention, A full attention, M MTP block."""
+        return "".join("L" if r else "A" for r in self.recurrent) + "M" * self.n_mtp
+
+
+@dataclass
+class BuiltGraph:
+    """A family's answer to `build`: the graph inputs (objects that fill themselves) and outputs.
+
+    Outputs: `result_output` (logits), `result_norm` (the hidden state after the final norm) and,
+    for the MTP graph, `mtp_out` (the block's output before the final norm).
+    """
+
+    inputs: list["GraphInput"]
+    outputs: dict[str, Tensor]
+
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """Every input and output tensor by name (for graph dumps and tests)."""
+        named = {name: t for inp in self.inputs for name, t in inp.tensors.items()}
+        named.update(self.outputs)
+        return named
+
+
+class GraphFamily(Protocol):
+    """What `Model` needs of an architecture's graph builder."""
+
+    arch: str
+    hp: HParams
+
+    def graph_size(self, ub: UbatchShape) -> int:
+        """Most nodes the graph of this shape can hold, with margin (ggml aborts past its size)."""
+
+    def tensor_names(self) -> list[str]:
+        """Names of every weight the graph may read (optional ones included)."""
+
+    def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
+        """Add the forward pass of one ubatch of shape `ub` to `gf`."""
+
+
+def graph_family_for(gguf_file: Any) -> GraphFamily:
+    """The registered family of the file's architecture (see deltarun.graphs)."""
+    from deltarun.graphs import graph_builder_for
+
+    return graph_builder_for(gguf_file)
