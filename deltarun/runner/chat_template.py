@@ -119,6 +119,7 @@ class ChatTemplate:
         `enable_thinking=None` leaves the variable undefined (the template's default); extra keyword
         arguments become template variables, as `apply_chat_template(**kwargs)` does.
         """
+        _refuse_media_parts(messages)
         variables: dict[str, Any] = {
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
@@ -136,3 +137,24 @@ class ChatTemplate:
             raise TokenizerError(f"the {self.name} failed: {e}") from e
         except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
             raise TokenizerError(f"the {self.name} failed on this conversation: {type(e).__name__}: {e}") from e
+
+
+#: Content-part kinds that need a vision/audio encoder (OpenAI and Hugging Face spellings).
+MEDIA_PART_TYPES = frozenset({"image", "image_url", "input_image", "video", "video_url", "input_audio", "audio"})
+
+
+def _refuse_media_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Content given as a list of parts may hold text parts only: deltarun runs the text model, so an
+    image or video part (which Qwen3.5's template would turn into placeholder tokens with nothing to
+    fill them) is refused up front with one line naming the message."""
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, (list, tuple)):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            keys = set(part) if isinstance(part, Mapping) else set()
+            media = ({kind} | keys) & MEDIA_PART_TYPES
+            if media:
+                raise TokenizerError(f"message {index} ({message.get('role', '?')}) has a {sorted(media)[0]} "
+                                     "part: only text parts are supported (deltarun runs text models)")

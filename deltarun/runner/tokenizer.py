@@ -36,13 +36,24 @@ SPECIAL_TOKEN_TYPES = frozenset({TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED})
 # Types whose vocabulary text is the literal text, not byte-level encoded bytes.
 LITERAL_TOKEN_TYPES = frozenset({TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED})
 
-# Pre-tokenizer regexes, copied from llama.cpp (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2).
+# Pre-tokenizer regexes, copied from llama.cpp (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 / _QWEN35).
 PRE_TOKENIZER_PATTERNS: dict[str, str] = {
     "qwen2": (
         r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
         r"|[^\r\n\p{L}\p{N}]?\p{L}+"
         r"|\p{N}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+"
+        r"|\s+(?!\S)"
+        r"|\s+"
+    ),
+    # LLAMA_VOCAB_PRE_TYPE_QWEN35 (Qwen3.5): letter runs also take combining marks (\p{M}), so a
+    # decomposed accent stays in its word. Like llama.cpp, no NFC normalisation first.
+    "qwen35": (
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+        r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+        r"|\p{N}"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
         r"|\s*[\r\n]+"
         r"|\s+(?!\S)"
         r"|\s+"
