@@ -68,3 +68,16 @@ def test_a_real_process_refuses_a_file_without_ssm_beta(tiny_model_path, tmp_pat
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "Traceback" not in p.stderr and p.stdout == ""
     assert "ssm_beta" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen35", "tiny-qwen35moe"])
+@pytest.mark.parametrize("draft", ["mtp", "ngram"])
+def test_speculative_decoding_keeps_the_greedy_output(tiny_model_path, preset, draft):
+    path = tiny_model_path(preset, "f32")
+    args = ["generate", path, "-p", "one two three one two", "-n", "16", "--temp", "0", "--threads", "1",
+            "--kv-type", "f32"]
+    plain = run(*args)
+    spec = run(*args, "--draft", draft, "--draft-max", "3", "--vs-plain")
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "same tokens" in spec.stderr
