@@ -81,3 +81,14 @@ def test_speculative_decoding_keeps_the_greedy_output(tiny_model_path, preset, d
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout
     assert "same tokens" in spec.stderr
+
+
+def test_perplexity_graph_and_bench_run_on_qwen35(tiny_model_path, tmp_path):
+    path = tiny_model_path("tiny-qwen35moe", "q8_0")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    for args in (["perplexity", path, "-f", text, "-c", "64", "--chunks", "1"],
+                 ["graph", path, "-n", "4"],
+                 ["bench", path, "-p", "8", "-n", "2", "-r", "1"]):
+        r = run(*args)
+        assert r.exit_code == 0, (args[0], r.output)
