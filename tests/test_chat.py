@@ -27,7 +27,8 @@ from deltarun.runner.errors import ContextFullError, TokenizerError
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler
 
-SHIPPED_TEMPLATE = Path("/work/shared/data/templates/Qwen-Qwen3-0.6B.jinja")
+from shipped_data import QWEN3_TEMPLATE, QWEN35_TEMPLATE
+
 FAST = ["--ctx", "256", "--threads", "1", "--kv-type", "f32", "--temp", "0"]
 
 
@@ -98,8 +99,7 @@ CONVERSATION = [
 # --- template ------------------------------------------------------------------------------------
 def test_template_renders_like_plain_jinja2(model):
     source = model.file.get("tokenizer.chat_template")
-    if SHIPPED_TEMPLATE.exists():
-        assert source == SHIPPED_TEMPLATE.read_text(encoding="utf-8")
+    assert source == QWEN3_TEMPLATE.read_text(encoding="utf-8")
     assert source == qwen3_template_source()
     tmpl = ChatTemplate.from_model(model)
     assert not tmpl.is_builtin
