@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from deltarun.cli.main import cli
 from deltarun.runner.model import Model
-from deltarun.apps.perplexity import (KLBaseReader, log_softmax, ppl_estimate, run_perplexity,
+from deltarun.runner.sampling import log_softmax
+from deltarun.apps.perplexity import (KLBaseReader, ppl_estimate, run_perplexity,
                                         scored_per_window, split_windows)
 
 from reference import ReferenceModel

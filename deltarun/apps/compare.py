@@ -102,6 +102,8 @@ from typing import Any, Callable
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.sampling import log_softmax
+from deltarun.runner.units import format_table
 
 SCHEMA_VERSION = 1
 DEFAULT_LIMIT = 1e-7
@@ -149,12 +151,6 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     if ref == 0.0:
         return 0.0 if err == 0.0 else math.inf
     return err / ref
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = np.max(x, axis=-1, keepdims=True)
-    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
 
 
 def kl_divergence(logits_a: np.ndarray, logits_b: np.ndarray) -> np.ndarray:
@@ -563,7 +559,7 @@ def to_text(report: dict[str, Any], show: str = "named") -> str:
                          _fmt(r["max_abs_err"]), r["status"] if r["status"] != "index_mismatch" else
                          f"index_mismatch ({r['n_diff']})"])
         if rows:
-            out.extend(_table(["id", "name", "op", "ran on", "nmse", "limit", "max|a-b|", "status"], rows))
+            out.extend(format_table(["id", "name", "op", "ran on", "nmse", "limit", "max|a-b|", "status"], rows))
         f = g["first_failure"]
         if f is not None:
             out.append(f"  FIRST EXCEEDING NODE: {f['id']} {f['name']} ({f['op']}, {f['type']} {f['ne']}): {_describe(f)}")
@@ -590,12 +586,3 @@ def to_text(report: dict[str, Any], show: str = "named") -> str:
         out.append("FAIL:")
         out.extend(f"  {f}" for f in report["failures"])
     return "\n".join(out) + "\n"
-
-
-def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(widths[i]) if i < len(cells) - 1 else c for i, c in enumerate(cells)).rstrip()
-
-    return ["  " + fmt(cols)] + ["  " + fmt(r) for r in rows]

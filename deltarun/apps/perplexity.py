@@ -35,6 +35,8 @@ from typing import Any, BinaryIO, Callable, Iterator
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.errors import DeltarunError
+from deltarun.runner.sampling import log_softmax
 
 FORMAT_VERSION = 1
 ROW_BLOCK = 64          # scored positions processed at once (bounds float64 memory to 64 x n_vocab)
@@ -43,12 +45,6 @@ F16_MIN = -65000.0
 
 class KLBaseError(DeltarunError):
     """A KL base file is missing parts, damaged, or was made from other tokens."""
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
 def ppl_estimate(nll: np.ndarray) -> tuple[float, float]:
