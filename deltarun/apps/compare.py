@@ -128,12 +128,6 @@ _DERIVED = re.compile(r" \((view|reshaped|permuted|transposed|cont|copy( of .*)?
 _AUTO = re.compile(r"^(node|leaf)_\d+( |$)")
 
 
-class ComparisonFailed(DeltarunError):
-    """The two sides differ by more than the limits allow (exit code 7)."""
-
-    exit_code = 7
-
-
 # ----------------------------------------------------------------------------------------------
 # Numbers
 # ----------------------------------------------------------------------------------------------
@@ -582,6 +576,8 @@ def to_text(report: dict[str, Any], show: str = "named") -> str:
     out.append("")
     if report["passed"]:
         out.append("PASS: every node and the logits are within their limits")
+    elif report["sides"][0]["model"] != report["sides"][1]["model"]:
+        out.append("OVER THE LIMITS, as two weight files are (the logits metrics above are the result):")
     else:
         out.append("FAIL:")
         out.extend(f"  {f}" for f in report["failures"])

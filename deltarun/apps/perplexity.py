@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.files import temporary_beside
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.sampling import log_softmax
 
@@ -147,7 +147,7 @@ class KLBaseWriter:
         self.n_vocab = n_vocab
         self.rows_written = 0
         self.nll: list[np.ndarray] = []
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        fd, self.tmp = temporary_beside(self.path)
         os.close(fd)
         try:
             self.zf = zipfile.ZipFile(self.tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
