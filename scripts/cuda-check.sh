@@ -43,7 +43,7 @@ for f in "${MODELS[@]}"; do
   name=$(basename "$f" .gguf)
   echo "[cuda-check] compare $name" >&2
   # GGML_CUDA_FORCE_CUBLAS off: the default kernels, as users run them
-  if ! "${DR[@]}" compare "$f" --backends cpu,cuda -n 64 -s 16 -t "$THREADS" --json -q > "$OUT/compare-$name.json"; then
+  if ! "${DR[@]}" compare "$f" --backends cpu,cuda --tokens 64 -n 16 -t "$THREADS" --json -q > "$OUT/compare-$name.json"; then
     status=1
   fi
   if [ "$HAVE_BENCH" = 1 ]; then

@@ -102,14 +102,51 @@ def test_auto_without_a_gpu_is_the_cpu():
         b.free()
 
 
-def test_cpu_ref_uses_the_reference_kernels(tiny_model_path):
-    path = tiny_model_path("tiny", "f32")
-    toks = list(range(3, 40))
-    with Model(path, n_ctx=64, n_threads=1, kv_type="f32") as a, \
-            Model(path, backend="cpu-ref", n_ctx=64, n_threads=1, kv_type="f32") as b:
-        assert b.backend.cpu_ref and b.backend.name == "cpu-ref"
-        la, lb = a.eval(toks, all_logits=True), b.eval(toks, all_logits=True)
-    assert np.abs(la - lb).max() <= 1e-5 * np.abs(la).max()
+def _flash_attention(kind: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """ggml_flash_attn_ext on backend `kind`: q [heads, rows, d] f32, k/v [heads, kv, d] f16 ->
+    [rows, heads, d]."""
+    backend = be.init_backend(kind, 1)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 8 + ggml.ggml_graph_overhead(),
+                                               mem_buffer=None, no_alloc=True))
+    try:
+        tq, tk, tv = (ggml.ggml_new_tensor_3d(ctx, t, a.shape[2], a.shape[1], a.shape[0])
+                      for t, a in ((ggml.GGML_TYPE_F32, q), (ggml.GGML_TYPE_F16, k), (ggml.GGML_TYPE_F16, v)))
+        out = ggml.ggml_flash_attn_ext(ctx, tq, tk, tv, None, 0.125, 0.0, 0.0)
+        gf = ggml.ggml_new_graph(ctx)
+        ggml.ggml_build_forward_expand(gf, out)
+        buf = ggml.ggml_backend_alloc_ctx_tensors(ctx, backend.handle)
+        for t, a in ((tq, q), (tk, k), (tv, v)):
+            a = np.ascontiguousarray(a)
+            ggml.ggml_backend_tensor_set(t, a.ctypes.data, 0, a.nbytes)
+        assert ggml.ggml_backend_graph_compute(backend.handle, gf) == ggml.GGML_STATUS_SUCCESS
+        res = np.empty((q.shape[1], q.shape[0], q.shape[2]), np.float32)
+        ggml.ggml_backend_tensor_get(out, res.ctypes.data, 0, res.nbytes)
+        ggml.ggml_backend_buffer_free(buf)
+        return res
+    finally:
+        ggml.ggml_free(ctx)
+        backend.free()
+
+
+def test_cpu_ref_switches_ggml_to_its_reference_kernels():
+    """`cpu-ref` sets ggml_backend_cpu_set_use_ref. In ggml 0.15.3 that turns off op fusion
+    (RMS_NORM+MUL, bit-identical) and the tiled flash-attention kernel, which ggml uses for 64 or
+    more query rows; deltarun's graphs have no flash attention, so for them cpu-ref gives the same
+    bits as cpu. A flash-attention graph shows the switch: with it, 64 rows are computed by the
+    row-by-row kernel (the one short ubatches get), which rounds Q to F16 for its dot products."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 256, 64)).astype(np.float16)
+    v = rng.standard_normal((2, 256, 64)).astype(np.float16)
+    s = np.einsum("hqd,hkd->hqk", q.astype(np.float64), k.astype(np.float64)) * 0.125
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hqk,hkd->qhd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    tiled, ref = _flash_attention("cpu", q, k, v), _flash_attention("cpu-ref", q, k, v)
+    row_by_row = np.concatenate([_flash_attention("cpu", q[:, i:i + 16], k, v) for i in range(0, 64, 16)])
+    assert np.array_equal(ref, row_by_row)              # the reference kernel, whatever the row count
+    assert np.abs(tiled - want).max() < 1e-5            # tiled: F32 dot products
+    assert 1e-4 < np.abs(ref - want).max() < 1e-2       # row by row: Q rounded to F16
+    assert np.array_equal(_flash_attention("cpu-ref", q[:, :16], k, v), row_by_row[:16])
 
 
 # --- placement (--gpu-layers) ----------------------------------------------------------------------

@@ -27,7 +27,8 @@ from deltarun.runner.errors import ContextFullError, TokenizerError
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler
 
-SHIPPED_TEMPLATE = Path("/work/shared/data/templates/Qwen-Qwen3-0.6B.jinja")
+from shipped_data import QWEN3_TEMPLATE, QWEN35_TEMPLATE
+
 FAST = ["--ctx", "256", "--threads", "1", "--kv-type", "f32", "--temp", "0"]
 
 
@@ -98,8 +99,7 @@ CONVERSATION = [
 # --- template ------------------------------------------------------------------------------------
 def test_template_renders_like_plain_jinja2(model):
     source = model.file.get("tokenizer.chat_template")
-    if SHIPPED_TEMPLATE.exists():
-        assert source == SHIPPED_TEMPLATE.read_text(encoding="utf-8")
+    assert source == QWEN3_TEMPLATE.read_text(encoding="utf-8")
     assert source == qwen3_template_source()
     tmpl = ChatTemplate.from_model(model)
     assert not tmpl.is_builtin
@@ -161,24 +161,80 @@ def test_second_turn_evaluates_only_the_new_tokens(model):
     assert following[:model.n_past()] == model.tokens()          # the next turn will reuse all of it
 
 
+HEADER = "<|im_start|>assistant\n"
+
+
+def header_tokens(session: ChatSession, prompt_text: str) -> int:
+    """Tokens of a prompt up to and including its last assistant header."""
+    return len(session.tokenize(prompt_text[:prompt_text.rindex(HEADER) + len(HEADER)]))
+
+
 def test_real_answers_keep_the_model_in_step(model):
     """With the model's own answers: every turn evaluates exactly what it does not hold."""
     session = ChatSession(model, n_predict=6)
+    previous_header = 0
     for text in ("Hello", "Tell me more", "Thanks"):
         held = model.tokens()
-        checkpoint = session._checkpoint
+        evaluated = model.stats.n_eval_tokens
         session.ask(text)
-        prompt = session.tokenize(session.render(session.messages[:-1]))
-        if session.last_recomputed:
-            reused = 0
-        elif session.last_turn.restored:      # back to the end of the previous prompt
-            reused = checkpoint.n_past
-            assert reused <= common_prefix_length(held, prompt)
-        else:
-            reused = common_prefix_length(held, prompt)
+        prompt_text = session.render(session.messages[:-1])
+        prompt = session.tokenize(prompt_text)
+        common = common_prefix_length(held, prompt)
+        # the model keeps what it holds when the prompt extends it, else returns to the previous
+        # prompt's assistant header (the answer re-tokenized differently)
+        reused = common if common == len(held) else previous_header
         assert session.last_reused_tokens == reused
-        assert session.last_prefill_tokens == len(prompt) - reused
         assert session.last_generated_tokens == 6 and session.last_stop_reason == "length"
+        # the prompt's new tokens and the answer but its last token: nothing else
+        assert model.stats.n_eval_tokens - evaluated == len(prompt) - reused + 5
+        previous_header = header_tokens(session, prompt_text)
+
+
+QWEN35 = ChatTemplate(QWEN35_TEMPLATE.read_text(encoding="utf-8"), bos_token=None, eos_token="<|im_end|>")
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen3.5"])
+@pytest.mark.parametrize("think", [False, True])
+def test_each_turn_evaluates_only_the_new_tokens_with_and_without_thinking(model, template, think):
+    """The templates re-render an answer differently once it is history: without thinking the
+    empty think block of the generation prompt is left out, with thinking the thinking is dropped.
+    The checkpoint after the assistant header means each turn evaluates the re-rendered answer and
+    the new message, never the whole conversation again."""
+    session = ChatSession(model, QWEN35 if template == "qwen3.5" else None, enable_thinking=think)
+    opens_think = template == "qwen3.5" and think      # the prompt itself opens the think block
+    reply = ("hmm\n</think>\n\n" if opens_think else "<think>\nhmm\n</think>\n\n" if think else "") + "Hi!"
+    previous_header = 0
+    for text in ("Hello", "Tell me more", "Thanks"):
+        answer = script(model, reply)
+        session.sampler = Scripted(answer)
+        evaluated = model.stats.n_eval_tokens
+        session.ask(text)
+        prompt_text = session.render(session.messages[:-1])
+        assert prompt_text.endswith(HEADER + ("<think>\n" if opens_think else "" if think else
+                                              "<think>\n\n</think>\n\n"))
+        prompt = session.tokenize(prompt_text)
+        # the prompt from the previous assistant header on, and the answer (ended by <|im_end|>)
+        assert model.stats.n_eval_tokens - evaluated == len(prompt) - previous_header + len(answer) - 1
+        assert session.last_prefill_tokens == len(prompt) - previous_header
+        previous_header = header_tokens(session, prompt_text)
+    # the state the checkpoint led to is the one a fresh session computes
+    history = copy.deepcopy(session.messages)
+    session.sampler, session.n_predict = Scripted([]), 4
+    answer = session.ask("Bye")
+    model.reset()
+    fresh = ChatSession(model, session.template, Scripted([]), enable_thinking=think, n_predict=4)
+    fresh.messages = history
+    assert fresh.ask("Bye") == answer
+
+
+def test_readme_example_reuses_the_conversation(model, model_path):
+    """`printf 'Hello\\nTell me more\\n' | deltarun chat model.gguf -n 64 --no-think`, then /stats:
+    the second turn reuses the first prompt up to its assistant header."""
+    r = invoke("chat", model_path, "-n", "64", "--no-think", *FAST, input="Hello\nTell me more\n/stats\n")
+    assert "session: 2 turns" in r.stderr and "0 recomputes" in r.stderr, r.stderr
+    session = ChatSession(model)
+    header = len(session.tokenize("<|im_start|>user\nHello<|im_end|>\n" + HEADER))
+    assert f", {header} reused, " in r.stderr, r.stderr
 
 
 def test_dropped_thinking_restores_the_checkpoint_and_matches_a_fresh_session(model):
@@ -451,9 +507,16 @@ def test_cli_interrupt_continues_with_the_next_line(model_path, monkeypatch):
 
     monkeypatch.setattr(Sampler, "sample", flaky)
     r = invoke("chat", model_path, "-n", "5", *FAST, input="Hello\nAgain\n")
+    monkeypatch.undo()
     assert "[interrupted]" in r.stderr
-    lines = r.stdout.split("\n")
-    assert len(lines) >= 3 and lines[-1] == ""
+    # the first answer stops after the two tokens sampled before Ctrl-C and stays in the
+    # conversation; the next line is answered in full, as that conversation goes on
+    with Model(model_path, n_ctx=256, n_threads=1, kv_type="f32") as m:
+        session = ChatSession(m, n_predict=2)
+        partial = session.ask("Hello")
+        session.n_predict = 5
+        again = session.ask("Again")
+    assert partial and r.stdout == f"{partial}\n{again}\n"
 
 
 def test_cli_stop_thinking_and_context_messages(model_path, monkeypatch):

@@ -122,7 +122,7 @@ def test_generate_without_a_model_uses_the_built_in_one(tmp_path, monkeypatch, t
     (["--ctx", "0"], "--ctx"),
     (["--batch", "0"], "--batch"),
     (["--rs-slots", "0"], "--rs-slots"),
-    (["-n", "-1"], "--n-predict"),
+    (["-n", "-2"], "--n-predict"),
     (["--top-k", "-2"], "--top-k"),
     (["--repeat-penalty", "0"], "--repeat-penalty"),
     (["--delta-net", "magic"], "--delta-net"),
@@ -350,6 +350,74 @@ def test_help_lists_the_commands():
         assert name in r.stdout
     for name in ("generate", "inspect", "make-tiny"):
         assert ok(name, "--help").stdout.startswith("Usage:")
+
+
+# --- errors a user meets, flags that mean the same everywhere ---------------------------------------
+def deltarun_process(*args: str | Path, stdin: str = "", timeout: int = 120) -> subprocess.CompletedProcess:
+    """The real command through bash, so stdin can be closed (<&-) or empty (</dev/null)."""
+    cmd = " ".join([f"'{sys.executable}'", "-m", "deltarun", *(f"'{a}'" for a in args)]) + " " + stdin
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("redirect, single, message", [
+    ("<&-", False, "stdin is closed"), ("<&-", True, "stdin is closed"),
+    ("</dev/null", False, "no message on stdin"), ("</dev/null", True, "--single: no message on stdin"),
+])
+def test_chat_without_input_is_one_clear_error(tiny_model, redirect, single, message):
+    p = deltarun_process("chat", tiny_model, "-n", "1", *(["--single"] if single else []), stdin=redirect)
+    assert p.returncode == 1 and p.stderr == f"error: {p.stderr[7:]}" and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_bench_validates_before_printing(tiny_model, tmp_path):
+    for args, code, text in ((["--backend", "cpu,quantum"], 5, "unknown backend 'quantum'"),
+                             (["--backend", "vulkan:9"], 5, "vulkan"),
+                             (["-t", "0"], 2, "Invalid value for '--threads'")):
+        r = run("bench", tiny_model, "-p", "4", "-n", "2", "-r", "1", *args)
+        assert r.exit_code == code and r.stdout == "", r.output
+        assert r.stderr.startswith("error: ") and text.lower() in r.stderr.lower()
+    r = run("bench", tmp_path / "missing.gguf", "-p", "4", "-n", "2", "-r", "1")
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr == f"error: {tmp_path / 'missing.gguf'}: no such file\n"
+    for backend in ("cpu", "cpu-ref", "vulkan[:N]", "cuda[:N]", "auto"):
+        assert backend in " ".join(ok("bench", "--help").stdout.split())
+
+
+def test_values_are_one_line_errors_and_malformed_lines_get_usage(tiny_model):
+    bad_value = run("generate", tiny_model, "-p", "hi", "--top-p", "2")
+    assert bad_value.exit_code == 2 and bad_value.stderr.count("\n") == 1
+    assert bad_value.stderr.startswith("error: Invalid value for '--top-p'")
+    malformed = run("generate", tiny_model, "--no-such-option")
+    assert malformed.exit_code == 2 and malformed.stderr.startswith("Usage: ")
+
+
+def test_verbose_after_the_command_name_shows_the_traceback(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    for args in (["--verbose", "generate", missing, "-p", "hi"], ["generate", missing, "-p", "hi", "--verbose"]):
+        r = run(*args)
+        assert r.exit_code == 2 and "Traceback" in r.stderr and f"error: {missing}: no such file" in r.stderr
+    assert "Traceback" not in run("generate", missing, "-p", "hi").stderr
+
+
+def test_gpu_layers_on_the_cpu_says_it_has_no_effect(tiny_model):
+    r = ok("generate", tiny_model, "-p", "hi", "-n", "1", "-ngl", "2", "--temp", "0", *FAST)
+    assert "--gpu-layers has no effect on the CPU backend" in r.stderr
+    assert "no effect" not in ok("generate", tiny_model, "-p", "hi", "-n", "1", "--temp", "0", *FAST).stderr
+
+
+def test_n_minus_one_generates_until_the_context_is_full_in_generate_and_chat(tiny_model):
+    r = ok("generate", tiny_model, "-p", PROMPT, "-n", "-1", "--temp", "0", "--ctx", "16", "--threads", "1")
+    n_prompt = len(GGUFFile(tiny_model).tokenizer().encode(PROMPT))
+    assert r.stdout == expected_text(tiny_model, PROMPT, 16 - n_prompt + 1, GREEDY) + "\n"
+    assert "context full" in r.stderr
+    c = CliRunner().invoke(cli, ["chat", str(tiny_model), "-n", "-1", "--temp", "0", "--ctx", "24", "--threads", "1"],
+                           input="Hi\n")
+    assert c.exit_code == 0 and "[context full: 24/24 tokens" in c.stderr
+
+
+def test_write_errors_name_the_users_path(tiny_model, tmp_path):
+    target = tmp_path / "no-such-dir" / "graph.json"
+    r = run("graph", tiny_model, "--format", "json", "-o", target)
+    assert r.exit_code == 7 and r.stderr == f"error: {target}: No such file or directory\n"
 
 
 # --- README -------------------------------------------------------------------------------------

@@ -6,11 +6,15 @@ Tolerances, measured on the tiny presets (2 cores, x86-64) and why they are what
   float32 in another order than the float64 reference) and for other CPUs' SIMD widths.
 - F16 weights: ggml's CPU kernel rounds activations to F16 before the dot product (about 5e-4
   relative per element); measured max 3.9e-4, bound 2e-3.
-- BF16, Q8_0, Q4_0, Q4_K, Q6_K: activations are rounded to BF16 / Q8_0 / Q8_K blocks for the dot
-  products (0.4-1% relative noise per matmul); measured median per-position error 7e-3 to 1.6e-2.
-  MoE top-k routing is discontinuous: a token whose two best experts nearly tie can switch expert,
-  which moves that position's logits by up to 10% (see shared/docs/qwen3next-gguf.md). So the
-  bound is on the median position (3e-2), at least 80% of positions within 5e-2, and greedy
+- BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: activations are rounded to BF16 / Q8_0 / Q8_K blocks for
+  the dot products (0.4-1% relative noise per matmul; the reference runs on the dequantised
+  weights, so this rounding is the error). Measured per-position error (max over the vocabulary
+  / max |ref|) on 40-token prompts, seeds 5-7, median (95th percentile): bf16 2.4e-3 (3.2e-3),
+  q8_0 9.0e-3 (1.4e-2), q4_0 8.6e-3 (1.2e-2), q4_k 1.3e-2 (1.9e-2), q5_k 1.4e-2 (3.1e-2),
+  q6_k 1.4e-2 (2.9e-2). MoE top-k routing is discontinuous: a token whose two best experts
+  nearly tie can switch expert, which moves that position's logits by up to 12% (see
+  shared/docs/qwen3next-gguf.md), one or two positions in 40. So each type is bounded at its own
+  measured median: the median position within 2x, at least 95% of positions within 3x, and greedy
   agreement wherever the reference's top-2 margin is clear (> 10% of the logit range).
 """
 
@@ -91,8 +95,9 @@ def test_f16_kv_cache_stays_close(tiny_model_path, reference_of):
     expected = ref.forward(toks)
     with Model(tiny_model_path("tiny"), n_ctx=256, kv_type="f16") as m:
         got = m.logits_for(toks)
-    # an F16 cache rounds K and V to 11-bit mantissas: measured 4.5e-5
-    assert rel_err(got, expected) < 5e-4
+    # an F16 cache rounds K and V to 11-bit mantissas: measured 5.4e-5 (an F32 cache: 2.7e-7, so
+    # the lower bound fails if the cache type were ignored)
+    assert 1e-5 < rel_err(got, expected) < 5e-4
     assert (got.argmax(1) == expected.argmax(1)).all()
 
 
@@ -107,7 +112,11 @@ def test_f16_weights(tiny_model_path, reference_of):
         assert greedy_continuation(m, toks[:16], 10) == reference_greedy(ref, toks[:16], 10)
 
 
-@pytest.mark.parametrize("wtype", ["bf16", "q8_0", "q4_0", "q4_k", "q6_k"])
+#: measured median per-position error of each weight type (see the module docstring)
+MEASURED_MEDIAN = {"bf16": 2.4e-3, "q8_0": 9.0e-3, "q4_0": 8.6e-3, "q4_k": 1.3e-2, "q5_k": 1.4e-2, "q6_k": 1.4e-2}
+
+
+@pytest.mark.parametrize("wtype", sorted(MEASURED_MEDIAN))
 def test_quantized_weights(tiny_model_path, reference_of, wtype):
     toks = prompt(40, seed=5)
     ref = reference_of("tiny", wtype)   # the reference runs on the dequantised weights
@@ -117,8 +126,8 @@ def test_quantized_weights(tiny_model_path, reference_of, wtype):
         got = m.logits_for(toks)
     scale = np.abs(expected).max()
     per_pos = np.abs(got - expected).max(axis=1) / scale
-    assert np.median(per_pos) < 3e-2
-    assert (per_pos < 5e-2).mean() >= 0.8
+    assert np.median(per_pos) < 2 * MEASURED_MEDIAN[wtype]
+    assert (per_pos < 3 * MEASURED_MEDIAN[wtype]).mean() >= 0.95
     top2 = np.sort(expected, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) / scale > 0.1
     assert clear.any()

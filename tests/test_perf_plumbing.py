@@ -20,8 +20,7 @@ from deltarun.runner.ggml_util import ggml
 from deltarun.runner.model import KV_PAD, Model
 from deltarun.runner.tokenizer import Tokenizer, TokenizerError, _rank_merges, _rank_merges_loop
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-VOCAB_GGUF = DATA_DIR / "vocab" / "ggml-vocab-qwen2.gguf"
+from shipped_data import qwen2_vocab_gguf
 
 
 def prompt(n: int, seed: int = 3) -> list[int]:
@@ -120,8 +119,8 @@ def assert_same_reader(plain: gguf.GGUFReader, fast: gguf.GGUFReader) -> None:
         assert x.data.ctypes.data == y.data.ctypes.data - fast.data.ctypes.data + plain.data.ctypes.data
 
 
-@pytest.mark.skipif(not VOCAB_GGUF.exists(), reason=f"{VOCAB_GGUF} is absent")
-def test_fast_reader_equals_gguf_reader_on_the_shared_vocab():
+def test_fast_reader_equals_gguf_reader_on_the_shipped_vocab():
+    VOCAB_GGUF = qwen2_vocab_gguf()
     plain = gguf.GGUFReader(str(VOCAB_GGUF))
     fast = FastGGUFReader(str(VOCAB_GGUF))
     assert isinstance(fast.fields["tokenizer.ggml.tokens"].parts, ArrayParts)   # the fast path ran

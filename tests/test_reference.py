@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 try:  # tests/ as a package (tests/__init__.py, or the repo root on sys.path)
     from tests.reference import (
-        RefHParams, ReferenceModel, causal_conv_step, full_attention, gated_delta_net_step, l2norm,
-        load_gguf_weights, rope_neox,
+        RefHParams, ReferenceModel, causal_conv_step, full_attention, gated_delta_net_step, gated_rmsnorm,
+        l2norm, load_gguf_weights, moe, rope_neox,
     )
 except ModuleNotFoundError:  # rootdir-relative import: pytest put tests/ itself on sys.path
     from reference import (  # type: ignore[no-redef]
-        RefHParams, ReferenceModel, causal_conv_step, full_attention, gated_delta_net_step, l2norm,
-        load_gguf_weights, rope_neox,
+        RefHParams, ReferenceModel, causal_conv_step, full_attention, gated_delta_net_step, gated_rmsnorm,
+        l2norm, load_gguf_weights, moe, rope_neox,
     )
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,6 +337,91 @@ def test_full_attention_first_token_is_gated_value():
 
 
 # --------------------------------------------------------------------------------------------
+# Hand-computed cases: MoE routing, gated RMSNorm, MTP head
+# --------------------------------------------------------------------------------------------
+
+LN3 = np.log(3.0)
+SILU_LN3 = 0.75 * LN3          # sigmoid(ln 3) = 1 / (1 + 1/3) = 3/4
+
+
+def two_dim_hparams(**kw) -> RefHParams:
+    base = dict(n_layer=0, n_embd=2, n_vocab=3, n_head=1, n_head_kv=1, head_dim=2, eps=0.0, rope_base=10000.0,
+                n_rot=2, n_expert=3, n_expert_used=2, d_conv=4, d_inner=2, ssm_state=2, n_k_heads=1, n_v_heads=1)
+    base.update(kw)
+    return RefHParams(**base)
+
+
+def test_moe_routing_by_hand():
+    """x = [1, 0]; router logits 0, ln 2, ln 3 -> softmax 1/6, 2/6, 3/6; top-2 = experts 2 and 1,
+    renormalised 3/5 and 2/5. Expert e: gate . x = ln 3 (silu = 0.75 ln 3), up . x = e + 1,
+    down = [1, e], so its output is 0.75 ln 3 (e + 1) [1, e]. The shared expert gives
+    0.75 ln 3 [0, 1], gated by sigmoid([ln 3, 0] . x) = 3/4."""
+    hp = two_dim_hparams()
+    w = {
+        "ffn_gate_inp.weight": np.array([[0.0, 0.0], [np.log(2.0), 0.0], [LN3, 0.0]]),
+        "ffn_gate_exps.weight": np.tile([[[LN3, 0.0]]], (3, 1, 1)),
+        "ffn_up_exps.weight": np.array([[[1.0, 0.0]], [[2.0, 0.0]], [[3.0, 0.0]]]),
+        "ffn_down_exps.weight": np.array([[[1.0], [0.0]], [[1.0], [1.0]], [[1.0], [2.0]]]),
+        "ffn_gate_shexp.weight": np.array([[LN3, 0.0]]),
+        "ffn_up_shexp.weight": np.array([[1.0, 0.0]]),
+        "ffn_down_shexp.weight": np.array([[0.0], [1.0]]),
+        "ffn_gate_inp_shexp.weight": np.array([LN3, 0.0]),
+    }
+    x = np.array([[1.0, 0.0]])
+    routed = SILU_LN3 * (3 / 5 * 3 * np.array([1.0, 2.0]) + 2 / 5 * 2 * np.array([1.0, 1.0]))   # [13/5, 22/5]
+    shared = 0.75 * SILU_LN3 * np.array([0.0, 1.0])
+    np.testing.assert_allclose(moe(w, "", hp, x)[0], routed + shared, rtol=1e-12)
+    # expert_weights_scale multiplies the routed experts only
+    np.testing.assert_allclose(moe(w, "", replace(hp, expert_weights_scale=2.0), x)[0], 2 * routed + shared,
+                               rtol=1e-12)
+    # without the shared expert's gate its output is added as it is
+    w.pop("ffn_gate_inp_shexp.weight")
+    np.testing.assert_allclose(moe(w, "", hp, x)[0], routed + shared / 0.75, rtol=1e-12)
+    # one expert used: only expert 2, with weight 1 after renormalisation
+    np.testing.assert_allclose(moe(w, "", replace(hp, n_expert_used=1), x)[0],
+                               SILU_LN3 * 3 * np.array([1.0, 2.0]) + shared / 0.75, rtol=1e-12)
+
+
+def test_gated_rmsnorm_by_hand():
+    """Per head: o / sqrt(mean(o^2) + eps) * weight * silu(z). Head 0: [3, 4] has mean square
+    12.5, so [0.6, 0.8] sqrt 2; head 1: [1, 1] stays."""
+    o = np.array([[3.0, 4.0], [1.0, 1.0]])
+    z = np.array([[LN3, LN3], [0.0, LN3]])
+    weight = np.array([1.0, 2.0])
+    want = np.array([[0.6 * np.sqrt(2.0) * SILU_LN3, 0.8 * np.sqrt(2.0) * 2 * SILU_LN3], [0.0, 2 * SILU_LN3]])
+    np.testing.assert_allclose(gated_rmsnorm(o, z, weight, 0.0), want, rtol=1e-12)
+    # eps = 12.5 doubles head 0's mean square: [3, 4] / 5
+    np.testing.assert_allclose(gated_rmsnorm(o[:1], z[:1], weight, 12.5),
+                               [[0.6 * SILU_LN3, 0.8 * 2 * SILU_LN3]], rtol=1e-12)
+
+
+def test_mtp_head_by_hand():
+    """The MTP block with its attention and FFN outputs zeroed: x = eh_proj [rmsnorm(embed) enorm ;
+    rmsnorm(hidden) hnorm]. Token 0's embedding [3, 4] normalises to [0.6, 0.8] sqrt 2; hidden
+    [1, -1] to itself, times hnorm 2; eh_proj adds the hidden's first half to the first row, so
+    x = [0.6 sqrt 2 + 2, 0.8 sqrt 2]. The LM head is the (tied) embedding after shared_head_norm."""
+    hp = two_dim_hparams()
+    rng = np.random.default_rng(0)
+    embed = np.array([[3.0, 4.0], [1.0, 0.0], [0.0, 1.0]])
+    n = "blk.0.nextn."
+    w = {"token_embd.weight": embed, "output_norm.weight": np.array([5.0, 5.0]),
+         n + "enorm.weight": np.ones(2), n + "hnorm.weight": np.full(2, 2.0),
+         n + "eh_proj.weight": np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]),
+         n + "shared_head_norm.weight": np.array([1.0, 3.0]),
+         "blk.0.attn_norm.weight": np.ones(2), "blk.0.post_attention_norm.weight": np.ones(2),
+         "blk.0.attn_q.weight": rng.standard_normal((4, 2)), "blk.0.attn_k.weight": rng.standard_normal((2, 2)),
+         "blk.0.attn_v.weight": rng.standard_normal((2, 2)), "blk.0.attn_q_norm.weight": np.ones(2),
+         "blk.0.attn_k_norm.weight": np.ones(2), "blk.0.attn_output.weight": np.zeros((2, 2)),
+         "blk.0.ffn_gate.weight": rng.standard_normal((3, 2)), "blk.0.ffn_up.weight": rng.standard_normal((3, 2)),
+         "blk.0.ffn_down.weight": np.zeros((2, 3))}
+    logits, x = ReferenceModel(w, hp).mtp_forward([0], np.array([[1.0, -1.0]]))
+    want_x = np.array([0.6 * np.sqrt(2.0) + 2.0, 0.8 * np.sqrt(2.0)])
+    np.testing.assert_allclose(x[0], want_x, rtol=1e-12)
+    xn = want_x / np.sqrt((want_x ** 2).mean()) * np.array([1.0, 3.0])   # shared_head_norm, not output_norm
+    np.testing.assert_allclose(logits[0], [3 * xn[0] + 4 * xn[1], xn[0], xn[1]], rtol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
 # GGUF loading
 # --------------------------------------------------------------------------------------------
 
@@ -423,30 +505,15 @@ def test_gguf_quantized_shapes(tmp_path):
     assert np.all(np.isfinite(ReferenceModel(w2, hp).forward(TOKENS[:3])))
 
 
-def _generator_module():
-    if not (REPO / "models" / "generate.py").exists():
-        return None
-    try:
-        return importlib.import_module("deltarun.model_files.generate")
-    except ModuleNotFoundError as e:
-        # the generator is written in parallel; a sibling module it needs may not exist yet
-        if e.name and e.name.startswith("deltarun.model_files"):
-            pytest.skip(f"generator not complete yet: {e}")
-        raise
-
-
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     """Logits of generated presets (same seed), computed once."""
-    gen = _generator_module()
-    if gen is None:
-        pytest.skip("models/generate.py not written yet")
+    from deltarun.model_files import generate as gen
+
     d = tmp_path_factory.mktemp("gen")
     toks = [1, 2, 3, 100, 7]
     out = {}
     for name in ("tiny", "tiny-eqheads", "tiny-legacy", "tiny-tied", "tiny-mtp"):
-        if name not in gen.PRESETS:
-            continue
         path = gen.write_model(d / f"{name}.gguf", gen.PRESETS[name], wtype="f32", seed=0)
         m = ReferenceModel.from_gguf(path)
         out[name] = (m, m.forward([min(t, m.hp.n_vocab - 1) for t in toks]))
@@ -470,9 +537,7 @@ def test_generated_variants_agree(generated):
     main ones, so those presets must reproduce the tiny logits exactly."""
     _, base = generated["tiny"]
     for name in ("tiny-legacy", "tiny-mtp"):
-        if name in generated:
-            m, lg = generated[name]
-            np.testing.assert_allclose(lg, base, rtol=1e-10, atol=1e-10, err_msg=name)
-    if "tiny-mtp" in generated:
-        m = generated["tiny-mtp"][0]
-        assert m.hp.n_layer == generated["tiny"][0].hp.n_layer
+        m, lg = generated[name]
+        np.testing.assert_allclose(lg, base, rtol=1e-10, atol=1e-10, err_msg=name)
+    m = generated["tiny-mtp"][0]
+    assert m.hp.n_layer == generated["tiny"][0].hp.n_layer

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 
 import pytest
 from click.testing import CliRunner
 
+from deltarun.apps.chat import ChatSession
 from deltarun.cli.main import cli
 from deltarun.runner import files
 from deltarun.runner.errors import BackendError, ContextFullError
 from deltarun.runner.model import Model
+
+
+def greedy_answers(path, messages: list[str], n: int) -> str:
+    """What `deltarun chat PATH -n N --temp 0 --ctx 64` prints for these messages."""
+    with Model(path, n_ctx=64, n_threads=1) as m:
+        session = ChatSession(m, n_predict=n)
+        return "".join(session.ask(text) + "\n" for text in messages)
 
 
 def _disk_full(*args, **kwargs):
@@ -35,11 +42,12 @@ def test_chat_save_on_a_full_disk_says_so_and_the_chat_goes_on(tiny_model_path, 
     saved.write_text("[]")
     monkeypatch.setattr(files.os, "fsync", _disk_full)
     result = CliRunner().invoke(cli, ["chat", str(tiny_model_path("tiny")), "-n", "3", "--threads", "1",
-                                      "--temp", "0"], input=f"hello\n/save {saved}\nagain\n")
+                                      "--temp", "0", "--ctx", "64"], input=f"hello\n/save {saved}\nagain\n")
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
-    assert "No space left on device" in result.stderr
+    assert f"error: cannot save the conversation to {saved}: No space left on device" in result.stderr
     assert saved.read_text() == "[]"
+    assert result.stdout == greedy_answers(tiny_model_path("tiny"), ["hello", "again"], 3)   # it went on
     assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]
 
 
@@ -82,9 +90,11 @@ def test_unknown_backend_is_a_clear_error(tiny_model_path):
 def test_load_of_a_missing_or_broken_conversation(tiny_model_path, tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    result = CliRunner().invoke(cli, ["chat", str(tiny_model_path("tiny")), "-n", "2", "--threads", "1"],
+    result = CliRunner().invoke(cli, ["chat", str(tiny_model_path("tiny")), "-n", "4", "--threads", "1",
+                                      "--temp", "0", "--ctx", "64"],
                                 input=f"/load {tmp_path / 'missing.json'}\n/load {broken}\nhi\n")
     assert result.exit_code == 0 and "Traceback" not in result.output
-    assert "missing.json" in result.stderr and "broken.json" in result.stderr
-    assert json.loads(json.dumps(result.stdout))             # the chat answered after both errors
-    assert result.stdout.strip()
+    assert f"error: cannot load {tmp_path / 'missing.json'}: no such file" in result.stderr
+    assert f"error: cannot load {broken}: not valid JSON" in result.stderr
+    # the chat answered after both errors, as a fresh conversation would
+    assert result.stdout == greedy_answers(tiny_model_path("tiny"), ["hi"], 4)

@@ -79,11 +79,18 @@ def _plain(path, toks, n, **kw) -> list[int]:
 
 
 def _speculative(path, toks, n, make_draft, draft_max, **kw) -> tuple[list[int], SpeculativeStats]:
+    """Speculative greedy decoding; also checks that every rejected draft was rolled back, so the
+    target holds exactly the prompt and the emitted tokens (all but the last, not yet evaluated)."""
     with Model(path, n_ctx=256, kv_type="f32", rs_slots=draft_max + 1, **kw) as m:
         draft = make_draft(m)
         stats = SpeculativeStats()
+        rolled_back = []
+        real_rollback = m.rollback
+        m.rollback = lambda n_tokens, seq=0: (rolled_back.append(n_tokens), real_rollback(n_tokens, seq))[1]
         out = list(speculative_tokens(m, toks, n, Sampler(GREEDY), draft, draft_max, stats=stats))
         draft.close()
+        assert sum(rolled_back) == stats.n_drafted - stats.n_accepted
+        assert m.tokens() == toks + out[:-1]
         return out, stats
 
 
@@ -117,7 +124,7 @@ def test_draft_model_all_and_none_accepted(tiny_model_path, draft_max):
     out, st = _speculative(target, toks, 30, same, draft_max)
     assert out == base and st.acceptance == 1.0
     out, st = _speculative(target, toks, 30, other, draft_max)
-    assert out == base and st.n_accepted <= 1
+    assert out == base and st.n_accepted <= 1 and st.n_drafted >= 10    # rejected and rolled back
 
 
 def test_drafts_on_random_models_never_change_greedy_output(tiny_model_path):
@@ -128,6 +135,8 @@ def test_drafts_on_random_models_never_change_greedy_output(tiny_model_path):
     for make, kw in ((lambda m: NgramDraft(), {}), (lambda m: MtpDraft(m), {"mtp": True})):
         out, st = _speculative(path, toks, 25, make, 4, **kw)
         assert out == base
+        # drafts were made and (nearly all) rejected: _speculative checked each was rolled back
+        assert st.n_drafted - st.n_accepted >= 4
 
 
 def test_speculative_sampling_keeps_the_target_distribution():

@@ -24,21 +24,15 @@ from deltarun.runner.tokenizer import (
     Tokenizer,
 )
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-VOCAB_GGUF = DATA_DIR / "vocab" / "ggml-vocab-qwen2.gguf"
-TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
+from shipped_data import VOCAB_INPUTS, VOCAB_OUTPUTS, qwen2_vocab_gguf
 
-needs_shared_data = pytest.mark.skipif(
-    not DATA_DIR.is_dir(), reason=f"shared reference data folder {DATA_DIR} is absent"
-)
+TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
 def load_vectors() -> list[tuple[str, list[int]]]:
     """llama.cpp's test-tokenizer-0 cases: each input block ends with "\\n" + separator line."""
-    if not DATA_DIR.is_dir():
-        return []
-    inputs = VOCAB_GGUF.with_name(VOCAB_GGUF.name + ".inp").read_bytes().decode("utf-8")
-    outputs = VOCAB_GGUF.with_name(VOCAB_GGUF.name + ".out").read_bytes().decode("utf-8")
+    inputs = VOCAB_INPUTS.read_bytes().decode("utf-8")
+    outputs = VOCAB_OUTPUTS.read_bytes().decode("utf-8")
     texts = inputs.split(TEST_SEPARATOR)
     lines = outputs.split("\n")
     # Both files end with a terminator, leaving one empty trailing piece each.
@@ -53,9 +47,7 @@ VECTORS = load_vectors()
 
 @pytest.fixture(scope="module")
 def real_reader() -> gguf.GGUFReader:
-    if not DATA_DIR.is_dir():
-        pytest.skip(f"shared reference data folder {DATA_DIR} is absent")
-    return gguf.GGUFReader(VOCAB_GGUF)
+    return gguf.GGUFReader(qwen2_vocab_gguf())
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +80,12 @@ def mini_tokenizer(specials: dict[str, int] | None = None, **kwargs: Any) -> Tok
 # ------------------------------------------------------------------ llama.cpp test vectors
 
 
-@needs_shared_data
 def test_vector_files_parse_to_matching_counts() -> None:
     assert len(VECTORS) == 46
     assert VECTORS[2] == ("", [])  # the empty input block
 
 
 def vector_params() -> list[Any]:
-    if not VECTORS:
-        reason = f"shared reference data folder {DATA_DIR} is absent"
-        return [pytest.param("", [], id="no-data", marks=pytest.mark.skip(reason=reason))]
     return [pytest.param(t, ids, id=f"case{i:02d}") for i, (t, ids) in enumerate(VECTORS)]
 
 

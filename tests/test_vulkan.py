@@ -117,7 +117,7 @@ def test_graphs_coming_back_give_the_same_logits(tiny_model_path):
 
 
 def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
-    rep = compare(tiny_model_path("tiny", "f32"), "-n", "16", "-s", "8")
+    rep = compare(tiny_model_path("tiny", "f32"), "--tokens", "16", "-n", "8")
     assert rep["passed"], rep["failures"]
     assert rep["sides"][1]["device"].startswith("Vulkan0")
     for g in rep["graphs"]:
@@ -130,7 +130,7 @@ def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
 
 def test_f32_primitive_delta_net_matches_the_cpu(tiny_model_path):
     # 70 tokens: the chunked delta rule (cumsum, tri, solve_tri, ...) crosses a chunk boundary.
-    rep = compare(tiny_model_path("tiny", "f32"), "-n", "70", "-s", "4", "--delta-net", "primitive")
+    rep = compare(tiny_model_path("tiny", "f32"), "--tokens", "70", "-n", "4", "--delta-net", "primitive")
     assert rep["passed"], rep["failures"]
     assert [g["graph"] for g in rep["graphs"]] == ["prefill", "decode"]
     assert all(g["n_failed"] == 0 for g in rep["graphs"]) and rep["logits"]["top1_agreement"] == 1.0
@@ -138,7 +138,7 @@ def test_f32_primitive_delta_net_matches_the_cpu(tiny_model_path):
 
 
 def test_gpu_layers_split_the_graph_between_vulkan_and_cpu(tiny_model_path):
-    rep = compare(tiny_model_path("tiny", "f32"), "-n", "16", "-s", "4", "--gpu-layers", "2")
+    rep = compare(tiny_model_path("tiny", "f32"), "--tokens", "16", "-n", "4", "--gpu-layers", "2")
     assert rep["passed"], rep["failures"]
     side = rep["sides"][1]
     assert side["n_splits"]["prefill"] > 1 and "2/4 layers" in side["placement"]
@@ -160,7 +160,7 @@ def test_graph_and_bench_take_gpu_layers(tiny_model_path):
 
 @pytest.mark.parametrize("preset", ["tiny-eqheads", "tiny-legacy", "tiny-tied"])
 def test_other_presets_match_the_cpu(tiny_model_path, preset):
-    rep = compare(tiny_model_path(preset, "f32"), "-n", "12", "-s", "4")
+    rep = compare(tiny_model_path(preset, "f32"), "--tokens", "12", "-n", "4")
     assert rep["passed"], rep["failures"]
     assert rep["greedy"]["match"]
 
@@ -177,7 +177,7 @@ def test_qwen35_families_match_the_cpu(tiny_model_path, preset, delta_net):
 
 
 def test_q8_0_agrees_at_the_logits_level(tiny_model_path):
-    rep = compare(tiny_model_path("tiny", "q8_0"), "-n", "16", "-s", "8", code=None)
+    rep = compare(tiny_model_path("tiny", "q8_0"), "--tokens", "16", "-n", "8", code=None)
     lg = rep["logits"]
     assert not lg["nan"]
     assert lg["nmse"] < 1e-2 and lg["kl_mean"] < 1e-2

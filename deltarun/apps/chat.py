@@ -16,8 +16,10 @@ differently (Qwen3 drops the thinking of earlier answers) or a stop string / int
 tokens that are not part of the conversation, the extra tokens are undone with `Model.rollback`
 when the recurrent rollback slots reach back far enough (they cover the last ubatch only, so in
 practice a prompt whose answer was cancelled before its first token, with --rs-slots > 1), and
-otherwise the model returns to the checkpoint of its recurrent state taken at the end of the
-previous prompt (`Model.checkpoint`; Qwen3's dropped thinking lies after it), and only when that
+otherwise the model returns to the checkpoint of its recurrent state taken during the previous
+prompt where the template can change its mind about it (right after the assistant header, before
+any think block: Qwen3 and Qwen3.5 drop the thinking of earlier answers and leave out the empty
+think block that a prompt without thinking holds; see `_checkpoint_position`), and only when that
 does not reach either is the model reset and the prompt recomputed (`last_recomputed`). Generated tokens
 that decode and re-tokenize to other ids also count as a difference. Because the model state is
 derived from `messages` this way, `messages` may also be edited directly between turns.
@@ -31,6 +33,7 @@ interrupt before the first token cancels the turn: the user message is removed a
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -39,11 +42,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import jinja2
 import numpy as np
 
 from deltarun.runner.chat_template import ChatTemplate
 from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
 from deltarun.runner.files import write_atomically
+from deltarun.runner.generation import GenerationStats, PlainStep, decode_tokens
 from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.tokenizer import StreamDecoder
 
@@ -51,6 +56,7 @@ FILE_FORMAT = "deltarun-chat"
 FILE_VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_PLACEHOLDER = "\x1f"   # stands for text not known yet when probing how the template renders history
 
 #: Why a turn ended: end-of-generation token, a stop string, the n_predict limit, a full context,
 #: Ctrl-C / the iterator closed, an exception.
@@ -405,61 +411,43 @@ class ChatSession:
             active.close()  # type: ignore[attr-defined]
 
     def _turn(self, user_text: str) -> Iterator[str]:
-        model, tok = self.model, self.model.tokenizer
+        model = self.model
         self.messages.append({"role": "user", "content": user_text})
         stats = self.last_turn = TurnStats()
         self.turn_opens_thinking = False
-        decoder = StreamDecoder(tok)
+        decoder = StreamDecoder(model.tokenizer)
         stopper = StopMatcher(self.stop)
         answer: list[int] = []
         generating = False
         reason = ""
-        t_gen = 0.0
+        decoding: GenerationStats = GenerationStats()
+        stream: Iterator[int] | None = None
         prefill_before = 0.0
         try:
             prompt_text, prompt = self._fit_prompt(stats)
-            stats.reused_tokens = self._prefill(prompt, stats)
-            if hasattr(self.model, "checkpoint"):
-                self._checkpoint = self.model.checkpoint(self.seq)
+            stats.reused_tokens = self._prefill(prompt, stats, self._checkpoint_position(prompt_text, prompt))
             self.turn_opens_thinking = opens_thinking(prompt_text)
             generating = True
-            t_gen, prefill_before = time.perf_counter(), stats.prefill_seconds
-            history = model.tokens(self.seq)
+            prefill_before = stats.prefill_seconds
             assert self._logits is not None
             logits = self._logits[2]
-            reason = "length"
-            if self.draft is not None:
-                yield from self._speculative_answer(logits, answer, decoder, stopper, stats)
-                reason = self._draft_reason
-            while self.draft is None and (self.n_predict < 0 or len(answer) < self.n_predict):
-                token = self.sampler.sample(logits, history)
-                if tok.is_eog(token):
-                    reason = "eog"
+            step, decoding = self._step(answer, stats)
+            stream = decode_tokens(model, logits, self.n_predict, self.sampler, seq=self.seq,
+                                   stats=decoding, step=step, on_token=lambda _: stopper.hit is not None)
+            while True:
+                with deferred_sigint():   # a step (eval, or eval + rollback) is never cut in half
+                    token = next(stream, None)
+                if token is None:
                     break
                 answer.append(token)
-                history.append(token)
-                stats.generated_tokens += 1
                 shown = stopper.push(decoder.push(token))
                 if shown:
                     yield shown
-                if stopper.hit is not None:
-                    reason = "stop"
-                    break
-                if self.n_predict >= 0 and len(answer) >= self.n_predict:
-                    break  # evaluated at the start of the next turn, if there is one
-                if model.n_past(self.seq) >= model.n_ctx:
-                    if not (self.context_shift and self._shift_during_answer(answer, stats)):
-                        reason = "context"
-                        break
-                else:
-                    self._eval([token])
-                logits = self._logits[2]
             tail = stopper.push(decoder.flush())
-            if stopper.hit is not None:
-                reason = "stop"
             tail += stopper.flush()
             if tail:
                 yield tail
+            reason = "stop" if stopper.hit is not None else decoding.stop_reason
         except (KeyboardInterrupt, GeneratorExit):
             reason = "interrupted"
             raise
@@ -467,8 +455,11 @@ class ChatSession:
             reason = "error"
             raise
         finally:
-            if generating:  # a context shift's re-evaluation counts as prefill, not generation
-                stats.generate_seconds = time.perf_counter() - t_gen - (stats.prefill_seconds - prefill_before)
+            if stream is not None:
+                stream.close()   # type: ignore[attr-defined]
+            stats.generated_tokens = len(answer)
+            # a context shift's re-evaluation counts as prefill, not generation
+            stats.generate_seconds = decoding.generate_seconds - (stats.prefill_seconds - prefill_before)
             stats.stop_reason = reason or "error"
             if generating and (answer or reason not in ("interrupted", "error")):
                 stopper.push(decoder.flush())
@@ -479,35 +470,24 @@ class ChatSession:
                 self.messages.pop()      # cancelled before the first token: the turn did not happen
             self.totals.add(stats)
 
-    def _speculative_answer(self, logits: np.ndarray, answer: list[int], decoder: Any, stopper: Any,
-                            stats: TurnStats) -> Iterator[str]:
-        """The answer's tokens from speculative decoding; each verification step runs with SIGINT
-        deferred, so an interrupt never separates a target ubatch from its rollback."""
-        from deltarun.apps.speculative import SpeculativeStats, continue_speculative
+    def _step(self, answer: list[int], stats: TurnStats) -> tuple[Any, GenerationStats]:
+        """The decode loop's step for this turn (plain or speculative) and the counters it fills."""
+        if self.draft is not None:
+            from deltarun.apps.speculative import SpeculativeStats, SpeculativeStep
 
-        model = self.model
-        limit = self.n_predict if self.n_predict >= 0 else model.n_ctx
-        self.draft_stats = spec = SpeculativeStats()
-        self._draft_reason = "length"
-        stream = continue_speculative(model, logits, limit, self.sampler, self.draft, self.draft_max, self.seq, spec)
-        self._logits = None
-        try:
-            while True:
-                with deferred_sigint():
-                    token = next(stream, None)
-                if token is None:
-                    self._draft_reason = {"eog": "eog", "context": "context"}.get(spec.stop_reason, "length")
-                    return
-                answer.append(token)
-                stats.generated_tokens += 1
-                shown = stopper.push(decoder.push(token))
-                if shown:
-                    yield shown
-                if stopper.hit is not None:
-                    self._draft_reason = "stop"
-                    return
-        finally:
-            stream.close()
+            self.draft_stats = spec = SpeculativeStats()
+            self._logits = None      # the speculative step evaluates through the model directly
+            return SpeculativeStep(self.model, self.sampler, self.draft, self.draft_max, self.seq, spec), spec
+
+        def evaluate(token: int) -> np.ndarray | None:
+            if self.model.n_past(self.seq) < self.model.n_ctx:
+                return self._eval([token])
+            if self.context_shift and self._shift_during_answer(answer, stats):
+                assert self._logits is not None
+                return self._logits[2]      # the shift evaluated the conversation and the answer so far
+            return None
+
+        return PlainStep(self.model, self.sampler, self.seq, evaluate), GenerationStats()
 
     # --- model memory ------------------------------------------------------------------------------
     def _reserve(self) -> int:
@@ -608,17 +588,44 @@ class ChatSession:
                     n = 0
         return n
 
-    def _prefill(self, prompt: list[int], stats: TurnStats) -> int:
-        """Evaluate what the model lacks of `prompt`; returns the tokens reused."""
+    def _checkpoint_position(self, prompt_text: str, prompt: list[int]) -> int | None:
+        """How many tokens of `prompt` the next turn's rendering will surely repeat.
+
+        The template may render this turn's answer differently once it is history: Qwen3 without
+        thinking puts an empty think block into the generation prompt but not into earlier
+        answers, Qwen3 and Qwen3.5 drop the thinking of earlier answers. Rendering the
+        conversation followed by a placeholder answer and message shows where that starts
+        (usually right after the assistant header); the state checkpoint is taken there, so the
+        next turn goes back to it and evaluates only what follows (llama.cpp likewise keeps a
+        checkpoint a few tokens before the end of the prompt).
+        """
+        later = self.messages + [{"role": "assistant", "content": _PLACEHOLDER},
+                                 {"role": "user", "content": _PLACEHOLDER}]
+        try:
+            text = self.render(later, add_generation_prompt=False)
+        except (jinja2.TemplateError, DeltarunError):
+            return None
+        same = len(os.path.commonprefix([prompt_text, text]))
+        if same == len(prompt_text):
+            return len(prompt)
+        return common_prefix_length(self.tokenize(prompt_text[:same]), prompt) if same else None
+
+    def _prefill(self, prompt: list[int], stats: TurnStats, checkpoint_at: int | None = None) -> int:
+        """Evaluate what the model lacks of `prompt`; returns the tokens reused. With checkpoint_at,
+        the recurrent state is checkpointed after that many prompt tokens (when they are new)."""
         t0 = time.perf_counter()
         n = self._sync(prompt, stats)
-        new = prompt[n:]
+        cut = checkpoint_at if checkpoint_at is not None and 0 < checkpoint_at and n <= checkpoint_at <= len(prompt) \
+            else None
         done = 0
         try:
-            # one eval per ubatch (the same split Model.eval makes), so Ctrl-C can stop a long prefill
-            for size in self.model.split_ubatches(len(new)) if new else []:
-                self._eval(new[done:done + size])
-                done += size
+            for begin, end in ((n, cut), (cut, len(prompt))) if cut is not None else ((n, len(prompt)),):
+                # one eval per ubatch (the same split Model.eval makes), so Ctrl-C can stop a long prefill
+                for size in self.model.split_ubatches(end - begin) if end > begin else []:
+                    self._eval(prompt[n + done:n + done + size])
+                    done += size
+                if end == cut and hasattr(self.model, "checkpoint"):
+                    self._checkpoint = self.model.checkpoint(self.seq)
         finally:
             stats.prefill_tokens += done
             stats.prefill_seconds += time.perf_counter() - t0

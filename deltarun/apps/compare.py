@@ -102,6 +102,8 @@ from typing import Any, Callable
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.sampling import log_softmax
+from deltarun.runner.units import format_table
 
 SCHEMA_VERSION = 1
 DEFAULT_LIMIT = 1e-7
@@ -126,12 +128,6 @@ _DERIVED = re.compile(r" \((view|reshaped|permuted|transposed|cont|copy( of .*)?
 _AUTO = re.compile(r"^(node|leaf)_\d+( |$)")
 
 
-class ComparisonFailed(DeltarunError):
-    """The two sides differ by more than the limits allow (exit code 7)."""
-
-    exit_code = 7
-
-
 # ----------------------------------------------------------------------------------------------
 # Numbers
 # ----------------------------------------------------------------------------------------------
@@ -149,12 +145,6 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     if ref == 0.0:
         return 0.0 if err == 0.0 else math.inf
     return err / ref
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = np.max(x, axis=-1, keepdims=True)
-    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
 
 
 def kl_divergence(logits_a: np.ndarray, logits_b: np.ndarray) -> np.ndarray:
@@ -563,7 +553,7 @@ def to_text(report: dict[str, Any], show: str = "named") -> str:
                          _fmt(r["max_abs_err"]), r["status"] if r["status"] != "index_mismatch" else
                          f"index_mismatch ({r['n_diff']})"])
         if rows:
-            out.extend(_table(["id", "name", "op", "ran on", "nmse", "limit", "max|a-b|", "status"], rows))
+            out.extend(format_table(["id", "name", "op", "ran on", "nmse", "limit", "max|a-b|", "status"], rows))
         f = g["first_failure"]
         if f is not None:
             out.append(f"  FIRST EXCEEDING NODE: {f['id']} {f['name']} ({f['op']}, {f['type']} {f['ne']}): {_describe(f)}")
@@ -586,16 +576,9 @@ def to_text(report: dict[str, Any], show: str = "named") -> str:
     out.append("")
     if report["passed"]:
         out.append("PASS: every node and the logits are within their limits")
+    elif report["sides"][0]["model"] != report["sides"][1]["model"]:
+        out.append("OVER THE LIMITS, as two weight files are (the logits metrics above are the result):")
     else:
         out.append("FAIL:")
         out.extend(f"  {f}" for f in report["failures"])
     return "\n".join(out) + "\n"
-
-
-def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(widths[i]) if i < len(cells) - 1 else c for i, c in enumerate(cells)).rstrip()
-
-    return ["  " + fmt(cols)] + ["  " + fmt(r) for r in rows]

@@ -106,11 +106,11 @@ from deltarun.graphs.interface import UbatchShape
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.files import write_atomically
 from deltarun.runner.ggml_util import NP_TYPES, ggml, name_of
-from deltarun.runner.units import format_bytes
+from deltarun.runner.model import padded_n_kv
+from deltarun.runner.units import format_bytes, format_table
 
 SCHEMA_VERSION = 1
 N_FIRST = 8
-KV_PAD_DEFAULT = 256
 
 _AUTO_NAME = re.compile(r"^(node|leaf)_\d+$")
 _DERIVED = re.compile(r"( \((view|reshaped|permuted|transposed|cont|copy( of .*)?)\))+$")
@@ -242,10 +242,10 @@ class GraphDump:
         out.append("")
         cols = ["id", "name", "op", "type", "ne", "nb", "flags", "backend", "view_of", "src"]
         out.append(f"nodes ({len(self.nodes)} of {self.summary['n_nodes']}):")
-        out.extend(_table(cols, [self._row(r) for r in self.nodes]))
+        out.extend(format_table(cols, [self._row(r) for r in self.nodes]))
         out.append("")
         out.append(f"leafs ({len(self.leafs)}): weights, inputs and memory read by these nodes")
-        out.extend(_table(cols[:8], [self._row(r)[:8] for r in self.leafs]))
+        out.extend(format_table(cols[:8], [self._row(r)[:8] for r in self.leafs]))
         out.append("")
         out.extend(self._summary_lines())
         recorded = [r for r in self.nodes if r.values is not None]
@@ -260,7 +260,7 @@ class GraphDump:
                 assert v is not None
                 rows.append([r.id, r.name, _num(v.min), _num(v.max), _num(v.mean), _num(v.rms), str(v.n_nan),
                              str(v.n_inf), "[" + ", ".join(_num(x) for x in v.first) + "]", v.note or "-"])
-            out.extend(_table(vcols, rows))
+            out.extend(format_table(vcols, rows))
         return "\n".join(out) + "\n"
 
     @staticmethod
@@ -330,10 +330,7 @@ def ubatch_shape(model: Any, n_seq_tokens: int, n_seqs: int = 1, n_past: int = 0
                             f"(the model was opened for {model.memory.n_cells})")
     if n_past + n_seq_tokens > model.n_ctx:
         raise DeltarunError(f"{n_past} past + {n_seq_tokens} tokens exceed the context size {model.n_ctx}")
-    from deltarun.runner import model as model_mod
-
-    pad = getattr(model_mod, "KV_PAD", KV_PAD_DEFAULT)
-    n_kv = min(model.n_ctx, -(-(n_past + n_seq_tokens) // pad) * pad)
+    n_kv = padded_n_kv(n_past + n_seq_tokens, model.n_ctx)
     n_out = n_seq_tokens if all_outputs else 1
     return UbatchShape(n_seq_tokens=n_seq_tokens, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
                        seq_head=seq_head, delta_net=model.delta_net)
@@ -711,14 +708,6 @@ def _num(x: Any) -> str:
     if isinstance(x, int):
         return str(x)
     return f"{x:.6g}"
-
-
-def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns separated by at least two spaces (names may hold single spaces); last column ragged."""
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    fmt = lambda cells: "  ".join(c.ljust(widths[i]) if i < len(cells) - 1 else c  # noqa: E731
-                                  for i, c in enumerate(cells)).rstrip()
-    return ["  " + fmt(cols)] + ["  " + fmt(r) for r in rows]
 
 
 def _shape_label(sh: dict[str, Any]) -> str:

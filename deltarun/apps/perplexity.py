@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,9 @@ from typing import Any, BinaryIO, Callable, Iterator
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
+from deltarun.runner.files import temporary_beside
+from deltarun.runner.errors import DeltarunError
+from deltarun.runner.sampling import log_softmax
 
 FORMAT_VERSION = 1
 ROW_BLOCK = 64          # scored positions processed at once (bounds float64 memory to 64 x n_vocab)
@@ -43,12 +45,6 @@ F16_MIN = -65000.0
 
 class KLBaseError(DeltarunError):
     """A KL base file is missing parts, damaged, or was made from other tokens."""
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
 def ppl_estimate(nll: np.ndarray) -> tuple[float, float]:
@@ -151,7 +147,7 @@ class KLBaseWriter:
         self.n_vocab = n_vocab
         self.rows_written = 0
         self.nll: list[np.ndarray] = []
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        fd, self.tmp = temporary_beside(self.path)
         os.close(fd)
         try:
             self.zf = zipfile.ZipFile(self.tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True)

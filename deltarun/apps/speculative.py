@@ -17,7 +17,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
-from deltarun.runner.generation import GenerationStats
+from deltarun.runner.generation import GenerationStats, decode_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import Sampler
 
@@ -244,61 +244,63 @@ def speculative_tokens(model: Model, prompt: list[int], n_predict: int, sampler:
     stats.n_prompt += len(prompt)
     stats.prompt_seconds += time.perf_counter() - t0
     draft.start(prompt)
-    yield from continue_speculative(model, logits, n_predict, sampler, draft, draft_max, seq, stats, stop_at_eog,
-                                    context=(prompt[1:], hidden_rows, start))
+    step = SpeculativeStep(model, sampler, draft, draft_max, seq, stats, context=(prompt[1:], hidden_rows, start))
+    yield from decode_tokens(model, logits, n_predict, sampler, seq=seq, stats=stats, stop_at_eog=stop_at_eog,
+                             step=step)
 
 
 def continue_speculative(model: Model, logits: np.ndarray, n_predict: int, sampler: Sampler, draft: DraftSource,
                          draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
-                         stop_at_eog: bool = True,
-                         context: tuple[list[int], np.ndarray | None, int] | None = None) -> Iterator[int]:
-    """Speculative decoding from a sequence whose prompt is already evaluated (`logits`: its last row).
+                         stop_at_eog: bool = True) -> Iterator[int]:
+    """Speculative decoding from a sequence whose prompt is already evaluated (`logits`: its last row)."""
+    stats = stats if stats is not None else SpeculativeStats()
+    step = SpeculativeStep(model, sampler, draft, draft_max, seq, stats)
+    return decode_tokens(model, logits, n_predict, sampler, seq=seq, stats=stats, stop_at_eog=stop_at_eog, step=step)
+
+
+class SpeculativeStep:
+    """The decode loop's step with drafts: evaluate the last kept token and up to draft_max drafted
+    ones in one target ubatch, keep the longest prefix the target agrees with plus its own next
+    token, and roll the recurrent state back over the rest.
 
     `context` = (tokens following each hidden row, hidden rows, first row's position) of what the
     draft has not yet seen; by default the last evaluated token's row (`model.last_hidden`).
     """
-    stats = stats if stats is not None else SpeculativeStats()
-    k_max = _slots_for(model, draft_max)
-    wants_hidden = draft.needs_hidden
-    if context is None:
-        last = model.last_hidden[0][-1:] if wants_hidden and model.last_hidden is not None else None
-        context = ([], last, model.n_past(seq) - 1)
-    t1 = time.perf_counter()
-    history = model.tokens(seq)
-    stats.stop_reason = "length"
-    try:
-        tok = sampler.sample(logits, history)
-        follow, rows, first = context
-        if not wants_hidden or rows is not None:
-            draft.commit(follow + [tok], rows, first)
-        pending = [tok]       # kept tokens not yet emitted; the last one is not yet evaluated
-        while True:
-            for t in pending:
-                if stop_at_eog and model.tokenizer.is_eog(t):
-                    stats.stop_reason = "eog"
-                    return
-                stats.n_generated += 1
-                stats.tokens.append(t)
-                history.append(t)
-                yield t
-                if stats.n_generated >= n_predict:
-                    return
-            tok = pending[-1]
-            room = model.n_ctx - model.n_past(seq) - 1
-            if room < 0:
-                stats.stop_reason = "context"
-                return
-            k = max(0, min(k_max, n_predict - stats.n_generated - 1, room))
-            proposal = draft.propose(history, k, sampler) if k else Draft([], [])
-            out = model.eval([tok] + proposal.tokens, seq, all_logits=True)
-            stats.n_steps += 1
-            stats.n_drafted += len(proposal.tokens)
-            n_ok, nxt = _accept(sampler, out, proposal, history)
-            stats.n_accepted += n_ok
-            if len(proposal.tokens) > n_ok:
-                model.rollback(len(proposal.tokens) - n_ok, seq)
-            pending = proposal.tokens[:n_ok] + [nxt]
-            rows = model.last_hidden[0][: n_ok + 1] if wants_hidden else None
-            draft.commit(pending, rows, model.n_past(seq) - n_ok - 1)
-    finally:
-        stats.generate_seconds += time.perf_counter() - t1
+
+    def __init__(self, model: Model, sampler: Sampler, draft: DraftSource, draft_max: int, seq: int = 0,
+                 stats: SpeculativeStats | None = None,
+                 context: tuple[list[int], np.ndarray | None, int] | None = None):
+        self.model, self.sampler, self.draft, self.seq = model, sampler, draft, seq
+        self.k_max = _slots_for(model, draft_max)
+        self.stats = stats if stats is not None else SpeculativeStats()
+        self.wants_hidden = draft.needs_hidden
+        if context is None:
+            last = model.last_hidden[0][-1:] if self.wants_hidden and model.last_hidden is not None else None
+            context = ([], last, model.n_past(seq) - 1)
+        self.context = context
+
+    def first(self, logits: np.ndarray, history: list[int]) -> list[int]:
+        tok = self.sampler.sample(logits, history)
+        follow, rows, start = self.context
+        if not self.wants_hidden or rows is not None:
+            self.draft.commit(follow + [tok], rows, start)
+        return [tok]
+
+    def next(self, history: list[int], budget: int) -> list[int] | None:
+        model, seq, stats = self.model, self.seq, self.stats
+        room = model.n_ctx - model.n_past(seq) - 1
+        if room < 0:
+            return None
+        k = max(0, min(self.k_max, budget - 1, room))
+        proposal = self.draft.propose(history, k, self.sampler) if k else Draft([], [])
+        out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True)
+        stats.n_steps += 1
+        stats.n_drafted += len(proposal.tokens)
+        n_ok, nxt = _accept(self.sampler, out, proposal, history)
+        stats.n_accepted += n_ok
+        if len(proposal.tokens) > n_ok:
+            model.rollback(len(proposal.tokens) - n_ok, seq)
+        kept = proposal.tokens[:n_ok] + [nxt]
+        rows = model.last_hidden[0][: n_ok + 1] if self.wants_hidden else None
+        self.draft.commit(kept, rows, model.n_past(seq) - n_ok - 1)
+        return kept

@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 
-from deltarun.cli.options import model_argument
+from deltarun.cli.options import check_backends, model_argument, note_gpu_layers
 from deltarun.graphs.interface import DELTA_NET_MODES
+from deltarun.runner.errors import ModelFileError
 from deltarun.runner.memory import KV_TYPES
 
 
@@ -52,7 +53,8 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
 @click.option("--batch", "-b", multiple=True, callback=_int_list, metavar="N[,N...]",
               help="Ubatch sizes (tokens per graph) [default: 512].")
 @click.option("--backend", multiple=True, callback=_str_list, metavar="NAME[,NAME...]",
-              help="ggml backends (cpu, cpu-ref) [default: cpu].")
+              help="ggml backends: cpu, cpu-ref, vulkan[:N], cuda[:N], auto (`deltarun devices` lists them) "
+                   "[default: cpu].")
 @click.option("--gpu-layers", "-ngl", multiple=True, callback=_int_list, metavar="N[,N...]",
               help="With a device backend: layers on the device, the rest on the CPU, as llama-bench -ngl "
                    "[default: all on the device].")
@@ -80,6 +82,10 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
                       batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
                       repetitions=repetitions,
                       kv_type=kv_type, delta_net=delta_net)
+    check_backends(cfg.backends)          # before the table header: nothing is printed for a bad option
+    note_gpu_layers(cfg.backends, gpu_layers)
+    if not model.is_file():
+        raise ModelFileError(f"{model}: no such file")
     settings: dict[str, Any] = {}
     info: dict[str, Any] = {}
     results = []

@@ -6,6 +6,7 @@ slash commands and prints the streamed answers (thinking dimmed or hidden).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -278,7 +279,18 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
     from deltarun.runner.sampling import Sampler
 
     stdin = sys.stdin
+    if stdin is None or stdin.closed:
+        raise DeltarunError("stdin is closed: chat reads its messages from stdin (a terminal, a pipe or a file)")
     interactive = not single and stdin.isatty()
+    if single:
+        message = stdin.read().rstrip("\n")
+        if not message.strip():
+            raise DeltarunError("--single: no message on stdin")
+    elif not interactive:
+        first = stdin.readline()
+        if not first:
+            raise DeltarunError("no message on stdin: pipe the messages one per line (or run chat on a terminal)")
+        lines = itertools.chain([first], stdin)
     params = sampling_params(**opts)
     if interactive:
         _err(f"loading {model or 'the built-in tiny model'} ...")
@@ -296,15 +308,12 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
         ui = ChatUI(session, hide_thinking=hide_thinking, context_shift=context_shift)
         try:
             if single:
-                text = stdin.read().rstrip("\n")
-                if not text.strip():
-                    raise click.UsageError("--single: no message on stdin")
-                if not ui.answer(text, raise_errors=True):
+                if not ui.answer(message, raise_errors=True):
                     raise SystemExit(130)
             elif interactive:
                 _repl(ui)
             else:
-                for raw in stdin:
+                for raw in lines:
                     if not ui.handle(raw.rstrip("\r\n")):
                         break
         except BrokenPipeError:

@@ -16,7 +16,7 @@ def devices(as_json: bool) -> None:
     see the README (scripts/install-vulkan.sh, scripts/install-cuda.sh) for the Vulkan and CUDA
     variants. ggml-vulkan lists CPU devices such as Mesa's lavapipe only with GGML_VK_VISIBLE_DEVICES=0.
     """
-    from deltarun.runner.units import format_bytes
+    from deltarun.runner.units import format_bytes, format_table
     from deltarun.runner import backend as be
 
     devs = be.list_devices()
@@ -27,14 +27,13 @@ def devices(as_json: bool) -> None:
                                "auto": best.backend_name if best else "cpu",
                                "cpu_features": be.cpu_features()}, indent=1))
         return
-    rows = [["#", "name", "description", "type", "memory free / total", "--backend"]]
+    rows = []
     for d in devs:
         mem = f"{format_bytes(d.memory_free)} / {format_bytes(d.memory_total)}" if d.memory_total else "-"
         use = d.backend_name + (", cpu-ref" if d.backend_name == "cpu" else "")
         rows.append([str(d.index), d.name, d.description, d.type + (" (software)" if d.software else ""), mem, use])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+    for line in format_table(["#", "name", "description", "type", "memory free / total", "--backend"], rows, ""):
+        click.echo(line)
     click.echo("")
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
     features = be.cpu_features()

@@ -28,7 +28,7 @@ def _read_prompt(prompt: str | None, file: Path | None) -> str:
     if prompt is None:
         raise click.UsageError("no prompt: give one with -p TEXT or -f FILE")
     if prompt == "":
-        raise click.UsageError("the prompt is empty")
+        raise click.BadParameter("the prompt is empty", param_hint="'-p' / '--prompt'")
     return prompt
 
 
@@ -44,8 +44,8 @@ def _timing(label: str, n: int, seconds: float) -> str:
 @click.option("--prompt", "-p", default=None, help="Prompt text (special tokens like <|im_start|> are parsed).")
 @click.option("--file", "-f", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Read the prompt from this file.")
-@click.option("--n-predict", "-n", type=click.IntRange(min=0), default=128, show_default=True,
-              help="Most tokens to generate (stops earlier at end of generation or a full context).")
+@click.option("--n-predict", "-n", type=click.IntRange(min=-1), default=128, show_default=True,
+              help="Most tokens to generate (-1: until the end of generation or a full context).")
 @click.option("--echo/--no-echo", default=False, show_default=True, help="Print the prompt before the output.")
 @click.option("--vs-plain", is_flag=True,
               help="With --draft: decode again without speculation and report both speeds.")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from deltarun.cli.options import check_backends, note_gpu_layers
 from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.errors import DeltarunError
 
@@ -23,7 +24,7 @@ DEFAULT_DECODE_PAST = 32
 
 @click.command("graph")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--tokens", "-n", type=click.IntRange(min=1), default=None,
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
               help=f"Tokens per sequence in the ubatch [default: {DEFAULT_TOKENS}; 1 with --decode].")
 @click.option("--seqs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sequences in the ubatch (opens the model with n_seq_max = SEQS).")
@@ -83,6 +84,8 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
         raise click.UsageError("--decode is the one-token graph: drop --tokens")
     if fmt == "svg":
         gd.graphviz_dot()  # fail before loading anything when graphviz is missing
+    check_backends([backend])
+    note_gpu_layers([backend], gpu_layers)
 
     n_tok = 1 if decode else (tokens or DEFAULT_TOKENS)
     n_past = (past if past is not None else DEFAULT_DECODE_PAST) if decode else (past or 0)

@@ -39,11 +39,22 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        command = getattr(importlib.import_module(module), attr)
+        if not any(p.name == "verbose" for p in command.params):   # `deltarun COMMAND ... --verbose` too
+            command.params.append(click.Option(["--verbose"], is_flag=True, expose_value=False,
+                                               callback=_set_verbose, help="Show tracebacks for errors."))
+        return command
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
+        except click.BadParameter as e:   # a value the user got wrong: one line, as every other error
+            if ctx.obj and ctx.obj.get("verbose"):
+                import traceback
+
+                traceback.print_exc()
+            click.secho(f"error: {e.format_message()}", fg="red", err=True)
+            sys.exit(e.exit_code)
         except DeltarunError as e:
             if ctx.obj and ctx.obj.get("verbose"):
                 import traceback
@@ -66,6 +77,11 @@ class LazyGroup(click.Group):
                 if e.errno == errno.ENOSPC else ""
             click.secho(f"error: {where}{e.strerror or e}{hint}", fg="red", err=True)
             sys.exit(7)
+
+
+def _set_verbose(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.ensure_object(dict)["verbose"] = True
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -133,6 +133,25 @@ def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
         raise DeltarunError(f"cannot write the built-in tiny model to {path}: {e}") from e
 
 
+def check_backends(names: list[str]) -> None:
+    """Refuse an unknown or unavailable backend before any work (a BackendError, exit status 5)."""
+    from deltarun.runner.backend import check_backend
+
+    for name in names:
+        check_backend(name)
+
+
+def note_gpu_layers(backends: list[str], gpu_layers: Any) -> None:
+    """Say so when --gpu-layers is given but every backend is the CPU, where it changes nothing."""
+    from deltarun.runner.backend import best_device, check_backend
+
+    if gpu_layers is None or gpu_layers == []:
+        return
+    kinds = {check_backend(name) for name in backends}
+    if kinds <= {"cpu", "cpu-ref"} or (kinds <= {"cpu", "cpu-ref", "auto"} and best_device() is None):
+        click.echo("note: --gpu-layers has no effect on the CPU backend (everything runs on the CPU)", err=True)
+
+
 def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ctx"],
                batch: int = MODEL_DEFAULTS["batch"], threads: int | None = None,
                rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
@@ -143,6 +162,9 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
     from deltarun.runner.model import Model
 
     path = resolve_model(model, quiet=quiet)
+    check_backends([backend])
+    if not quiet:
+        note_gpu_layers([backend], gpu_layers)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp)
 

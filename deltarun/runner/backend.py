@@ -233,6 +233,15 @@ def _find_device(kind: str, index: int | None) -> DeviceInfo:
     return devs[i]
 
 
+def check_backend(name: str) -> str:
+    """Raise the BackendError `init_backend(name)` would, without starting anything; returns the
+    kind ("cpu", "cpu-ref", "auto", "vulkan", "cuda"). Commands call it before any work."""
+    kind, index = parse_backend_name(name)
+    if kind in DEVICE_KINDS:
+        _find_device(kind, index)
+    return kind
+
+
 # ----------------------------------------------------------------------------------------------
 # Backends
 # ----------------------------------------------------------------------------------------------

@@ -15,16 +15,26 @@ def write_atomically(path: str | Path, data: bytes | str) -> None:
     """
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.filename in (tmp, None):
+            e.filename, e.filename2 = str(path), None    # the user's path, not the temporary
         raise
+
+
+def temporary_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file (fd, name) in `path`'s folder; an error names `path`, not the temporary."""
+    try:
+        return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None

@@ -25,6 +25,11 @@ from deltarun.runner.weights import Weights
 
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
 
+
+def padded_n_kv(n_tokens: int, n_ctx: int) -> int:
+    """KV rows a ubatch's attention reads when its sequence reaches n_tokens: rounded up to KV_PAD."""
+    return min(n_ctx, -(-n_tokens // KV_PAD) * KV_PAD)
+
 # The raw ctypes functions (ggml-python binds them without a Python wrapper): the per-step input
 # and output copies call them directly with precomputed host addresses.
 _tensor_set = ggml.ggml_backend_tensor_set
@@ -213,7 +218,7 @@ class Model:
         n = len(tokens)
         if start + n > self.n_ctx:
             raise ContextFullError(f"context full: MTP rows up to position {start + n} exceed {self.n_ctx}")
-        n_kv = min(self.n_ctx, -(-(start + n) // KV_PAD) * KV_PAD)
+        n_kv = padded_n_kv(start + n, self.n_ctx)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n, n_kv=n_kv, seq_head=seq,
                             delta_net=self.delta_net, mtp=True)
         g = self._graph(shape)
@@ -314,7 +319,7 @@ class Model:
         n_seqs, n = len(tokens), len(tokens[0])
         seqs = [self.memory.seqs[seq_head + i] for i in range(n_seqs)]
         starts = [st.n_past for st in seqs]
-        n_kv = min(self.n_ctx, -(-(max(starts) + n) // KV_PAD) * KV_PAD)
+        n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net)

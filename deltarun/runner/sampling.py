@@ -29,6 +29,13 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log(softmax(logits)) along the last axis, in float64 (perplexity, KL divergence)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
 class Sampler:
     """Draws tokens; one random generator per sampler so a seed reproduces a whole generation."""
 

@@ -1,4 +1,4 @@
-"""Human-readable sizes and counts, one spelling for every command's output."""
+"""Human-readable sizes, counts and tables, one spelling for every command's output."""
 
 from __future__ import annotations
 
@@ -19,3 +19,14 @@ def format_count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return str(n)
+
+
+def format_table(cols: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Lines of a text table: columns separated by at least two spaces (cells may hold single
+    spaces), each line indented, the last column ragged."""
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+
+    def line(cells: list[str]) -> str:
+        return indent + "  ".join(c.ljust(widths[i]) if i < len(cells) - 1 else c for i, c in enumerate(cells)).rstrip()
+
+    return [line(cols)] + [line(r) for r in rows]

@@ -1,0 +1,107 @@
+"""Sampler: hand-computed distributions for each stage (penalty, top-k, top-p, min-p, temperature)
+and draws that follow them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams, log_softmax
+
+OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+
+
+def dist(logits, history=(), **params) -> np.ndarray:
+    return Sampler(SamplingParams(**{"temperature": 1.0, **OFF, **params})).distribution(
+        np.asarray(logits, dtype=np.float32), list(history))
+
+
+# probabilities 0.5, 0.25, 0.15, 0.1 in a shuffled order: token 2 is the likeliest
+P = {2: 0.5, 0: 0.25, 3: 0.15, 1: 0.1}
+LOGITS = np.log([P[i] for i in range(4)]) + 3.0     # a shift changes nothing
+
+
+def expect(probs: dict[int, float]) -> np.ndarray:
+    out = np.zeros(4)
+    for i, p in probs.items():
+        out[i] = p
+    return out
+
+
+@pytest.mark.parametrize("params, want", [
+    ({}, P),                                                          # all stages off
+    ({"top_k": 2}, {2: 2 / 3, 0: 1 / 3}),
+    ({"top_k": 3}, {2: 0.5 / 0.9, 0: 0.25 / 0.9, 3: 0.15 / 0.9}),
+    ({"top_p": 0.7}, {2: 2 / 3, 0: 1 / 3}),                           # 0.5 < 0.7 <= 0.75: two tokens
+    ({"top_p": 0.8}, {2: 0.5 / 0.9, 0: 0.25 / 0.9, 3: 0.15 / 0.9}),
+    ({"top_p": 0.4}, {2: 1.0}),
+    ({"min_p": 0.35}, {2: 2 / 3, 0: 1 / 3}),                          # 0.15 / 0.5 = 0.3 < 0.35
+    ({"min_p": 0.25}, {2: 0.5 / 0.9, 0: 0.25 / 0.9, 3: 0.15 / 0.9}),  # 0.1 / 0.5 = 0.2 < 0.25
+    ({"temperature": 0.5}, {i: p * p / 0.345 for i, p in P.items()}),  # p^(1/T), renormalised
+    ({"temperature": 2.0, "top_k": 2},
+     {2: np.sqrt(0.5) / (np.sqrt(0.5) + np.sqrt(0.25)), 0: np.sqrt(0.25) / (np.sqrt(0.5) + np.sqrt(0.25))}),
+])
+def test_each_stage_on_a_hand_computed_distribution(params, want):
+    np.testing.assert_allclose(dist(LOGITS, **params), expect(want), rtol=1e-6, atol=1e-12)
+
+
+def test_stages_run_in_llama_cpp_order():
+    """top-k, then top-p on the renormalised survivors, then min-p, then temperature."""
+    logits = np.log([0.4, 0.3, 0.2, 0.1])
+    # top-k 3: 0.444, 0.333, 0.222; top-p 0.7 keeps two (0.444 < 0.7 <= 0.778); min-p 0.7 keeps
+    # both (0.3 / 0.4 = 0.75); temperature 2: sqrt of the probabilities, renormalised
+    a, b = np.sqrt(0.4), np.sqrt(0.3)
+    np.testing.assert_allclose(dist(logits, top_k=3, top_p=0.7, min_p=0.7, temperature=2.0),
+                               [a / (a + b), b / (a + b), 0, 0], rtol=1e-6)
+    # min-p 0.8 drops the second (0.75 < 0.8)
+    np.testing.assert_allclose(dist(logits, top_k=3, top_p=0.7, min_p=0.8, temperature=2.0), [1, 0, 0, 0])
+    # top-p sees top-k's renormalised output: 0.444 + 0.333 >= 0.75 keeps two, where the full
+    # distribution (0.4 + 0.3 < 0.75) would keep three
+    np.testing.assert_allclose(dist(logits, top_k=3, top_p=0.75), [4 / 7, 3 / 7, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(dist(logits, top_p=0.75), [4 / 9, 3 / 9, 2 / 9, 0], rtol=1e-6)
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = np.array([2.0, -1.0, 0.5, 1.5], dtype=np.float32)
+    s = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=64))
+    np.testing.assert_array_equal(s.penalized(logits, [0, 1, 1]), [1.0, -2.0, 0.5, 1.5])
+    np.testing.assert_array_equal(logits, [2.0, -1.0, 0.5, 1.5])             # the input is not changed
+    np.testing.assert_allclose(dist(logits, [0, 1], repeat_penalty=2.0),
+                               np.exp(log_softmax(np.array([1.0, -2.0, 0.5, 1.5]))), rtol=1e-6)
+    # greedy: token 0 (2.0) loses to token 3 (1.5) once penalised to 1.0
+    assert Sampler(GREEDY).sample(logits, [0]) == 0
+    assert Sampler(SamplingParams(temperature=0, repeat_penalty=2.0)).sample(logits, [0]) == 3
+
+
+@pytest.mark.parametrize("last_n, penalised", [(1, [1]), (2, [0, 1]), (-1, [3, 0, 1]), (0, [])])
+def test_repeat_last_n_window(last_n, penalised):
+    logits = np.array([2.0, -1.0, 0.5, 1.5], dtype=np.float32)
+    s = Sampler(SamplingParams(repeat_penalty=4.0, repeat_last_n=last_n))
+    want = logits.copy()
+    for i in penalised:
+        want[i] = want[i] / 4 if want[i] > 0 else want[i] * 4
+    np.testing.assert_array_equal(s.penalized(logits, [3, 0, 1]), want)
+
+
+def test_greedy_distribution_is_one_hot():
+    np.testing.assert_array_equal(Sampler(GREEDY).distribution(LOGITS), [0, 0, 1, 0])
+    assert Sampler(GREEDY).sample(LOGITS) == 2
+
+
+def test_draws_follow_the_distribution_and_the_seed_repeats_them():
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=7)
+    n = 20000
+    draws = [Sampler(params).sample(LOGITS) for _ in range(3)]
+    assert len(set(draws)) == 1                                          # same seed, same first draw
+    s = Sampler(params)
+    counts = np.bincount([s.sample(LOGITS) for _ in range(n)], minlength=4) / n
+    want = expect({2: 0.5 / 0.9, 0: 0.25 / 0.9, 3: 0.15 / 0.9})
+    # 5 standard deviations of a frequency over 20000 draws is at most 0.018
+    np.testing.assert_allclose(counts, want, atol=0.018)
+    assert counts[1] == 0                                                # cut by top-k, never drawn
+
+
+def test_log_softmax_against_the_definition():
+    x = np.array([[1.0, 2.0, 3.0], [1000.0, 1000.0, 0.0]])
+    np.testing.assert_allclose(log_softmax(x)[0], np.log(np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum()))
+    np.testing.assert_allclose(log_softmax(x)[1], [np.log(0.5), np.log(0.5), -1000.0 - np.log(2.0)])
