@@ -17,7 +17,8 @@ from deltarun.runner.errors import DeltarunError
               help="Type of the 2-D weights (norms, routers, conv and ssm_a stay F32, like converted files).")
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
-                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024).")
+                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024), "
+                   "bench-vocab151k (bench with the real 151,936-token Qwen2 vocabulary).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
