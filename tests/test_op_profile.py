@@ -24,7 +24,7 @@ def model_path(tiny_model_path):
 
 
 def test_groups_from_names():
-    names = ["node_0", "inp_embd",                                  # embedding
+    names = ["model.embed_tokens", "inp_embd",                      # embedding (llama.cpp, deltarun)
              "node_3", "attn_norm-0", "linear_attn_qkv_mixed-0 (reshaped) (transposed)", "node_9",
              "cache_s_l0 (view)", "attn_residual-0",                  # delta net layer 0
              "node_12", "attn_post_norm-0", "ffn_moe_logits-0", "node_15", "ffn_moe_topk-0", "l_out-0",

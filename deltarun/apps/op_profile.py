@@ -131,12 +131,14 @@ def base_name(name: str) -> str:
 
 
 def _named(name: str) -> bool:
-    """Names that place a node: `name-IL` (layer IL), `result_*` (output), `inp_*` (inputs).
+    """Names that place a node: `name-IL` (layer IL), `result_*` (output), `inp_*` and `*embed*`
+    (inputs, token embedding: llama.cpp names it `model.embed_tokens`).
 
     Everything else is grouped by position: ggml's `node_N`, and views of memory tensors
     (`cache_s_l0 (view)`), which both engines name without a layer suffix."""
     b = base_name(name)
-    return bool(b) and not _UNNAMED.match(b) and bool(_LAYER.match(b) or b.startswith(("result_", "inp_")))
+    return bool(b) and not _UNNAMED.match(b) and bool(_LAYER.match(b) or b.startswith(("result_", "inp_"))
+                                                      or "embed" in b)
 
 
 def classify_nodes(names: Sequence[str], ops: Sequence[str]) -> list[str]:
