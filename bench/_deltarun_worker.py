@@ -32,7 +32,13 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--kv-type", default="f16")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time runs by wall time or by this process's CPU time (one thread only)")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        import time
+
+        B.CLOCK = time.process_time
 
     cfg = B.BenchConfig(model=args.model, n_prompt=[args.pp], n_gen=[args.tg], threads=[args.threads],
                         batch=[args.batch], kv_type=args.kv_type)

@@ -56,7 +56,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--kv-type", default="f16")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time runs by wall time or by this process's CPU time (one thread only)")
     args = ap.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
     llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch,
@@ -89,12 +92,12 @@ def main() -> None:
     def run_pp(n: int, mode: str) -> float:
         reset()
         toks = tokens[:n]
-        t0 = time.perf_counter()
+        t0 = clock()
         if mode == "eval":
             llm.eval(toks)
         else:
             decode_raw(toks)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def run_tg(n: int, mode: str) -> float:
         reset()
@@ -102,21 +105,21 @@ def main() -> None:
         if mode == "eval":
             llm.eval(prompt)
             tok = last_logits_argmax()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 llm.eval([tok])
                 tok = last_logits_argmax()
         else:
             decode_raw(prompt)
             tok = last_logits_argmax()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 tok_buf[0] = tok
                 rc = llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tok_buf, 1))
                 if rc != 0:
                     raise RuntimeError(f"llama_decode returned {rc}")
                 tok = last_logits_argmax()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     # ---- contexts of their own for batched decoding, long contexts and the eval-callback profile
     def new_context(n_ctx: int, n_seq_max: int = 1, cb_eval: Any = None) -> Any:
@@ -160,11 +163,11 @@ def main() -> None:
                  for s in range(p) for i in range(TG_PROMPT)]
         decode_seqs(c, items)
         nxt = [argmax_ith(c, (s + 1) * TG_PROMPT - 1) for s in range(p)]
-        t0 = time.perf_counter()
+        t0 = clock()
         for step in range(n):
             decode_seqs(c, [(nxt[s], TG_PROMPT + step, s, True) for s in range(p)])
             nxt = [argmax_ith(c, s) for s in range(p)]
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def tgp(req: dict) -> dict:
         n, p = req["n"], req["p"]
@@ -201,27 +204,27 @@ def main() -> None:
             if llama_cpp.llama_state_seq_set_data(c, buf, size, 0) != size:
                 raise RuntimeError("llama_state_seq_set_data failed")
             tok = first
-            t0 = time.perf_counter()
+            t0 = clock()
             for step in range(n):
                 decode_seqs(c, [(tok, d + step, 0, True)])
                 tok = argmax_ith(c, 0)
-            return time.perf_counter() - t0
+            return clock() - t0
 
         run()                                                                    # warm-up
         return {"s": run()}
 
-    clock: dict[str, Any] = {"nodes": [], "last": 0, "first": True, "no_ops": set()}
+    node_clock: dict[str, Any] = {"nodes": [], "last": 0, "first": True, "no_ops": set()}
 
     def observe(t: Any, ask: bool, user_data: Any) -> bool:
         now = time.perf_counter_ns()
         if ask:
-            if clock["first"]:
-                clock["first"], clock["last"] = False, now
+            if node_clock["first"]:
+                node_clock["first"], node_clock["last"] = False, now
             op = (ggml_base.ggml_op_desc(t) or b"?").decode()
-            clock["nodes"].append([(ggml_base.ggml_get_name(t) or b"").decode(errors="replace"), op, 0.0])
-            return op not in clock["no_ops"]
-        clock["nodes"][-1][2] = (now - clock["last"]) * 1e-9
-        clock["last"] = now
+            node_clock["nodes"].append([(ggml_base.ggml_get_name(t) or b"").decode(errors="replace"), op, 0.0])
+            return op not in node_clock["no_ops"]
+        node_clock["nodes"][-1][2] = (now - node_clock["last"]) * 1e-9
+        node_clock["last"] = now
         return True
 
     observe_c = llama_cpp.ggml_backend_sched_eval_callback(observe)   # alive as long as the worker
@@ -232,7 +235,7 @@ def main() -> None:
         nodes are asked for (so the scheduler computes them one by one) and a node's time runs
         from the previous callback to its own ask=False call; the first starts at the first ask."""
         n, reps = req["n"], req.get("reps", 3)
-        clock["no_ops"] = set(req["no_ops"])
+        node_clock["no_ops"] = set(req["no_ops"])
         if "profile" not in contexts:
             contexts["profile"] = new_context(args.ctx, 1, observe_c)
         pc = contexts["profile"]
@@ -250,13 +253,13 @@ def main() -> None:
                 for c in (ctx, pc):
                     if kind == "pp":
                         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(c), True)
-                    clock["nodes"], clock["first"] = [], True
+                    node_clock["nodes"], node_clock["first"] = [], True
                     t0 = time.perf_counter()
                     decode_seqs(c, items)
                     if r and c is ctx:
                         plain.append(time.perf_counter() - t0)
                     if r and c is pc:
-                        runs.append(clock["nodes"])
+                        runs.append(node_clock["nodes"])
                 pos += 1
             nodes = [[name, op, [run[i][2] for run in runs]] for i, (name, op, _) in enumerate(runs[0])]
             if any(len(run) != len(runs[0]) for run in runs):

@@ -155,14 +155,16 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
-def LlamaWorker(python: Path, model: Path, threads: int, batch: int, ctx: int, kv_type: str = "f16") -> Worker:
+def LlamaWorker(python: Path, model: Path, threads: int, batch: int, ctx: int, kv_type: str = "f16",
+                clock: str = "wall") -> Worker:
     return Worker([str(python), str(HERE / "_llamacpp_worker.py"), str(model), "--threads", str(threads),
-                   "--batch", str(batch), "--ctx", str(ctx), "--kv-type", kv_type])
+                   "--batch", str(batch), "--ctx", str(ctx), "--kv-type", kv_type, "--clock", clock])
 
 
-def DeltarunWorker(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> Worker:
+def DeltarunWorker(python: str, model: Path, threads: int, batch: int, pp: int, tg: int,
+                   clock: str = "wall") -> Worker:
     return Worker([python, str(HERE / "_deltarun_worker.py"), str(model), "--threads", str(threads),
-                   "--batch", str(batch), "--pp", str(pp), "--tg", str(tg)])
+                   "--batch", str(batch), "--pp", str(pp), "--tg", str(tg), "--clock", clock])
 
 
 def deltarun_bench(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> dict[str, float]:
@@ -224,16 +226,17 @@ def run_speed(args: argparse.Namespace, python: Path) -> dict:
     builds = deltarun_pythons(args)
     tests = speed_tests(args)
     report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
-                    "cores": os.cpu_count(), "threads": args.threads, "batch": args.batch,
+                    "cores": os.cpu_count(), "threads": args.threads, "batch": args.batch, "clock": args.clock,
                     "rounds": args.rounds, "modes": modes, "builds": list(builds), "models": {}}
     ctx = max(args.pp, 16 + args.tg)
     for model in models:
         print(f"\n== {model} ({model.stat().st_size / 2**20:.0f} MiB), {args.threads} threads, "
               f"batch {args.batch}", flush=True)
-        llama = LlamaWorker(python, model, args.threads, args.batch, ctx)
+        llama = LlamaWorker(python, model, args.threads, args.batch, ctx, clock=args.clock)
         report["llama_cpp_python"] = llama.info.get("llama_cpp_python")
         report["llama_system_info"] = llama.info.get("system_info")
-        drs = {b: DeltarunWorker(py, model, args.threads, args.batch, args.pp, args.tg) for b, py in builds.items()}
+        drs = {b: DeltarunWorker(py, model, args.threads, args.batch, args.pp, args.tg, clock=args.clock)
+               for b, py in builds.items()}
         report["deltarun_llamafile"] = {b: w.info.get("llamafile") for b, w in drs.items()}
         rows: list[dict] = []
         profiles: list[dict] = []
@@ -319,7 +322,7 @@ def run_profiles(args: argparse.Namespace, llama: Worker, drs: dict[str, Worker]
 def print_speed(report: dict) -> None:
     modes, builds = report["modes"], report["builds"]
     print(f"\n{report['date']}  {report['cpu']}, {report['cores']} CPUs, {report['threads']} threads, "
-          f"batch {report['batch']}, {report['rounds']} rounds A/B, llama-cpp-python "
+          f"batch {report['batch']}, {report['clock']} clock, {report['rounds']} rounds A/B, llama-cpp-python "
           f"{report.get('llama_cpp_python')}")
     head = ("| model | test | ggml-python build | deltarun t/s (med) | "
             + " | ".join(f"llama.cpp {m} t/s (med) | ratio vs {m}: min / med / max" for m in modes)
@@ -412,6 +415,9 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=120.0, help="... for at most this many seconds")
     ap.add_argument("--no-cli-check", dest="cli_check", action="store_false",
                     help="skip the final `deltarun bench` run per build")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time runs by wall time, or by each worker's CPU time (with --threads 1 only: on a "
+                         "busy shared machine other processes' time slices do not count then)")
     ap.add_argument("--tests", default="pp,tg", help="plain tests per round: pp, tg (either may be left out)")
     ap.add_argument("--parallel", type=int_list, default=[], metavar="P[,P...]",
                     help="also tg<tg>x<P>: P sequences decoding together (aggregate t/s)")
@@ -424,6 +430,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096, help="context size for --memory")
     ap.add_argument("--json", help="also write the full results here")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (CPU time would count the threads' barrier spinning)")
 
     python = LLAMACPP.ensure()
     report = run_memory(args, python) if args.memory else run_speed(args, python)

@@ -20,7 +20,7 @@ Tests
 
 Each test runs once as a warm-up (builds the graphs of every shape it uses) and then
 `repetitions` times; the result is the mean and sample standard deviation of the per-repetition
-tokens/s (as llama-bench reports them). Times come from `time.perf_counter`.
+tokens/s (as llama-bench reports them). Times come from `time.perf_counter` (`CLOCK`).
 
 JSON schema (`to_json`, `deltarun bench --output json`), version 1::
 
@@ -76,6 +76,10 @@ SCHEMA = "deltarun-bench"
 SCHEMA_VERSION = 1
 TG_PROMPT = 16    # tokens evaluated (untimed) before a tg test, so generation starts from a real state
 TOKEN_SEED = 1234
+#: The clock of every timed run. bench/_deltarun_worker.py --clock cpu sets time.process_time: with
+#: one thread, the CPU time of a run, which other processes' time slices on a shared machine do not
+#: lengthen (with more threads it would count OpenMP's barrier spinning, so it is not used there).
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 def machine_info() -> dict[str, Any]:
@@ -179,28 +183,28 @@ class BenchReport:
 
 def _time_pp(model: Any, tokens: list[int]) -> float:
     model.reset()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     model.eval(tokens)
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def _time_tg(model: Any, prompt: list[int], n: int) -> float:
     model.reset()
     logits = model.eval(prompt)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(n):
         logits = model.eval([int(np.argmax(logits))])
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def _time_tg_depth(model: Any, start: Any, first_logits: np.ndarray, n: int) -> float:
     """N decode steps from a checkpoint taken after the depth prompt (`start`)."""
     model.restore(start)
     logits = first_logits
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(n):
         logits = model.eval([int(np.argmax(logits))])
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def parallel_prompts(tokens: list[int], n_seqs: int) -> dict[int, list[int]]:
@@ -212,10 +216,10 @@ def _time_tg_parallel(model: Any, prompts: dict[int, list[int]], n: int) -> floa
     """N steps of P sequences decoding together (one eval_batch per step)."""
     model.reset()
     logits = model.eval_batch(prompts)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(n):
         logits = model.eval_batch({s: [int(np.argmax(row))] for s, row in logits.items()})
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def bench_context(cfg: BenchConfig) -> int:
