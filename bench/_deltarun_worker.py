@@ -81,9 +81,10 @@ def main() -> None:
 
     def profile(req: dict) -> dict:
         n, reps = req["n"], req.get("reps", 3)
-        pp = profile_ubatch(m, tokens[:n], repetitions=reps, threads=args.threads, test=f"pp{n}")
+        cpu = args.clock == "cpu"
+        pp = profile_ubatch(m, tokens[:n], repetitions=reps, threads=args.threads, test=f"pp{n}", cpu_clock=cpu)
         tg = profile_ubatch(m, tokens[:1], n_past_tokens=tokens[:B.TG_PROMPT], repetitions=reps,
-                            threads=args.threads, test=f"tg1@{B.TG_PROMPT}")
+                            threads=args.threads, test=f"tg1@{B.TG_PROMPT}", cpu_clock=cpu)
         m.reset()
         return {"pp": pp.as_dict(with_nodes=True), "tg": tg.as_dict(with_nodes=True)}
 

@@ -270,7 +270,7 @@ def run_speed(args: argparse.Namespace, python: Path) -> dict:
                 print(f"  deltarun bench -r 1 ({build}): " + ", ".join(f"{k} {v:.1f} t/s" for k, v in cli[build].items()),
                       flush=True)
         summary: dict = {}
-        for t in tests:
+        for t in (tests if rows else []):
             test = t["name"]
             summary[test] = {}
             for mode in t["modes"]:
@@ -284,8 +284,9 @@ def run_speed(args: argparse.Namespace, python: Path) -> dict:
                     summary[test][f"ratio_{build}_vs_{mode}"] = summarize(ratios)
                     summary[test][f"best_ratio_{build}_vs_{mode}"] = max(d) / max(ll)
         report["models"][str(model)] = {"rounds": rows, "summary": summary, "cli_check": cli, "profiles": profiles,
-                                        "load": summarize([r["load_before"] for r in rows]),
-                                        "busy": summarize([r[f"busy_{t['name']}"] for r in rows for t in tests])}
+                                        "load": summarize([r["load_before"] for r in rows] or [load1()]),
+                                        "busy": summarize([r[f"busy_{t['name']}"] for r in rows for t in tests]
+                                                          or [0.0])}
     print_speed(report)
     return report
 

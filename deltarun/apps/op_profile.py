@@ -203,8 +203,9 @@ class NodeClock:
     compute's node intervals go to `runs` as {node address: seconds}.
     """
 
-    def __init__(self, computed: set[int]):
+    def __init__(self, computed: set[int], clock_ns: Callable[[], int] = time.perf_counter_ns):
         self.computed = computed
+        self.clock_ns = clock_ns
         self.runs: list[dict[int, float]] = []
         self._last = 0
         self._current: dict[int, float] = {}
@@ -216,7 +217,7 @@ class NodeClock:
             addr = ctypes.addressof(t.contents)
             if ask:
                 return addr in self.computed
-            now = time.perf_counter_ns()
+            now = self.clock_ns()
             self._current[addr] = (now - self._last) * 1e-9
             self._last = now
             self._last_addr = addr
@@ -228,10 +229,10 @@ class NodeClock:
     def start(self) -> None:
         self._current = {}
         self._last_addr = 0
-        self._last = time.perf_counter_ns()
+        self._last = self.clock_ns()
 
     def stop(self) -> None:
-        now = time.perf_counter_ns()
+        now = self.clock_ns()
         if self._last_addr:                      # the tail (nothing computed) joins the last node
             self._current[self._last_addr] += (now - self._last) * 1e-9
         self.runs.append(self._current)
@@ -240,9 +241,10 @@ class NodeClock:
 class _ComputeTimer:
     """Wraps `model.sched.compute` for a while: times each call, optionally with a NodeClock."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter):
         self.model = model
-        self.clock: NodeClock | None = None
+        self.clock = clock
+        self.node_clock: NodeClock | None = None
         self.seconds: list[float] = []
         self.graphs: list[Any] = []
 
@@ -251,15 +253,15 @@ class _ComputeTimer:
         original = sched.compute
 
         def timed(gf: Any) -> None:
-            t0 = time.perf_counter()
-            if self.clock is not None:
-                self.clock.start()
+            t0 = self.clock()
+            if self.node_clock is not None:
+                self.node_clock.start()
             try:
                 original(gf)
             finally:
-                if self.clock is not None:
-                    self.clock.stop()
-                self.seconds.append(time.perf_counter() - t0)
+                if self.node_clock is not None:
+                    self.node_clock.stop()
+                self.seconds.append(self.clock() - t0)
                 self.graphs.append(gf)
 
         sched.compute = timed                   # instance attribute: shadows the method
@@ -267,7 +269,7 @@ class _ComputeTimer:
 
     def __exit__(self, *exc: object) -> None:
         del self.model.sched.compute
-        if self.clock is not None:
+        if self.node_clock is not None:
             self.model.sched.clear_eval_callback()
 
 
@@ -283,7 +285,8 @@ def _graph_nodes(gf: Any) -> list[tuple[int, str, str]]:
 
 
 def profile_ubatch(model: Any, tokens: Sequence[int], *, n_past_tokens: Sequence[int] = (), n_seqs: int = 1,
-                   repetitions: int = 3, test: str | None = None, threads: int = 0) -> OpProfile:
+                   repetitions: int = 3, test: str | None = None, threads: int = 0,
+                   cpu_clock: bool = False) -> OpProfile:
     """Profile one ubatch of `tokens` (per sequence; at most n_batch of them) after `n_past_tokens`
     of context, for `n_seqs` sequences (the model must have been opened with n_seq_max >= n_seqs).
 
@@ -292,6 +295,10 @@ def profile_ubatch(model: Any, tokens: Sequence[int], *, n_past_tokens: Sequence
     starts from the same context: a prompt ubatch restarts from a reset (or a restored
     checkpoint), a decode ubatch continues the sequence by one token per run (the graph stays the
     same within a KV_PAD block; the state grows by one token a run).
+
+    `cpu_clock` times nodes and runs by the calling thread's CPU time instead of wall time: with
+    one thread (ggml then computes in the calling thread) other processes' time slices on a busy
+    machine do not count. With more threads it would miss the other threads' work: not for them.
     """
     toks = [int(t) for t in tokens]
     past = [int(t) for t in n_past_tokens]
@@ -325,26 +332,27 @@ def profile_ubatch(model: Any, tokens: Sequence[int], *, n_past_tokens: Sequence
 
     batch(toks)                                  # builds the graph (not timed)
     plain: list[float] = []
-    with _ComputeTimer(model) as timer:
+    with _ComputeTimer(model, time.thread_time if cpu_clock else time.perf_counter) as timer:
         rewind()
         batch(toks)                              # one untimed run to learn which graph it is
         gf = timer.graphs[-1]
         nodes = _graph_nodes(gf)
-        clock = NodeClock({a for a, _, op in nodes if op not in NO_OPS})
+        clock = NodeClock({a for a, _, op in nodes if op not in NO_OPS},
+                          time.thread_time_ns if cpu_clock else time.perf_counter_ns)
         for _ in range(repetitions):
             rewind()
-            timer.clock = None
+            timer.node_clock = None
             n0 = len(timer.seconds)
             batch(toks)
             plain.append(sum(timer.seconds[n0:]))
             rewind()
-            timer.clock = clock
+            timer.node_clock = clock
             model.sched.set_eval_callback(clock)
             try:
                 batch(toks)
             finally:
                 model.sched.clear_eval_callback()
-                timer.clock = None
+                timer.node_clock = None
         if clock.errors:
             raise RuntimeError(f"profiling callback failed: {clock.errors[0]!r}")
         if any(g is not gf and ctypes.addressof(g.contents) != ctypes.addressof(gf.contents)
