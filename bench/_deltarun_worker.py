@@ -3,17 +3,21 @@
 Same protocol as bench/_llamacpp_worker.py (bench/_worker_protocol.py: JSON lines; each pp/tg
 command = one warm-up run + one timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.apps.bench:
 context = bench_context, ubatch = --batch, threads, f16 KV, fused delta-net) and timed by the
-same functions (`_time_pp`, `_time_tg`) on the same tokens, so a round costs no process start or
-model load and the two engines can be interleaved closely.
+same functions (`_time_pp`, `_time_tg`; `_time_tg_parallel` and `_time_tg_depth` for the tgp and
+tgd commands, on models opened for them on first use) on the same tokens, so a round costs no
+process start or model load and the two engines can be interleaved closely. `profile` answers
+with deltarun.apps.op_profile's profiles of a pp and a tg ubatch.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 
 from deltarun.apps import bench as B
+from deltarun.apps.op_profile import profile_ubatch
 from deltarun.runner.ggml_util import ggml
 from deltarun.runner.model import Model
 
@@ -28,7 +32,13 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--kv-type", default="f16")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time runs by wall time or by this process's CPU time (one thread only)")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        import time
+
+        B.CLOCK = time.process_time
 
     cfg = B.BenchConfig(model=args.model, n_prompt=[args.pp], n_gen=[args.tg], threads=[args.threads],
                         batch=[args.batch], kv_type=args.kv_type)
@@ -40,8 +50,49 @@ def main() -> None:
     def run(cmd: str, n: int, mode: str) -> float:
         return B._time_pp(m, tokens[:n]) if cmd == "pp" else B._time_tg(m, tokens[:B.TG_PROMPT], n)
 
+    others: dict[tuple, Any] = {}     # models opened for parallel / depth tests, kept for later rounds
+
+    def open_other(key: tuple, n_ctx: int, n_seq_max: int = 1) -> Model:
+        if key not in others:
+            others[key] = Model(args.model, backend="cpu", n_ctx=n_ctx, n_batch=args.batch, n_threads=args.threads,
+                                kv_type=args.kv_type, delta_net=cfg.delta_net, n_seq_max=n_seq_max)
+        return others[key]
+
+    def tgp(req: dict) -> dict:
+        n, p = req["n"], req["p"]
+        mp = open_other(("p", p, n), B.TG_PROMPT + n, p)
+        prompts = B.parallel_prompts(tokens, p)
+        B._time_tg_parallel(mp, prompts, n)                                   # warm-up
+        return {"s": B._time_tg_parallel(mp, prompts, n)}
+
+    depth_starts: dict[int, tuple] = {}
+
+    def tgd(req: dict) -> dict:
+        n, d = req["n"], req["d"]
+        md = open_other(("d", d, n), d + n)
+        if d not in depth_starts:
+            ctx_tokens = np.random.default_rng(B.TOKEN_SEED).integers(0, md.hp.n_vocab, size=d).tolist()
+            md.reset()
+            first = md.eval(ctx_tokens)
+            depth_starts[d] = (md.checkpoint(), first)
+        start, first = depth_starts[d]
+        B._time_tg_depth(md, start, first, n)                                  # warm-up
+        return {"s": B._time_tg_depth(md, start, first, n)}
+
+    def profile(req: dict) -> dict:
+        n, reps = req["n"], req.get("reps", 3)
+        cpu = args.clock == "cpu"
+        pp = profile_ubatch(m, tokens[:n], repetitions=reps, threads=args.threads, test=f"pp{n}", cpu_clock=cpu)
+        tg = profile_ubatch(m, tokens[:1], n_past_tokens=tokens[:B.TG_PROMPT], repetitions=reps,
+                            threads=args.threads, test=f"tg1@{B.TG_PROMPT}", cpu_clock=cpu)
+        m.reset()
+        return {"pp": pp.as_dict(with_nodes=True), "tg": tg.as_dict(with_nodes=True)}
+
     serve({"llamafile": int(ggml.ggml_cpu_has_llamafile()), "ggml": ggml.__file__}, run,
-          extra=lambda: {"builds": m.stats.n_graph_builds})
+          extra=lambda: {"builds": m.stats.n_graph_builds},
+          commands={"tgp": tgp, "tgd": tgd, "profile": profile})
+    for other in others.values():
+        other.close()
     m.close()
 
 

@@ -5,9 +5,14 @@ Plain Python only: it runs in deltarun's environment and in bench/.venv-llamacpp
     {"cmd": "pp", "n": 512, "mode": "eval"}   -> {"s": seconds, ...}
     {"cmd": "tg", "n": 128, "mode": "eval"}   -> {"s": seconds, ...}
     {"cmd": "rss"}                             -> {"rss": bytes, "peak": bytes}
+    {"cmd": "tgp", "n": 128, "p": 4}           -> {"s": seconds}: P sequences decoding N steps together
+    {"cmd": "tgd", "n": 128, "d": 4096}        -> {"s": seconds}: N decode steps after D tokens of context
+    {"cmd": "profile", "n": 512, "reps": 3, "no_ops": [...]}
+        -> {"pp": {...}, "tg": {...}}: per-node times of a pp ubatch of N tokens and of a one-token
+           decode after 16, each {"nodes": [[name, op, [seconds per run]], ...], "plain_s": [...]}
     {"cmd": "quit"}
 
-Each pp/tg command is one warm-up run plus one timed run, as `deltarun bench -r 1`.
+Each pp/tg/tgp/tgd command is one warm-up run plus one timed run, as `deltarun bench -r 1`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ def rss_bytes() -> int:
 
 
 def serve(ready: dict[str, Any], run: Callable[[str, int, str], float],
-          extra: Callable[[], dict[str, Any]] = dict) -> None:
-    """Announce `ready`, then answer commands; `run(cmd, n, mode)` times one pp or tg run, and
-    `extra()` adds fields to each timing reply."""
+          extra: Callable[[], dict[str, Any]] = dict,
+          commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None) -> None:
+    """Announce `ready`, then answer commands; `run(cmd, n, mode)` times one pp or tg run,
+    `extra()` adds fields to each timing reply, and `commands[cmd](request)` answers the others."""
     out = sys.stdout
     print(json.dumps(dict(ready, ready=True)), file=out, flush=True)
     for line in sys.stdin:
@@ -38,6 +44,8 @@ def serve(ready: dict[str, Any], run: Callable[[str, int, str], float],
             mode = req.get("mode", "eval")
             run(cmd, req["n"], mode)                                   # warm-up
             print(json.dumps(dict(s=run(cmd, req["n"], mode), **extra())), file=out, flush=True)
+        elif commands and cmd in commands:
+            print(json.dumps(commands[cmd](req)), file=out, flush=True)
         elif cmd == "rss":
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             print(json.dumps({"rss": rss_bytes(), "peak": peak}), file=out, flush=True)

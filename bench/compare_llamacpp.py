@@ -31,6 +31,16 @@ installed: scripts/install.sh builds it with -DGGML_LLAMAFILE=ON, as llama.cpp b
 with --ggml-builds installed,stock, also on the plain sdist build (ggml's default
 GGML_LLAMAFILE=OFF) in bench/.venv-ggml-stock (bench/bench_envs.py, built on first use).
 
+Optional tests (after pp/tg in each round; --tests pp,tg picks the plain ones): --parallel 1,2,4,8
+adds tg<N>x<P>, P sequences decoding together (deltarun: one Model.eval_batch per step; llama.cpp:
+one llama_decode with one token per sequence, per-sequence KV cache), aggregate tokens/s; --depth
+4096,16384 adds tg<N>@d<D>, decoding after D tokens of context (evaluated once per worker; each run
+restores the state: deltarun Model.checkpoint/restore, llama.cpp llama_state_seq_set_data). Both
+sides run these through their lowest-level decode call, so llama.cpp has only its `raw` mode there.
+--profile, after the rounds, prints both engines' per-op and per-group profiles of a pp and a tg
+ubatch side by side (deltarun.apps.op_profile: the eval-callback method and its overhead).
+--preset bench-vocab151k uses the bench shape with the real 151,936-token vocabulary.
+
 --memory instead measures peak resident memory for pp512 + tg128 at ctx 4096 in fresh processes
 (deltarun's Model API vs the llama.cpp worker) and prints the ratio.
 """
@@ -96,18 +106,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def ensure_models(paths: list[str]) -> list[Path]:
+def ensure_models(paths: list[str], preset: str = "bench") -> list[Path]:
     if paths:
         return [Path(p) for p in paths]
     DEFAULT_DIR.mkdir(parents=True, exist_ok=True)
     out = []
     for wtype in ("q8_0", "f16"):
-        p = DEFAULT_DIR / f"bench-{wtype}.gguf"
+        p = DEFAULT_DIR / f"{preset}-{wtype}.gguf"
         if not p.exists():
             from deltarun.model_files.generate import write_model
 
-            print(f"writing {p} (bench preset, {wtype})", file=sys.stderr, flush=True)
-            write_model(p, "bench", wtype)
+            print(f"writing {p} ({preset} preset, {wtype})", file=sys.stderr, flush=True)
+            write_model(p, preset, wtype)
         out.append(p)
     return out
 
@@ -126,7 +136,10 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"benchmark worker exited (code {self.proc.poll()})")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise RuntimeError(f"benchmark worker wrote something else than JSON: {line[:300]!r}") from None
 
     def ask(self, **req) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -142,14 +155,16 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
-def LlamaWorker(python: Path, model: Path, threads: int, batch: int, ctx: int, kv_type: str = "f16") -> Worker:
+def LlamaWorker(python: Path, model: Path, threads: int, batch: int, ctx: int, kv_type: str = "f16",
+                clock: str = "wall") -> Worker:
     return Worker([str(python), str(HERE / "_llamacpp_worker.py"), str(model), "--threads", str(threads),
-                   "--batch", str(batch), "--ctx", str(ctx), "--kv-type", kv_type])
+                   "--batch", str(batch), "--ctx", str(ctx), "--kv-type", kv_type, "--clock", clock])
 
 
-def DeltarunWorker(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> Worker:
+def DeltarunWorker(python: str, model: Path, threads: int, batch: int, pp: int, tg: int,
+                   clock: str = "wall") -> Worker:
     return Worker([python, str(HERE / "_deltarun_worker.py"), str(model), "--threads", str(threads),
-                   "--batch", str(batch), "--pp", str(pp), "--tg", str(tg)])
+                   "--batch", str(batch), "--pp", str(pp), "--tg", str(tg), "--clock", clock])
 
 
 def deltarun_bench(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> dict[str, float]:
@@ -180,38 +195,68 @@ def deltarun_pythons(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def speed_tests(args: argparse.Namespace) -> list[dict]:
+    """The tests of a round: name, worker request, tokens per timed run, llama.cpp modes that apply.
+
+    pp/tg are timed in both llama.cpp modes; tg<N>x<P> (P sequences per llama_decode) and
+    tg<N>@d<D> (after D tokens of context) go through llama_decode directly (mode raw)."""
+    modes = [m for m in args.modes.split(",") if m]
+    out = []
+    for kind in [k for k in args.tests.split(",") if k]:
+        if kind not in ("pp", "tg"):
+            raise SystemExit(f"unknown test kind {kind!r} (pp, tg)")
+        n = args.pp if kind == "pp" else args.tg
+        out.append({"name": f"{kind}{n}", "req": {"cmd": kind, "n": n}, "tokens": n, "modes": modes})
+    for p in args.parallel:
+        out.append({"name": f"tg{args.tg}x{p}", "req": {"cmd": "tgp", "n": args.tg, "p": p},
+                    "tokens": p * args.tg, "modes": ["raw"]})
+    for d in args.depth:
+        out.append({"name": f"tg{args.tg}@d{d}", "req": {"cmd": "tgd", "n": args.tg, "d": d},
+                    "tokens": args.tg, "modes": ["raw"]})
+    return out
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def run_speed(args: argparse.Namespace, python: Path) -> dict:
-    models = ensure_models(args.model)
+    models = ensure_models(args.model, args.preset)
     modes = [m for m in args.modes.split(",") if m]
     builds = deltarun_pythons(args)
-    tests = [("pp", args.pp, f"pp{args.pp}"), ("tg", args.tg, f"tg{args.tg}")]
+    tests = speed_tests(args)
     report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
-                    "cores": os.cpu_count(), "threads": args.threads, "batch": args.batch,
+                    "cores": os.cpu_count(), "threads": args.threads, "batch": args.batch, "clock": args.clock,
                     "rounds": args.rounds, "modes": modes, "builds": list(builds), "models": {}}
+    ctx = max(args.pp, 16 + args.tg)
     for model in models:
         print(f"\n== {model} ({model.stat().st_size / 2**20:.0f} MiB), {args.threads} threads, "
               f"batch {args.batch}", flush=True)
-        llama = LlamaWorker(python, model, args.threads, args.batch, max(args.pp, 16 + args.tg))
+        llama = LlamaWorker(python, model, args.threads, args.batch, ctx, clock=args.clock)
         report["llama_cpp_python"] = llama.info.get("llama_cpp_python")
         report["llama_system_info"] = llama.info.get("system_info")
-        drs = {b: DeltarunWorker(py, model, args.threads, args.batch, args.pp, args.tg) for b, py in builds.items()}
+        drs = {b: DeltarunWorker(py, model, args.threads, args.batch, args.pp, args.tg, clock=args.clock)
+               for b, py in builds.items()}
         report["deltarun_llamafile"] = {b: w.info.get("llamafile") for b, w in drs.items()}
         rows: list[dict] = []
+        profiles: list[dict] = []
         try:
             for rnd in range(args.rounds):
                 row: dict = {"round": rnd, "load_before": load1()}
-                for kind, n, _ in tests:
+                for t in tests:
                     busy = wait_quiet(args.quiet, args.quiet_wait) if args.quiet_wait > 0 else busy_cpus(0.5)
-                    row[f"busy_{kind}"] = busy
-                    for mode in modes:                                  # A: llama.cpp
-                        row[f"llama_{mode}_{kind}"] = n / llama.ask(cmd=kind, n=n, mode=mode)["s"]
+                    row[f"busy_{t['name']}"] = busy
+                    for mode in t["modes"]:                             # A: llama.cpp
+                        row[f"llama_{mode}_{t['name']}"] = t["tokens"] / llama.ask(**t["req"], mode=mode)["s"]
                     for build, w in drs.items():                        # B: deltarun
-                        row[f"deltarun_{build}_{kind}"] = n / w.ask(cmd=kind, n=n)["s"]
+                        row[f"deltarun_{build}_{t['name']}"] = t["tokens"] / w.ask(**t["req"])["s"]
                 row["load_after"] = load1()
                 rows.append(row)
                 print(f"  round {rnd}: load {row['load_before']:.2f}->{row['load_after']:.2f}  "
                       + "  ".join(f"{k}={v:.1f}" for k, v in row.items()
                                   if k.startswith(("llama_", "deltarun_", "busy_"))), flush=True)
+            if args.profile:
+                profiles = run_profiles(args, llama, drs)
         finally:
             llama.close()
             for w in drs.values():
@@ -225,29 +270,60 @@ def run_speed(args: argparse.Namespace, python: Path) -> dict:
                 print(f"  deltarun bench -r 1 ({build}): " + ", ".join(f"{k} {v:.1f} t/s" for k, v in cli[build].items()),
                       flush=True)
         summary: dict = {}
-        for kind, _, test in tests:
+        for t in (tests if rows else []):
+            test = t["name"]
             summary[test] = {}
-            for mode in modes:
-                summary[test][f"llama_{mode}_tps"] = summarize([r[f"llama_{mode}_{kind}"] for r in rows])
+            for mode in t["modes"]:
+                summary[test][f"llama_{mode}_tps"] = summarize([r[f"llama_{mode}_{test}"] for r in rows])
             for build in builds:
-                d = [r[f"deltarun_{build}_{kind}"] for r in rows]
+                d = [r[f"deltarun_{build}_{test}"] for r in rows]
                 summary[test][f"deltarun_{build}_tps"] = summarize(d)
-                for mode in modes:
-                    ll = [r[f"llama_{mode}_{kind}"] for r in rows]
+                for mode in t["modes"]:
+                    ll = [r[f"llama_{mode}_{test}"] for r in rows]
                     ratios = [a / b for a, b in zip(d, ll)]
                     summary[test][f"ratio_{build}_vs_{mode}"] = summarize(ratios)
                     summary[test][f"best_ratio_{build}_vs_{mode}"] = max(d) / max(ll)
-        report["models"][str(model)] = {"rounds": rows, "summary": summary, "cli_check": cli,
-                                        "load": summarize([r["load_before"] for r in rows]),
-                                        "busy": summarize([r[f"busy_{k}"] for r in rows for k, _, _ in tests])}
+        report["models"][str(model)] = {"rounds": rows, "summary": summary, "cli_check": cli, "profiles": profiles,
+                                        "load": summarize([r["load_before"] for r in rows] or [load1()]),
+                                        "busy": summarize([r[f"busy_{t['name']}"] for r in rows for t in tests]
+                                                          or [0.0])}
     print_speed(report)
     return report
+
+
+def run_profiles(args: argparse.Namespace, llama: Worker, drs: dict[str, Worker]) -> list[dict]:
+    """Per-op profiles of a pp and a tg ubatch on both engines, through each one's eval callback
+    (deltarun.apps.op_profile explains the method and its overhead); printed side by side."""
+    from deltarun.apps.op_profile import NO_OPS, format_profiles, make_profile
+
+    if args.quiet_wait > 0:
+        wait_quiet(args.quiet, args.quiet_wait)
+    raw = llama.ask(cmd="profile", n=args.pp, reps=args.profile_reps, no_ops=sorted(NO_OPS))
+    out: dict[str, list[dict]] = {"pp": [], "tg": []}
+    for build, w in drs.items():
+        got = w.ask(cmd="profile", n=args.pp, reps=args.profile_reps)
+        for kind in ("pp", "tg"):
+            d = got[kind]
+            d["engine"] = f"deltarun ({build})" if len(drs) > 1 else "deltarun"
+            out[kind].append(d)
+    for kind in ("pp", "tg"):
+        r = raw[kind]
+        recs = [(name, op, secs) for name, op, secs in r["nodes"]]
+        prof = make_profile(recs, len(recs), test=f"pp{args.pp}" if kind == "pp" else "tg1@16", kind=kind,
+                            n_tokens=args.pp if kind == "pp" else 1, n_seqs=1, n_past=0 if kind == "pp" else 16,
+                            threads=args.threads, repetitions=args.profile_reps,
+                            plain_s=statistics.fmean(r["plain_s"]), engine="llama.cpp")
+        out[kind].append(prof.as_dict(with_nodes=True))
+    docs = out["pp"] + out["tg"]
+    print("\nper-op profile (seconds per ggml op and node group, eval callback, node by node):")
+    print(format_profiles(docs))
+    return docs
 
 
 def print_speed(report: dict) -> None:
     modes, builds = report["modes"], report["builds"]
     print(f"\n{report['date']}  {report['cpu']}, {report['cores']} CPUs, {report['threads']} threads, "
-          f"batch {report['batch']}, {report['rounds']} rounds A/B, llama-cpp-python "
+          f"batch {report['batch']}, {report['clock']} clock, {report['rounds']} rounds A/B, llama-cpp-python "
           f"{report.get('llama_cpp_python')}")
     head = ("| model | test | ggml-python build | deltarun t/s (med) | "
             + " | ".join(f"llama.cpp {m} t/s (med) | ratio vs {m}: min / med / max" for m in modes)
@@ -259,6 +335,9 @@ def print_speed(report: dict) -> None:
             for build in builds:
                 cells = [Path(model).name, test, build, f"{s[f'deltarun_{build}_tps']['median']:.2f}"]
                 for m in modes:
+                    if f"ratio_{build}_vs_{m}" not in s:
+                        cells += ["", ""]
+                        continue
                     r = s[f"ratio_{build}_vs_{m}"]
                     cells += [f"{s[f'llama_{m}_tps']['median']:.2f}",
                               f"{r['min']:.3f} / **{r['median']:.3f}** / {r['max']:.3f} "
@@ -289,7 +368,7 @@ print(json.dumps({"base": base, "after_load": after_load, "rss": rss(),
 
 
 def run_memory(args: argparse.Namespace, python: Path) -> dict:
-    models = ensure_models(args.model)
+    models = ensure_models(args.model, args.preset)
     report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "ctx": args.ctx, "models": {}}
     print("| model | ctx | deltarun peak RSS | llama.cpp peak RSS | ratio | deltarun RSS after load |")
     print("|---|---|---|---|---|---|")
@@ -321,6 +400,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", default=[], help="GGUF to compare (repeatable); "
                     "default: the bench preset as Q8_0 and F16 in /tmp/drbench")
+    ap.add_argument("--preset", default="bench",
+                    help="generator preset of the default models (bench, bench-vocab151k: real vocabulary)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--pp", type=int, default=512)
@@ -335,10 +416,23 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=120.0, help="... for at most this many seconds")
     ap.add_argument("--no-cli-check", dest="cli_check", action="store_false",
                     help="skip the final `deltarun bench` run per build")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time runs by wall time, or by each worker's CPU time (with --threads 1 only: on a "
+                         "busy shared machine other processes' time slices do not count then)")
+    ap.add_argument("--tests", default="pp,tg", help="plain tests per round: pp, tg (either may be left out)")
+    ap.add_argument("--parallel", type=int_list, default=[], metavar="P[,P...]",
+                    help="also tg<tg>x<P>: P sequences decoding together (aggregate t/s)")
+    ap.add_argument("--depth", type=int_list, default=[], metavar="D[,D...]",
+                    help="also tg<tg>@d<D>: decoding after D tokens of context")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds, per-op profiles of a pp and a tg ubatch on both engines")
+    ap.add_argument("--profile-reps", type=int, default=3, help="profiled runs per ubatch")
     ap.add_argument("--memory", action="store_true", help="measure peak RSS (ctx --ctx) instead of speed")
     ap.add_argument("--ctx", type=int, default=4096, help="context size for --memory")
     ap.add_argument("--json", help="also write the full results here")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (CPU time would count the threads' barrier spinning)")
 
     python = LLAMACPP.ensure()
     report = run_memory(args, python) if args.memory else run_speed(args, python)

@@ -22,7 +22,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-VOCAB = Path("/work/shared/data/vocab/ggml-vocab-qwen2.gguf")
+from deltarun.model_files.vocab import qwen2_vocab_path  # noqa: E402
+
+VOCAB = Path(qwen2_vocab_path())
 BIG = Path("/tmp/drbench/big-f16.gguf")
 
 PRELUDE = r"""
@@ -95,27 +97,11 @@ def run(python: str, code: str, *argv: str) -> dict:
 def write_big(path: Path) -> None:
     """The Qwen3-Next generator's file, with the real vocabulary and a bigger config."""
     from deltarun.model_files import generate as gen
-    from deltarun.model_files.vocab import TinyVocab
 
-    from deltarun.runner.fast_gguf import FastGGUFReader, array_values
-
-    rd = FastGGUFReader(str(VOCAB))
-    f = rd.fields
-    vocab = TinyVocab(tokens=tuple(array_values(f["tokenizer.ggml.tokens"])),
-                      token_types=tuple(array_values(f["tokenizer.ggml.token_type"])),
-                      merges=tuple(array_values(f["tokenizer.ggml.merges"])),
-                      bos_id=array_values(f["tokenizer.ggml.bos_token_id"]),
-                      eos_id=array_values(f["tokenizer.ggml.eos_token_id"]),
-                      pad_id=array_values(f["tokenizer.ggml.eos_token_id"]))
     cfg = gen.ModelConfig(n_embd=2048, n_layer=8, n_head=16, n_head_kv=2, head_dim=128, n_rot=64,
                           ssm_d_state=128, ssm_n_k_heads=16, ssm_n_v_heads=32, n_expert=16, n_expert_used=4,
-                          n_ff_exp=512, n_ff_shexp=512)
-    orig = gen.tiny_vocab
-    gen.tiny_vocab = lambda: vocab
-    try:
-        gen.write_model(path, cfg, "f16", name="deltarun synthetic qwen3next big f16 (real vocab)")
-    finally:
-        gen.tiny_vocab = orig
+                          n_ff_exp=512, n_ff_shexp=512, vocab="qwen2")
+    gen.write_model(path, cfg, "f16", name="deltarun synthetic qwen3next big f16 (real vocab)")
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.vocab import tiny_vocab
+from deltarun.model_files.vocab import VOCABS, tiny_vocab
 
 ARCH = "qwen3next"
 
@@ -69,6 +69,9 @@ class ModelConfig:
     #: hidden state stays close to the current token's embedding, so with a tied LM head greedy
     #: decoding repeats the last token and n-gram / MTP drafts are accepted (speed-up measurements).
     residual_scale: float = 1.0
+    #: Vocabulary the file carries (models/vocab.py VOCABS): "tiny" (2,330 tokens) or "qwen2" (the
+    #: real 151,936-token vocabulary, read from llama.cpp's vocabulary file).
+    vocab: str = "tiny"
 
     @property
     def recurrent(self) -> list[bool]:
@@ -99,6 +102,9 @@ PRESETS: dict[str, ModelConfig] = {
         n_ff_exp=512, n_ff_shexp=512,
     ),
 }
+# The bench shape with the real Qwen2/Qwen3-Next vocabulary (151,936 tokens): the embedding and
+# LM head cost of a real small model (issue 16). Needs models/vocab.py's qwen2_vocab file.
+PRESETS["bench-vocab151k"] = dataclasses.replace(PRESETS["bench"], vocab="qwen2")
 
 
 def _block_tensors(cfg: ModelConfig, il: int, rng: np.random.Generator, recurrent: bool) -> dict[str, np.ndarray]:
@@ -233,7 +239,9 @@ def write_model(path: str | Path, config: ModelConfig | str = "tiny", wtype: str
     cfg = PRESETS[config] if isinstance(config, str) else config
     if wtype not in WEIGHT_TYPES:
         raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = tiny_vocab()
+    if cfg.vocab not in VOCABS:
+        raise ValueError(f"unknown vocabulary {cfg.vocab!r}; choose from {', '.join(VOCABS)}")
+    vocab = tiny_vocab() if cfg.vocab == "tiny" else VOCABS[cfg.vocab]()
     tensors = model_tensors(cfg, len(vocab.tokens), seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,3 +68,42 @@ def tiny_vocab() -> TinyVocab:
         add_bos=bool(doc.get("add_bos", False)),
         pre=doc.get("pre", "qwen2"),
     )
+
+
+#: llama.cpp's Qwen2 vocabulary file (151,936 tokens, 151,387 merges): the real vocabulary of
+#: Qwen2 and Qwen3-Next. Set DELTARUN_QWEN2_VOCAB to use a copy elsewhere.
+QWEN2_VOCAB_FILE = "/work/shared/data/vocab/ggml-vocab-qwen2.gguf"
+QWEN2_VOCAB_ENV = "DELTARUN_QWEN2_VOCAB"
+
+
+def qwen2_vocab_path() -> str:
+    import os
+
+    return os.environ.get(QWEN2_VOCAB_ENV) or QWEN2_VOCAB_FILE
+
+
+@lru_cache(maxsize=1)
+def qwen2_vocab() -> TinyVocab:
+    """The real Qwen2 vocabulary, read from llama.cpp's vocabulary GGUF (`qwen2_vocab_path`).
+
+    Benchmark presets use it so that the embedding and LM head have a real model's size (the tiny
+    vocabulary's 2,330 rows hide the cost that dominates decoding small real models)."""
+    import os
+
+    from deltarun.runner.errors import DeltarunError
+    from deltarun.runner.fast_gguf import FastGGUFReader, array_values
+
+    path = qwen2_vocab_path()
+    if not os.path.exists(path):
+        raise DeltarunError(f"the real Qwen2 vocabulary file {path} does not exist (llama.cpp's "
+                            f"models/ggml-vocab-qwen2.gguf; point {QWEN2_VOCAB_ENV} at a copy)")
+    f = FastGGUFReader(path).fields
+    eos = int(array_values(f["tokenizer.ggml.eos_token_id"]))
+    return TinyVocab(tokens=tuple(array_values(f["tokenizer.ggml.tokens"])),
+                     token_types=tuple(int(t) for t in array_values(f["tokenizer.ggml.token_type"])),
+                     merges=tuple(array_values(f["tokenizer.ggml.merges"])),
+                     bos_id=int(array_values(f["tokenizer.ggml.bos_token_id"])), eos_id=eos, pad_id=eos)
+
+
+#: Vocabularies a generator preset can name (ModelConfig.vocab).
+VOCABS = {"tiny": tiny_vocab, "qwen2": qwen2_vocab}

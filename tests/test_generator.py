@@ -16,7 +16,7 @@ from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.model import Model
 
 F32 = "F32"
-RUNNABLE_PRESETS = [p for p in gen.PRESETS if p != "bench"]   # bench is ~1 GB in f32: checked by config only
+RUNNABLE_PRESETS = [p for p in gen.PRESETS if not p.startswith("bench")]   # bench* are ~1 GB in f32: config only
 
 # Relative error bound of dequantized weights against the f32 file, by type.
 QUANT_TOLERANCE = {"f32": 0.0, "f16": 5e-4, "bf16": 4e-3, "q8_0": 1e-2, "q6_k": 3e-2, "q5_k": 6e-2,
@@ -239,6 +239,27 @@ def test_bench_preset_config():
     # every weight row is a whole number of 256-blocks, so K-quants apply to all of them
     for n in (cfg.n_embd, cfg.n_ff_exp, cfg.n_ff_shexp, cfg.value_dim, cfg.head_dim * cfg.n_head):
         assert n % 256 == 0
+
+
+def test_real_vocabulary_bench_preset():
+    """bench-vocab151k: the bench shape with the real Qwen2 vocabulary (151,936 tokens)."""
+    import dataclasses
+    import os
+
+    from deltarun.model_files.vocab import qwen2_vocab, qwen2_vocab_path
+
+    cfg = gen.PRESETS["bench-vocab151k"]
+    assert cfg.vocab == "qwen2" and dataclasses.replace(cfg, vocab="tiny") == gen.PRESETS["bench"]
+    if not os.path.exists(qwen2_vocab_path()):
+        pytest.skip("no Qwen2 vocabulary file here")
+    v = qwen2_vocab()
+    assert v.n_vocab == 151936 and len(v.merges) == 151387 and len(v.token_types) == v.n_vocab
+    assert v.tokens[v.eos_id] == "<|endoftext|>"
+
+
+def test_unknown_vocabulary_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown vocabulary"):
+        gen.write_model(tmp_path / "x.gguf", gen.config_with(vocab="nope"))
 
 
 def test_legacy_ssm_in_groups_rows_per_key_head(tiny_model_path):

@@ -10,9 +10,17 @@ Tests
 - ``tg<N>``: after a short prompt of TG_PROMPT tokens (not timed), N single-token evaluations,
   each feeding the argmax of the previous logits; tokens/s = N / seconds.
 
+- ``tg<N>@d<D>`` (``depth``, llama-bench's -d): the same, after D tokens of context (evaluated
+  once, untimed; each repetition restores the recurrent state to that point with
+  `Model.checkpoint`/`restore` and overwrites the KV rows after it).
+- ``tg<N>x<P>`` (``parallel``): P sequences decoding together, N steps of one token each, every
+  step one `Model.eval_batch` call (one ubatch of P tokens), after an untimed TG_PROMPT-token
+  prompt per sequence; tokens/s = P * N / seconds (aggregate, what a server decoding P requests
+  gets).
+
 Each test runs once as a warm-up (builds the graphs of every shape it uses) and then
 `repetitions` times; the result is the mean and sample standard deviation of the per-repetition
-tokens/s (as llama-bench reports them). Times come from `time.perf_counter`.
+tokens/s (as llama-bench reports them). Times come from `time.perf_counter` (`CLOCK`).
 
 JSON schema (`to_json`, `deltarun bench --output json`), version 1::
 
@@ -32,6 +40,12 @@ JSON schema (`to_json`, `deltarun bench --output json`), version 1::
          "avg_s": float, "avg_tps": float, "stddev_tps": float}
       ]
     }
+
+``n_depth`` and ``n_parallel`` (0 and 1 for plain pp/tg rows) are in each result row. With
+``profile`` the report also has ``"profiles": [...]``, one per backend/ngl/batch/threads for a pp
+ubatch (min(first -p, batch) tokens) and a tg ubatch (one token after TG_PROMPT): the objects of
+`deltarun.apps.op_profile.OpProfile.as_dict` (seconds per ggml op and per node group, the
+profiling overhead; see that module for how node times are taken).
 
 ``size_bytes`` and ``n_params`` count every tensor in the file (llama-bench's model size and
 parameter count). ``gpu_layers`` is the --gpu-layers value (null: everything on the backend's
@@ -62,6 +76,10 @@ SCHEMA = "deltarun-bench"
 SCHEMA_VERSION = 1
 TG_PROMPT = 16    # tokens evaluated (untimed) before a tg test, so generation starts from a real state
 TOKEN_SEED = 1234
+#: The clock of every timed run. bench/_deltarun_worker.py --clock cpu sets time.process_time: with
+#: one thread, the CPU time of a run, which other processes' time slices on a shared machine do not
+#: lengthen (with more threads it would count OpenMP's barrier spinning, so it is not used there).
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 def machine_info() -> dict[str, Any]:
@@ -106,6 +124,10 @@ class BenchConfig:
     repetitions: int = 5
     kv_type: str = "f16"
     delta_net: str = "fused"
+    depth: Sequence[int] = ()            # tg after this many tokens of context (llama-bench -d)
+    parallel: Sequence[int] = ()         # aggregate tg with this many sequences decoding together
+    profile: bool = False                # per-op / per-group time of a pp and a tg ubatch
+    profile_repetitions: int = 3
 
 
 @dataclass
@@ -121,6 +143,8 @@ class BenchResult:
     repetitions: int
     samples_s: list[float] = field(default_factory=list)
     samples_tps: list[float] = field(default_factory=list)
+    n_depth: int = 0
+    n_parallel: int = 1
 
     @property
     def avg_s(self) -> float:
@@ -146,38 +170,76 @@ class BenchReport:
     model: dict[str, Any]
     settings: dict[str, Any]
     results: list[BenchResult]
+    profiles: list[Any] = field(default_factory=list)    # op_profile.OpProfile, with --profile
 
     def as_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "deltarun_version": deltarun.__version__,
-                "machine": self.machine, "model": self.model, "settings": self.settings,
-                "results": [r.as_dict() for r in self.results]}
+        d = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "deltarun_version": deltarun.__version__,
+             "machine": self.machine, "model": self.model, "settings": self.settings,
+             "results": [r.as_dict() for r in self.results]}
+        if self.profiles:
+            d["profiles"] = [p.as_dict() for p in self.profiles]
+        return d
 
 
 def _time_pp(model: Any, tokens: list[int]) -> float:
     model.reset()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     model.eval(tokens)
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def _time_tg(model: Any, prompt: list[int], n: int) -> float:
     model.reset()
     logits = model.eval(prompt)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(n):
         logits = model.eval([int(np.argmax(logits))])
-    return time.perf_counter() - t0
+    return CLOCK() - t0
+
+
+def _time_tg_depth(model: Any, start: Any, first_logits: np.ndarray, n: int) -> float:
+    """N decode steps from a checkpoint taken after the depth prompt (`start`)."""
+    model.restore(start)
+    logits = first_logits
+    t0 = CLOCK()
+    for _ in range(n):
+        logits = model.eval([int(np.argmax(logits))])
+    return CLOCK() - t0
+
+
+def parallel_prompts(tokens: list[int], n_seqs: int) -> dict[int, list[int]]:
+    """TG_PROMPT tokens per sequence, a different slice of the random tokens for each."""
+    return {s: [tokens[(s * TG_PROMPT + i) % len(tokens)] for i in range(TG_PROMPT)] for s in range(n_seqs)}
+
+
+def _time_tg_parallel(model: Any, prompts: dict[int, list[int]], n: int) -> float:
+    """N steps of P sequences decoding together (one eval_batch per step)."""
+    model.reset()
+    logits = model.eval_batch(prompts)
+    t0 = CLOCK()
+    for _ in range(n):
+        logits = model.eval_batch({s: [int(np.argmax(row))] for s, row in logits.items()})
+    return CLOCK() - t0
 
 
 def bench_context(cfg: BenchConfig) -> int:
-    """Context size that fits every test of the grid."""
+    """Context size that fits every plain pp/tg test of the grid."""
     need = max([p for p in cfg.n_prompt] + [TG_PROMPT + n for n in cfg.n_gen if n > 0] + [1])
     return need
 
 
+def _depths(cfg: BenchConfig) -> list[int]:
+    return [d for d in cfg.depth if d > 0]
+
+
 def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
-               info_out: dict[str, Any] | None = None) -> Iterator[BenchResult]:
-    """Run the grid, yielding each result as it is measured."""
+               info_out: dict[str, Any] | None = None, profiles_out: list[Any] | None = None
+               ) -> Iterator[BenchResult]:
+    """Run the grid, yielding each result as it is measured (profiles go to `profiles_out`).
+
+    Plain pp/tg tests run on a model opened with the context they need (`bench_context`), as
+    before; depth tests and parallel tests each open the model again with the context / number
+    of sequences they need, so they never change the plain tests' setup."""
     from deltarun.runner.backend import physical_cores
     from deltarun.runner.model import Model
 
@@ -185,47 +247,100 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
         raise DeltarunError("repetitions must be at least 1")
     pps = [p for p in cfg.n_prompt if p > 0]
     tgs = [n for n in cfg.n_gen if n > 0]
-    if not pps and not tgs:
+    depths = _depths(cfg)
+    parallel = [p for p in cfg.parallel if p > 0]
+    if (depths or parallel) and not tgs:
+        raise DeltarunError("--depth and --parallel measure generation: give -n N > 0")
+    if not pps and not tgs and not cfg.profile:
         raise DeltarunError("nothing to measure: every -p and -n is 0")
     threads = list(cfg.threads) or [physical_cores()]
     n_ctx = bench_context(cfg)
     if settings_out is not None:
         settings_out.update(repetitions=cfg.repetitions, tg_prompt=TG_PROMPT, kv_type=cfg.kv_type,
                             delta_net=cfg.delta_net, n_ctx=n_ctx)
+        if depths:
+            settings_out["depth"] = depths
+        if parallel:
+            settings_out["parallel"] = parallel
     gpu_layers: list[int | None] = list(cfg.gpu_layers) or [None]
     grid = [(b, ngl, batch) for b in cfg.backends for ngl in gpu_layers for batch in cfg.batch]
+
+    def open_model(backend: str, ngl: int | None, batch: int, ctx: int, n_seq_max: int = 1) -> Any:
+        return Model(cfg.model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads[0],
+                     kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, n_seq_max=n_seq_max)
+
+    def measure(m: Any, ngl: int | None, batch: int, t: int, kind: str, p: int, n: int,
+                run: Callable[[], float], test: str, depth: int = 0, n_par: int = 1) -> BenchResult:
+        run()  # warm-up: builds every graph shape the test uses
+        r = BenchResult(test=test, kind=kind, n_prompt=p, n_gen=n, backend=m.backend.name, gpu_layers=ngl,
+                        threads=t, batch=batch, repetitions=cfg.repetitions, n_depth=depth, n_parallel=n_par)
+        for _ in range(cfg.repetitions):
+            sec = run()
+            r.samples_s.append(sec)
+            r.samples_tps.append((p or n) * n_par / sec if sec > 0 else float("inf"))
+        return r
+
     for backend, ngl, batch in grid:
-        with Model(cfg.model, backend=backend, n_ctx=n_ctx, n_batch=batch, n_threads=threads[0],
-                   kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl) as m:
+        n_pp_profile = min(pps[0] if pps else 512, batch)
+        ctx = max(n_ctx, n_pp_profile if cfg.profile else 0,
+                  TG_PROMPT + 2 + 2 * cfg.profile_repetitions if cfg.profile else 0)   # decode runs
+        with open_model(backend, ngl, batch, ctx) as m:
             if info_out is not None and not info_out:
                 info_out.update(model_info(m))
             rng = np.random.default_rng(TOKEN_SEED)
-            tokens = rng.integers(0, m.hp.n_vocab, size=max(pps + [TG_PROMPT]), dtype=np.int64).tolist()
+            n_tok = max(pps + [TG_PROMPT] + depths + ([n_pp_profile] if cfg.profile else []))
+            tokens = rng.integers(0, m.hp.n_vocab, size=n_tok, dtype=np.int64).tolist()
             for t in threads:
                 m.backend.set_threads(t)
-                jobs: list[tuple[str, int, int, Callable[[], float]]] = []
                 for p in pps:
-                    jobs.append(("pp", p, 0, lambda p=p: _time_pp(m, tokens[:p])))
+                    yield measure(m, ngl, batch, t, "pp", p, 0, lambda p=p: _time_pp(m, tokens[:p]), f"pp{p}")
                 for n in tgs:
-                    jobs.append(("tg", 0, n, lambda n=n: _time_tg(m, tokens[:TG_PROMPT], n)))
-                for kind, p, n, run in jobs:
-                    run()  # warm-up: builds every graph shape the test uses
-                    r = BenchResult(test=f"{kind}{p or n}", kind=kind, n_prompt=p, n_gen=n,
-                                    backend=m.backend.name, gpu_layers=ngl, threads=t, batch=batch,
-                                    repetitions=cfg.repetitions)
-                    for _ in range(cfg.repetitions):
-                        s = run()
-                        r.samples_s.append(s)
-                        r.samples_tps.append((p or n) / s if s > 0 else float("inf"))
-                    yield r
+                    yield measure(m, ngl, batch, t, "tg", 0, n, lambda n=n: _time_tg(m, tokens[:TG_PROMPT], n),
+                                  f"tg{n}")
+                if cfg.profile and profiles_out is not None:
+                    profiles_out.extend(_profiles(m, tokens, n_pp_profile, t, cfg.profile_repetitions))
             m.reset()
+        if depths:
+            with open_model(backend, ngl, batch, max(depths) + max(tgs)) as m:
+                for t in threads:
+                    m.backend.set_threads(t)
+                    for d in depths:
+                        m.reset()
+                        first = m.eval(tokens[:d])
+                        start = m.checkpoint()
+                        for n in tgs:
+                            yield measure(m, ngl, batch, t, "tg", 0, n,
+                                          lambda n=n, start=start, first=first: _time_tg_depth(m, start, first, n),
+                                          f"tg{n}@d{d}", depth=d)
+        if parallel:
+            with open_model(backend, ngl, batch, TG_PROMPT + max(tgs), n_seq_max=max(parallel)) as m:
+                for t in threads:
+                    m.backend.set_threads(t)
+                    for n_par in parallel:
+                        prompts = parallel_prompts(tokens, n_par)
+                        for n in tgs:
+                            yield measure(m, ngl, batch, t, "tg", 0, n,
+                                          lambda n=n, prompts=prompts: _time_tg_parallel(m, prompts, n),
+                                          f"tg{n}x{n_par}", n_par=n_par)
+
+
+def _profiles(m: Any, tokens: list[int], n_pp: int, threads: int, repetitions: int) -> list[Any]:
+    """Per-op profiles of a pp ubatch of n_pp tokens and of a one-token decode after TG_PROMPT."""
+    from deltarun.apps.op_profile import profile_ubatch
+
+    pp = profile_ubatch(m, tokens[:n_pp], repetitions=repetitions, threads=threads, test=f"pp{n_pp}")
+    tg = profile_ubatch(m, tokens[:1], n_past_tokens=tokens[:TG_PROMPT],
+                        repetitions=repetitions, threads=threads, test=f"tg1@{TG_PROMPT}")
+    m.reset()
+    return [pp, tg]
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
     settings: dict[str, Any] = {}
     info: dict[str, Any] = {}
-    results = list(iter_bench(cfg, settings, info))
-    return BenchReport(machine_info(), info, settings, results)
+    profiles: list[Any] = []
+    results = list(iter_bench(cfg, settings, info, profiles))
+    return BenchReport(machine_info(), info, settings, results, profiles)
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -255,7 +370,7 @@ def to_json(report: BenchReport) -> str:
 
 
 CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "batch", "test", "kind",
-              "n_prompt", "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps")
+              "n_prompt", "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps", "n_depth", "n_parallel")
 
 
 def to_csv(report: BenchReport) -> str:

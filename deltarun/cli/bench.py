@@ -16,7 +16,7 @@ from deltarun.runner.memory import KV_TYPES
 def _int_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[int]:
     """-p 128 -p 256,512 -> [128, 256, 512]; each value a non-negative integer (positive for -t/-b)."""
     out: list[int] = []
-    minimum = 1 if param.name in ("threads", "batch") else 0   # -p/-n 0 skip; -ngl 0 is all on the CPU
+    minimum = 1 if param.name in ("threads", "batch", "parallel") else 0   # -p/-n 0 skip; -ngl 0 is all on the CPU
     for value in values:
         for part in value.split(","):
             part = part.strip()
@@ -62,17 +62,28 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
               help="Type of the KV cache.")
 @click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
               help="Gated delta-net kernel.")
+@click.option("--depth", "-d", multiple=True, callback=_int_list, metavar="D[,D...]",
+              help="Also measure tg after D tokens of context (tg<N>@d<D>), as llama-bench -d.")
+@click.option("--parallel", multiple=True, callback=_int_list, metavar="P[,P...]",
+              help="Also measure aggregate tg with P sequences decoding together (tg<N>x<P>, "
+                   "one eval_batch per step).")
+@click.option("--profile", is_flag=True,
+              help="Also time every ggml op of a pp and a tg ubatch (per op type and per node group: "
+                   "attention, delta net, MoE/FFN, LM head); see deltarun.apps.op_profile.")
 @click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
               help="Report format (json schema: see deltarun.apps.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
           batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
-          output: str) -> None:
+          depth: list[int], parallel: list[int], profile: bool, output: str) -> None:
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
     -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
     grid. pp<P>: P tokens evaluated from an empty state in ubatches of -b tokens. tg<N>: N
     single-token evaluations after a 16-token prompt. Each test runs once as a warm-up, then -r
-    times; t/s is the mean ± standard deviation over those runs.
+    times; t/s is the mean ± standard deviation over those runs. tg<N>@d<D>: tg after D tokens of
+    context. tg<N>x<P>: P sequences decoding N tokens together, t/s counted over all of them.
+    --profile: seconds per ggml op and node group of one pp and one tg ubatch (a table after the
+    results; "profiles" in the JSON).
     """
     from deltarun.runner.backend import llamafile_note
     from deltarun.apps.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
@@ -81,7 +92,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
                       batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
                       repetitions=repetitions,
-                      kv_type=kv_type, delta_net=delta_net)
+                      kv_type=kv_type, delta_net=delta_net, depth=depth, parallel=parallel, profile=profile)
     check_backends(cfg.backends)          # before the table header: nothing is printed for a bad option
     note_gpu_layers(cfg.backends, gpu_layers)
     if not model.is_file():
@@ -89,13 +100,22 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     settings: dict[str, Any] = {}
     info: dict[str, Any] = {}
     results = []
+    profiles: list[Any] = []
     if output == "md":
         click.echo(markdown_header())
-    for r in iter_bench(cfg, settings, info):
+    for r in iter_bench(cfg, settings, info, profiles):
         results.append(r)
         if output == "md":
             click.echo(markdown_row(info, r))
-    report = BenchReport(machine_info(), info, settings, results)
+    report = BenchReport(machine_info(), info, settings, results, profiles)
+    if profiles and output == "md":
+        from deltarun.apps.op_profile import format_profiles
+
+        for i in range(0, len(profiles), 2):   # pp and tg of one backend / batch / threads
+            p = profiles[i]
+            click.echo(f"\nprofile: {results[0].backend if results else ''} threads {p.threads}, "
+                       "seconds per ggml op and node group (eval callback, node by node)")
+            click.echo(format_profiles(profiles[i:i + 2]))
     if output == "json":
         click.echo(to_json(report))
     elif output == "csv":

@@ -18,7 +18,8 @@ from deltarun.runner.errors import DeltarunError
               help="Type of the 2-D weights (norms, routers, conv and ssm_a stay F32, like converted files).")
 @click.option("--preset", type=click.Choice(list(PRESETS) + list(qwen35.PRESETS)), default="tiny", show_default=True,
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
-                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024); "
+                   "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024), "
+                   "bench-vocab151k (bench with the real 151,936-token Qwen2 vocabulary); "
                    "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
