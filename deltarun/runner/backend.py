@@ -144,6 +144,8 @@ class DeviceInfo:
         kind = self.registry.lower()
         if kind == "cpu":
             return "cpu"
+        if kind == "rpc":          # a device of a `--rpc` server: its description is the endpoint
+            return f"rpc:{self.description}"
         m = re.search(r"(\d+)$", self.name)
         return f"{kind}:{m.group(1)}" if m else kind
 
@@ -231,6 +233,11 @@ def _find_device(kind: str, index: int | None) -> DeviceInfo:
     if not 0 <= i < len(devs):
         raise BackendError(f"no device {kind}:{i}; this machine has {', '.join(d.backend_name for d in devs)}")
     return devs[i]
+
+
+def find_device(kind: str, index: int | None) -> DeviceInfo:
+    """The registry entry of `--backend kind[:index]` (vulkan, cuda); BackendError when there is none."""
+    return _find_device(kind, index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,6 +426,17 @@ class Placement:
             on = self.input_on_device or (tied_output and self.output_on_device)
             return self.device if on else self.cpu
         return self.device if self.output_on_device else self.cpu
+
+    @property
+    def sched_backends(self) -> list[Backend]:
+        """The scheduler's backends: [device, CPU] or [CPU]."""
+        return self.device.sched_backends
+
+    def on_loaded(self) -> None:
+        """Called once weights and memory are placed (layer_split.LayerSplit sets RPC timeouts then)."""
+
+    def free(self) -> None:
+        """Nothing of its own to free (the model frees its backend); see layer_split.LayerSplit."""
 
     def describe(self) -> str:
         if self.device.cpu is None:
