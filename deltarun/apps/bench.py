@@ -35,7 +35,7 @@ JSON schema (`to_json`, `deltarun bench --output json`), version 1::
 
 ``size_bytes`` and ``n_params`` count every tensor in the file (llama-bench's model size and
 parameter count). ``gpu_layers`` is the --gpu-layers value (null: everything on the backend's
-device). Rows come in grid order: backend, gpu_layers, batch, threads, then the pp tests, then
+device; with --rpc the backend is "rpc:HOST:PORT+...+cpu (a/b/c layers)"). Rows come in grid order: backend, gpu_layers, batch, threads, then the pp tests, then
 the tg tests.
 """
 
@@ -106,6 +106,8 @@ class BenchConfig:
     repetitions: int = 5
     kv_type: str = "f16"
     delta_net: str = "fused"
+    rpc: str | None = None               # --rpc HOST:PORT[,...]: layers split with these servers
+    tensor_split: str | None = None      # --tensor-split with --rpc
 
 
 @dataclass
@@ -196,7 +198,8 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
     grid = [(b, ngl, batch) for b in cfg.backends for ngl in gpu_layers for batch in cfg.batch]
     for backend, ngl, batch in grid:
         with Model(cfg.model, backend=backend, n_ctx=n_ctx, n_batch=batch, n_threads=threads[0],
-                   kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl) as m:
+                   kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, rpc=cfg.rpc,
+                   tensor_split=cfg.tensor_split) as m:
             if info_out is not None and not info_out:
                 info_out.update(model_info(m))
             rng = np.random.default_rng(TOKEN_SEED)
@@ -211,7 +214,7 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
                 for kind, p, n, run in jobs:
                     run()  # warm-up: builds every graph shape the test uses
                     r = BenchResult(test=f"{kind}{p or n}", kind=kind, n_prompt=p, n_gen=n,
-                                    backend=m.backend.name, gpu_layers=ngl, threads=t, batch=batch,
+                                    backend=backend_label(m), gpu_layers=ngl, threads=t, batch=batch,
                                     repetitions=cfg.repetitions)
                     for _ in range(cfg.repetitions):
                         s = run()
@@ -219,6 +222,16 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
                         r.samples_tps.append((p or n) / s if s > 0 else float("inf"))
                     yield r
             m.reset()
+
+
+def backend_label(m: Any) -> str:
+    """The backend column: the local backend, plus the RPC devices and layers per device when split."""
+    split = getattr(m.placement, "slots", None)
+    if split is None:
+        return m.backend.name
+    devs = m.placement.devices
+    counts = "/".join(str(len(m.placement.layers_on(i))) for i in range(len(devs)))
+    return "+".join(d.name for d in devs) + f" ({counts} layers)"
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from deltarun.cli.options import model_argument
+from deltarun.cli.options import model_argument, rpc_options
 from deltarun.graphs.qwen3next import DELTA_NET_MODES
 from deltarun.runner.memory import KV_TYPES
 
@@ -56,6 +56,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
 @click.option("--gpu-layers", "-ngl", multiple=True, callback=_int_list, metavar="N[,N...]",
               help="With a device backend: layers on the device, the rest on the CPU, as llama-bench -ngl "
                    "[default: all on the device].")
+@rpc_options
 @click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default="f16", show_default=True,
               help="Type of the KV cache.")
 @click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
@@ -64,7 +65,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
               help="Report format (json schema: see deltarun.apps.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
           batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
-          output: str) -> None:
+          output: str, rpc: str | None = None, tensor_split: str | None = None) -> None:
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
     -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
@@ -79,7 +80,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
                       batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
                       repetitions=repetitions,
-                      kv_type=kv_type, delta_net=delta_net)
+                      kv_type=kv_type, delta_net=delta_net, rpc=rpc, tensor_split=tensor_split)
     settings: dict[str, Any] = {}
     info: dict[str, Any] = {}
     results = []

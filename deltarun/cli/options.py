@@ -91,6 +91,11 @@ def rpc_options_list() -> list[Callable[[F], F]]:
     ]
 
 
+def rpc_options(f: F) -> F:
+    """--rpc --tensor-split alone, for commands with model options of their own (bench)."""
+    return _apply(f, rpc_options_list())
+
+
 def sampling_options(f: F) -> F:
     """--seed --temp --top-k --top-p --min-p --repeat-penalty --repeat-last-n."""
     return _apply(f, [
