@@ -208,7 +208,7 @@ _REGISTERED: dict[str, int] = {}        # endpoint -> ggml_backend_reg_t, regist
 
 
 def add_servers(endpoints: Iterable[str]) -> list[str]:
-    """Probe each endpoint, then add its devices to ggml's registry (once per process).
+    """Probe each endpoint (every call), then add its devices to ggml's registry (once per process).
 
     Returns the endpoints in order. The abort hook is installed first, so that from here on a lost
     server ends the process with one line.
@@ -219,9 +219,9 @@ def add_servers(endpoints: Iterable[str]) -> list[str]:
     require()
     install_abort_hook()
     for ep in eps:
+        probe(ep)            # every time: a registered server may have gone since
         if ep in _REGISTERED:
             continue
-        probe(ep)
         reg = ggml.ggml_backend_rpc_add_server(ep.encode())
         if not reg:
             raise RpcError(f"RPC server {ep}: ggml could not connect to it")
