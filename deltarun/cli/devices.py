@@ -28,14 +28,14 @@ def devices(as_json: bool, rpc: str | None) -> None:
         rpc_mod.add_servers([s.endpoint for s in servers])
     devs = be.list_devices()
     built = {kind: be.build_has(kind) for kind in be.DEVICE_KINDS}
-    built["rpc"] = rpc_mod.available()
     best = be.best_device()
     if as_json:
         click.echo(json.dumps({"devices": [d.to_dict() for d in devs], "built_with": built,
                                "auto": best.backend_name if best else "cpu",
                                "cpu_features": be.cpu_features(),
-                               "rpc_servers": [{"endpoint": s.endpoint, "protocol": s.version_text,
-                                                "devices": len(s.devices)} for s in servers]}, indent=1))
+                               "rpc": {"built_in": rpc_mod.available(),
+                                       "servers": [{"endpoint": s.endpoint, "protocol": s.version_text,
+                                                    "devices": len(s.devices)} for s in servers]}}, indent=1))
         return
     rows = [["#", "name", "description", "type", "memory free / total", "--backend"]]
     for d in devs:
@@ -54,11 +54,9 @@ def devices(as_json: bool, rpc: str | None) -> None:
         click.echo(note)
     for s in servers:
         click.echo(f"rpc: {s.endpoint} speaks protocol {s.version_text}, {len(s.devices)} device(s)")
+    click.echo("rpc: built in (`--rpc HOST:PORT`, `deltarun rpc-server`)" if rpc_mod.available()
+               else f"rpc: not in this build; {rpc_mod.install_hint()}")
     for kind, ok in built.items():
-        if kind == "rpc":
-            click.echo("rpc: built in (`--rpc HOST:PORT`, `deltarun rpc-server`)" if ok
-                       else f"rpc: not in this build; {rpc_mod.install_hint()}")
-            continue
         if not ok:
             click.echo(f"{kind}: not in this build; {be.install_hint(kind)}")
         elif not any(d.registry.lower() == kind for d in devs):
