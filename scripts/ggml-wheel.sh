@@ -2,7 +2,9 @@
 #
 # ggml-python builds ggml from source with -march=native, so a wheel is only good for the CPU it
 # was built on; the cache folder is named after the variant and a hash of the CPU's flags, so a
-# home folder restored onto another machine rebuilds instead of dying with SIGILL.
+# home folder restored onto another machine rebuilds instead of dying with SIGILL. The variant name
+# must change whenever the cmake flags do (e.g. cpu-llamafile -> cpu-llamafile-rpc when GGML_RPC
+# was added): pip's own wheel cache ignores config settings, this cache only knows the name.
 #
 #   GGML_PYTHON_VERSION   the pinned version (from pyproject.toml)
 #   CACHE                 DELTARUN_WHEEL_CACHE or ~/.cache/deltarun-wheels

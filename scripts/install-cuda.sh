@@ -57,7 +57,7 @@ log "nvcc $NVCC (CUDA $CUDA_MAJOR), architecture sm_$ARCH"
 pick_python "$VENV"
 
 # 3. cuBLAS: the toolkit's, or the nvidia-cublas wheel's
-CMAKE_ARGS="-DGGML_CUDA=ON;-DCMAKE_CUDA_ARCHITECTURES=$ARCH;-DGGML_LLAMAFILE=ON"
+CMAKE_ARGS="-DGGML_CUDA=ON;-DCMAKE_CUDA_ARCHITECTURES=$ARCH;-DGGML_LLAMAFILE=ON;-DGGML_RPC=ON"
 PRELOAD_DIR=""
 if ls "$CUDA_ROOT"/lib64/libcublas.so* "$CUDA_ROOT"/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
   log "cuBLAS from the toolkit ($CUDA_ROOT)"
@@ -85,7 +85,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
 fi
 
 # 4. The wheel: cached (per architecture and CPU), or built once
-install_ggml_wheel cuda-sm$ARCH "$CMAKE_ARGS"
+install_ggml_wheel cuda-sm$ARCH-rpc "$CMAKE_ARGS"
 if [ -n "$VENV" ]; then
   "$PY" -m pip install -q -e "$REPO[test]"
 fi

@@ -78,7 +78,7 @@ private_unpack() {
 
 # 2. Vulkan headers new enough for ggml-vulkan (VK_EXT_layer_settings, Vulkan-Headers >= 1.3.261).
 #    Debian 12 ships 1.3.239: unpack trixie's libvulkan-dev; the system loader works with it.
-CMAKE_ARGS="-DGGML_VULKAN=ON;-DGGML_LLAMAFILE=ON"
+CMAKE_ARGS="-DGGML_VULKAN=ON;-DGGML_LLAMAFILE=ON;-DGGML_RPC=ON"
 if ! grep -q LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp 2>/dev/null; then
   HDR=$CACHE/vulkan-headers
   if ! grep -q LayerSettingEXT "$HDR/usr/include/vulkan/vulkan_structs.hpp" 2>/dev/null; then
@@ -122,7 +122,7 @@ fi
 
 # 4. The environment, and the wheel: cached, or built once (about 10 minutes on 2 cores).
 pick_python "$VENV"
-install_ggml_wheel vulkan "$CMAKE_ARGS"
+install_ggml_wheel vulkan-rpc "$CMAKE_ARGS"
 if [ -n "$VENV" ]; then
   "$PY" -m pip install -q -e "$REPO[test]"
 fi

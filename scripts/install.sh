@@ -10,9 +10,10 @@
 # The only difference from a plain `pip install -e '.[test]'` is GGML_LLAMAFILE=ON: llamafile's
 # tinyBLAS matrix kernels, which llama.cpp enables and ggml's own CMake default leaves off. Prompt
 # processing (batched matrix products) is 1.3-1.5x faster with them (bench/RESULTS.md); decoding
-# is unchanged. The wheel is built once (about 2 minutes on 2 cores) and kept in
+# is unchanged. It is also built with GGML_RPC=ON: ggml's RPC backend, which `deltarun rpc-server`
+# and `--rpc HOST:PORT` use to split a model's layers across machines. The wheel is built once (about 2 minutes on 2 cores) and kept in
 # DELTARUN_WHEEL_CACHE (default ~/.cache/deltarun-wheels), outside the clone, per CPU.
-# An environment whose ggml-python already has llamafile is left as it is.
+# An environment whose ggml-python already has llamafile and RPC is left as it is.
 set -euo pipefail
 
 VENV=""
@@ -29,14 +30,14 @@ log() { echo "[install] $*" >&2; }
 pick_python "$VENV"
 
 has_llamafile() {
-  "$PY" -c "import ggml, sys; sys.exit(0 if ggml.ggml_cpu_has_llamafile() else 1)" 2>/dev/null
+  "$PY" -c "import ggml, sys; sys.exit(0 if ggml.ggml_cpu_has_llamafile() and ggml.GGML_USE_RPC else 1)" 2>/dev/null
 }
 # ggml-python first, so that installing deltarun finds the pinned version there and builds nothing.
 if has_llamafile && "$PY" -m pip show ggml-python 2>/dev/null | grep -qx "Version: $GGML_PYTHON_VERSION"; then
-  log "ggml-python $GGML_PYTHON_VERSION with llamafile is already installed"
+  log "ggml-python $GGML_PYTHON_VERSION with llamafile and RPC is already installed"
 else
-  install_ggml_wheel cpu-llamafile "-DGGML_LLAMAFILE=ON"
+  install_ggml_wheel cpu-llamafile-rpc "-DGGML_LLAMAFILE=ON;-DGGML_RPC=ON"
 fi
 "$PY" -m pip install -q -e "$REPO[test]"
-has_llamafile || { log "ggml-python was replaced by a build without llamafile"; exit 1; }
+has_llamafile || { log "ggml-python was replaced by a build without llamafile or RPC"; exit 1; }
 log "done: $("$PY" -m deltarun --version 2>/dev/null || echo deltarun)"

@@ -49,7 +49,7 @@ profiling overhead; see that module for how node times are taken).
 
 ``size_bytes`` and ``n_params`` count every tensor in the file (llama-bench's model size and
 parameter count). ``gpu_layers`` is the --gpu-layers value (null: everything on the backend's
-device). Rows come in grid order: backend, gpu_layers, batch, threads, then the pp tests, then
+device; with --rpc the backend is "rpc:HOST:PORT+...+cpu (a/b/c layers)"). Rows come in grid order: backend, gpu_layers, batch, threads, then the pp tests, then
 the tg tests.
 """
 
@@ -128,6 +128,8 @@ class BenchConfig:
     parallel: Sequence[int] = ()         # aggregate tg with this many sequences decoding together
     profile: bool = False                # per-op / per-group time of a pp and a tg ubatch
     profile_repetitions: int = 3
+    rpc: str | None = None               # --rpc HOST:PORT[,...]: layers split with these servers
+    tensor_split: str | None = None      # --tensor-split with --rpc
 
 
 @dataclass
@@ -267,12 +269,13 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
 
     def open_model(backend: str, ngl: int | None, batch: int, ctx: int, n_seq_max: int = 1) -> Any:
         return Model(cfg.model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads[0],
-                     kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, n_seq_max=n_seq_max)
+                     kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, n_seq_max=n_seq_max,
+                     rpc=cfg.rpc, tensor_split=cfg.tensor_split)
 
     def measure(m: Any, ngl: int | None, batch: int, t: int, kind: str, p: int, n: int,
                 run: Callable[[], float], test: str, depth: int = 0, n_par: int = 1) -> BenchResult:
         run()  # warm-up: builds every graph shape the test uses
-        r = BenchResult(test=test, kind=kind, n_prompt=p, n_gen=n, backend=m.backend.name, gpu_layers=ngl,
+        r = BenchResult(test=test, kind=kind, n_prompt=p, n_gen=n, backend=backend_label(m), gpu_layers=ngl,
                         threads=t, batch=batch, repetitions=cfg.repetitions, n_depth=depth, n_parallel=n_par)
         for _ in range(cfg.repetitions):
             sec = run()
@@ -333,6 +336,16 @@ def _profiles(m: Any, tokens: list[int], n_pp: int, threads: int, repetitions: i
                         repetitions=repetitions, threads=threads, test=f"tg1@{TG_PROMPT}")
     m.reset()
     return [pp, tg]
+
+
+def backend_label(m: Any) -> str:
+    """The backend column: the local backend, plus the RPC devices and layers per device when split."""
+    split = getattr(m.placement, "slots", None)
+    if split is None:
+        return m.backend.name
+    devs = m.placement.devices
+    counts = "/".join(str(len(m.placement.layers_on(i))) for i in range(len(devs)))
+    return "+".join(d.name for d in devs) + f" ({counts} layers)"
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:

@@ -74,6 +74,7 @@ Summary object::
     n_nodes_shown           int   after the filter
     ops                     {op: count} over all graph nodes
     n_splits                int   ggml_backend_sched_get_n_splits after allocation
+    placement               str   where the layers are (Placement / LayerSplit.describe)
     compute_buffer_bytes    {backend: bytes}   ggml_backend_sched_get_buffer_size per backend
     weight_bytes            {backend: bytes}   bytes of the weights this graph reads, per backend
     model_weight_bytes      int   every weight the model loaded
@@ -272,6 +273,8 @@ class GraphDump:
         s = self.summary
         lines = ["summary:"]
         lines.append(f"  nodes {s['n_nodes']}, leafs {s['n_leafs']}, graph splits {s['n_splits']}")
+        if s.get("placement"):
+            lines.append(f"  placement: {s['placement']}")
         lines.append("  nodes by op: " + ", ".join(f"{op} {n}" for op, n in s["ops"].items()))
         for key, label in (("compute_buffer_bytes", "compute buffer"), ("weight_bytes", "weights read")):
             parts = ", ".join(f"{be} {format_bytes(n)}" for be, n in s[key].items()) or "-"
@@ -457,6 +460,7 @@ def _summary(model: Any, walker: _Walker, nodes: list[TensorRecord], leafs: list
         "n_nodes_shown": len(nodes),
         "ops": dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
         "n_splits": int(model.sched.n_splits()),
+        "placement": model.placement.describe(),
         "compute_buffer_bytes": compute,
         "weight_bytes": weights,
         "model_weight_bytes": int(model.weights.nbytes),

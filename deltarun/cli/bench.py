@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from deltarun.cli.options import check_backends, model_argument, note_gpu_layers
+from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, rpc_options
 from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.errors import ModelFileError
 from deltarun.runner.memory import KV_TYPES
@@ -58,6 +58,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
 @click.option("--gpu-layers", "-ngl", multiple=True, callback=_int_list, metavar="N[,N...]",
               help="With a device backend: layers on the device, the rest on the CPU, as llama-bench -ngl "
                    "[default: all on the device].")
+@rpc_options
 @click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default="f16", show_default=True,
               help="Type of the KV cache.")
 @click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
@@ -74,7 +75,8 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
               help="Report format (json schema: see deltarun.apps.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
           batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
-          depth: list[int], parallel: list[int], profile: bool, output: str) -> None:
+          depth: list[int], parallel: list[int], profile: bool, output: str, rpc: str | None = None,
+          tensor_split: str | None = None) -> None:
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
     -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
@@ -92,7 +94,8 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
                       batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
                       repetitions=repetitions,
-                      kv_type=kv_type, delta_net=delta_net, depth=depth, parallel=parallel, profile=profile)
+                      kv_type=kv_type, delta_net=delta_net, depth=depth, parallel=parallel, profile=profile,
+                      rpc=rpc, tensor_split=tensor_split)
     check_backends(cfg.backends)          # before the table header: nothing is printed for a bad option
     note_gpu_layers(cfg.backends, gpu_layers)
     if not model.is_file():

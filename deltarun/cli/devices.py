@@ -9,23 +9,33 @@ import click
 
 @click.command("devices")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
-def devices(as_json: bool) -> None:
+@click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="Also list the devices of these `deltarun rpc-server`s (each is probed first).")
+def devices(as_json: bool, rpc: str | None) -> None:
     """List ggml's devices (name, description, type, free/total memory) and the --backend name of each.
 
     Which backends exist depends on how ggml-python was built: the PyPI wheel has only the CPU;
     see the README (scripts/install-vulkan.sh, scripts/install-cuda.sh) for the Vulkan and CUDA
     variants. ggml-vulkan lists CPU devices such as Mesa's lavapipe only with GGML_VK_VISIBLE_DEVICES=0.
+    With --rpc, the devices of those RPC servers are listed too (their --backend name is rpc:HOST:PORT).
     """
     from deltarun.runner.units import format_bytes, format_table
     from deltarun.runner import backend as be
+    from deltarun.runner import rpc as rpc_mod
 
+    servers = [rpc_mod.probe(ep) for ep in rpc_mod.parse_endpoints(rpc)] if rpc else []
+    if servers:
+        rpc_mod.add_servers([s.endpoint for s in servers])
     devs = be.list_devices()
     built = {kind: be.build_has(kind) for kind in be.DEVICE_KINDS}
     best = be.best_device()
     if as_json:
         click.echo(json.dumps({"devices": [d.to_dict() for d in devs], "built_with": built,
                                "auto": best.backend_name if best else "cpu",
-                               "cpu_features": be.cpu_features()}, indent=1))
+                               "cpu_features": be.cpu_features(),
+                               "rpc": {"built_in": rpc_mod.available(),
+                                       "servers": [{"endpoint": s.endpoint, "protocol": s.version_text,
+                                                    "devices": len(s.devices)} for s in servers]}}, indent=1))
         return
     rows = []
     for d in devs:
@@ -41,6 +51,10 @@ def devices(as_json: bool) -> None:
     note = be.llamafile_note(features)
     if note:
         click.echo(note)
+    for s in servers:
+        click.echo(f"rpc: {s.endpoint} speaks protocol {s.version_text}, {len(s.devices)} device(s)")
+    click.echo("rpc: built in (`--rpc HOST:PORT`, `deltarun rpc-server`)" if rpc_mod.available()
+               else f"rpc: not in this build; {rpc_mod.install_hint()}")
     for kind, ok in built.items():
         if not ok:
             click.echo(f"{kind}: not in this build; {be.install_hint(kind)}")

@@ -47,6 +47,11 @@ DEFAULT_DECODE_PAST = 32
 @click.option("--gpu-layers", "-ngl", type=click.IntRange(min=0), default=None,
               help="With a device backend: the last N layers on the device, the rest on the CPU (as -ngl); "
                    "the dump shows each node's backend and the scheduler's splits [default: all on the device].")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="Split the layers over these RPC servers' devices and the local backend; the dump shows "
+                   "the placement, each node's backend and the splits.")
+@click.option("--tensor-split", "-ts", default=None, metavar="A,B,...",
+              help="With --rpc: share of the layers per device (RPC devices, then the local one).")
 @click.option("--layer", type=click.IntRange(min=0), default=None,
               help="Keep only the nodes of layer L (names ending in -L) and their direct sources.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
@@ -65,7 +70,7 @@ DEFAULT_DECODE_PAST = 32
               help="With --values: how many leading elements to show per node.")
 def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: bool, outputs: str,
           rs_slots: int, delta_net: str, ctx: int, kv_type: str, threads: int | None, backend: str,
-          gpu_layers: int | None,
+          gpu_layers: int | None, rpc: str | None, tensor_split: str | None,
           layer: int | None, fmt: str, output: Path | None, values: bool, prompt: str | None,
           patterns: tuple[str, ...], dump_dir: Path | None, n_first: int) -> None:
     """Dump the ggml graph the runner computes for one ubatch shape of MODEL."""
@@ -94,7 +99,8 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
     try:
         if values:
             m = Model(model, backend=backend, n_ctx=ctx, n_batch=ctx, n_threads=threads, rs_slots=rs_slots,
-                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
+                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers,
+                      rpc=rpc, tensor_split=tensor_split)
             ids = m.tokenizer.encode(prompt or "")
             if len(ids) > ctx:
                 raise DeltarunError(f"the prompt has {len(ids)} tokens, more than the context {ctx}")
@@ -107,7 +113,8 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
         else:
             batch = max(n_tok * seqs, rs_slots)
             m = Model(model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
-                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers)
+                      n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers,
+                      rpc=rpc, tensor_split=tensor_split)
             shape = gd.ubatch_shape(m, n_tok, seqs, n_past, all_outputs)
             dump = gd.dump_graph(m, shape, layer=layer, n_past=n_past)
     finally:

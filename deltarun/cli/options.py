@@ -36,7 +36,7 @@ _DEFAULTS = SamplingParams()
 #: Defaults of the model options, for callers that open a model without click.
 MODEL_DEFAULTS: dict[str, Any] = {
     "ctx": 4096, "batch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
-    "backend": "cpu", "gpu_layers": None,
+    "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None,
 }
 
 
@@ -53,7 +53,7 @@ def model_argument(required: bool = False) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend --gpu-layers."""
+    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend --gpu-layers --rpc --tensor-split."""
     return _apply(f, [
         click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
@@ -75,7 +75,25 @@ def model_options(f: F) -> F:
                      help="With a device backend: keep the first layers on the CPU and put the last N on the "
                           "device (the output layer too when N > layers), like llama.cpp -ngl [default: all on "
                           "the device]."),
+        *rpc_options_list(),
     ])
+
+
+def rpc_options_list() -> list[Callable[[F], F]]:
+    """--rpc --tensor-split (layer_split.LayerSplit), also for commands with options of their own."""
+    return [
+        click.option("--rpc", default=MODEL_DEFAULTS["rpc"], metavar="HOST:PORT[,HOST:PORT...]",
+                     help="Also use the devices of these `deltarun rpc-server`s (ggml RPC); the layers are "
+                          "split over them and the local backend (see --tensor-split)."),
+        click.option("--tensor-split", "-ts", default=MODEL_DEFAULTS["tensor_split"], metavar="A,B,...",
+                     help="Share of the layers per device, in order: each --rpc server's devices, then the "
+                          "local --backend device [default: by free memory]."),
+    ]
+
+
+def rpc_options(f: F) -> F:
+    """--rpc --tensor-split alone, for commands with model options of their own (bench)."""
+    return _apply(f, rpc_options_list())
 
 
 def sampling_options(f: F) -> F:
@@ -157,7 +175,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
-               mtp: bool = False, **_other: Any):
+               mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, **_other: Any):
     """Open `model` (or the built-in tiny model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
@@ -166,7 +184,8 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
     if not quiet:
         note_gpu_layers([backend], gpu_layers)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
-                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp)
+                 n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp,
+                 rpc=rpc, tensor_split=tensor_split)
 
 
 def draft_options(f: F) -> F:

@@ -144,6 +144,8 @@ class DeviceInfo:
         kind = self.registry.lower()
         if kind == "cpu":
             return "cpu"
+        if kind == "rpc":          # a device of a `--rpc` server: its description is the endpoint
+            return f"rpc:{self.description}"
         m = re.search(r"(\d+)$", self.name)
         return f"{kind}:{m.group(1)}" if m else kind
 
@@ -240,6 +242,11 @@ def check_backend(name: str) -> str:
     if kind in DEVICE_KINDS:
         _find_device(kind, index)
     return kind
+
+
+def find_device(kind: str, index: int | None) -> DeviceInfo:
+    """The registry entry of `--backend kind[:index]` (vulkan, cuda); BackendError when there is none."""
+    return _find_device(kind, index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,6 +435,17 @@ class Placement:
             on = self.input_on_device or (tied_output and self.output_on_device)
             return self.device if on else self.cpu
         return self.device if self.output_on_device else self.cpu
+
+    @property
+    def sched_backends(self) -> list[Backend]:
+        """The scheduler's backends: [device, CPU] or [CPU]."""
+        return self.device.sched_backends
+
+    def on_loaded(self) -> None:
+        """Called once weights and memory are placed (layer_split.LayerSplit sets RPC timeouts then)."""
+
+    def free(self) -> None:
+        """Nothing of its own to free (the model frees its backend); see layer_split.LayerSplit."""
 
     def describe(self) -> str:
         if self.device.cpu is None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from deltarun.graphs.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape, graph_family_for
-from deltarun.runner.backend import Backend, Placement, Scheduler, init_backend
+from deltarun.runner import layer_split
+from deltarun.runner.backend import Backend, Scheduler, init_backend
 from deltarun.runner.errors import ContextFullError, DeltarunError
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.ggml_util import ggml, new_context, tensor_to_numpy
@@ -98,7 +99,8 @@ class Model:
 
     def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_batch: int = 512,
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
-                 delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None):
+                 delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
+                 rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_batch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
@@ -113,17 +115,23 @@ class Model:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.delta_net = delta_net
-        self.backend: Backend = init_backend(backend, n_threads)
-        self.placement = Placement(self.hp.n_layer, self.backend, gpu_layers)   # --gpu-layers
+        local, endpoints, split = layer_split.resolve(backend, rpc, tensor_split)   # --rpc, --tensor-split
+        self.backend: Backend = init_backend(local, n_threads)
+        try:   # --gpu-layers, or the layers split over RPC servers and the local device
+            self.placement = layer_split.placement(self.hp.n_layer, self.backend, gpu_layers, endpoints, split)
+        except BaseException:
+            self.backend.free()
+            raise
         names = [n for n in self.graph_builder.tensor_names() if n in self.file.tensors]
         self.weights = Weights(self.file, names, self.backend, self.placement)
         if mtp and not self.hp.n_mtp:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
                              placement=self.placement)
+        self.placement.on_loaded()
         n_ub = min(n_batch, n_ctx)
         largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net)
-        self.sched = Scheduler(self.backend.sched_backends,   # [device, CPU] or [CPU]
+        self.sched = Scheduler(self.placement.sched_backends,   # [devices..., CPU] or [CPU]
                                graph_size=self.graph_builder.graph_size(largest))
         self._reserve_compute_buffers(largest)
         self._graphs: dict[UbatchShape, _Graph] = {}
@@ -242,6 +250,7 @@ class Model:
         self.sched.free()
         self.memory.free()
         self.weights.free()
+        self.placement.free()
         self.backend.free()
 
     def __enter__(self) -> "Model":

@@ -4,7 +4,8 @@ On a host-memory backend the mapped GGUF file itself becomes the backend buffer
 (`ggml_backend_cpu_buffer_from_ptr`), and each weight tensor points into it: loading costs no copy
 and resident memory grows only with the pages the graph touches. Other backends get a buffer of
 their own and the bytes are uploaded once. With a `Placement` (`--gpu-layers`) each tensor goes
-where its layer is: CPU layers stay mapped, device layers are uploaded.
+where its layer is: CPU layers stay mapped, device layers are uploaded, one buffer per device
+(several with `--rpc`, see layer_split.LayerSplit).
 """
 
 from __future__ import annotations
@@ -36,15 +37,18 @@ class Weights:
         tied = "output.weight" not in f.tensors
         where = {i.name: (placement.for_tensor(i.name, tied) if placement else backend) for i in infos}
         on_cpu = [i for i in infos if where[i.name].is_cpu]
-        on_dev = [i for i in infos if not where[i.name].is_cpu]
-        for group in (on_cpu, on_dev):
+        on_dev: dict[int, list[TensorInfo]] = {}    # backend handle -> its tensors (several with --rpc)
+        for i in infos:
+            if not where[i.name].is_cpu:
+                on_dev.setdefault(where[i.name].handle, []).append(i)
+        for group in [on_cpu, *on_dev.values()]:
             if group:
                 name = where[group[0].name].name
                 self.bytes_by_backend[name] = self.bytes_by_backend.get(name, 0) + sum(i.nbytes for i in group)
         if on_cpu:
             self._map_into_cpu_buffer(on_cpu)
-        if on_dev:
-            self._upload(on_dev, where[on_dev[0].name])
+        for group in on_dev.values():
+            self._upload(group, where[group[0].name])
 
     def _new_tensor(self, info: TensorInfo) -> Tensor:
         dims = (ctypes.c_int64 * len(info.ne))(*info.ne)
@@ -70,11 +74,8 @@ class Weights:
                 raise BackendError(f"ggml could not place tensor {info.name!r} in the mapped buffer")
 
     def _upload(self, infos: list[TensorInfo], backend: Backend) -> None:
-        """Allocate the not yet placed tensors of the context in `backend` and copy their bytes."""
-        buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, backend.buffer_type)
-        if not buffer:
-            total = sum(i.nbytes for i in infos)
-            raise BackendError(f"backend {backend.name} could not allocate {total} bytes for the weights")
+        """Allocate `infos`' tensors in one buffer of `backend` and copy their bytes."""
+        buffer = alloc_tensors(backend, [self.tensors[i.name] for i in infos], "the weights")
         ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         self.buffers.append(buffer)
         self.buffer = buffer
@@ -97,6 +98,25 @@ class Weights:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
+
+
+def alloc_tensors(backend: Backend, tensors: list[Tensor], what: str) -> Any:
+    """One buffer of `backend`'s type holding exactly `tensors` (laid out in order, aligned)."""
+    buft = backend.buffer_type
+    align = int(ggml.ggml_backend_buft_get_alignment(buft))
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size += -(-int(ggml.ggml_backend_buft_get_alloc_size(buft, t)) // align) * align
+    buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
+    if not buffer:
+        raise BackendError(f"backend {backend.name} could not allocate {size} bytes for {what}")
+    base = int(ggml.ggml_backend_buffer_get_base(buffer) or 0)
+    for t, off in zip(tensors, offsets):
+        if ggml.ggml_backend_tensor_alloc(buffer, t, ctypes.c_void_p(base + off)) != 0:
+            ggml.ggml_backend_buffer_free(buffer)
+            raise BackendError(f"backend {backend.name} could not place a tensor of {what}")
+    return buffer
 
 
 PROGRESS_MIN_BYTES = 256 << 20

@@ -1,0 +1,308 @@
+"""ggml's RPC backend: layers split over two loopback rpc-servers, and the faults around them.
+
+Two `deltarun rpc-server` processes are started on 127.0.0.1 (free ports, one thread each) for the
+module and stopped with SIGTERM at the end. A model split over them must give the same greedy
+tokens as a single-process CPU run and logits within the matrix-product NMSE limit of `compare`
+(the servers run the same CPU kernels, so in practice the error is 0); the KV cache and the
+recurrent state on the remote devices must roll back exactly as on the CPU. A killed server and an
+unreachable or silent endpoint must end a command with one line naming the endpoint, in bounded
+time. Skipped when ggml-python was built without RPC (scripts/install.sh builds it with).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltarun.apps.compare import MATMUL_LIMIT
+from deltarun.runner import rpc
+
+pytestmark = pytest.mark.skipif(not rpc.available(), reason="this ggml-python was built without GGML_RPC "
+                                                          "(scripts/install.sh builds it with RPC)")
+
+START_TIMEOUT_S = 30
+LOST_DEADLINE_S = 30
+PROMPT = [3, 141, 59, 26, 535, 89, 79, 323, 84, 62, 64, 33, 83, 279, 502, 88, 41, 97, 169, 399]
+STEPS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+class Server:
+    """A `deltarun rpc-server` subprocess on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(self.port),
+                                      "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=_env())
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                rpc.probe(self.endpoint, timeout=2)
+                return
+            except rpc.RpcError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"rpc-server on {self.endpoint} did not start: "
+                                       f"{self.proc.stderr.read().decode(errors='replace')}")
+                time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for f in (self.proc.stdout, self.proc.stderr):
+            f.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started: list[Server] = []
+    try:
+        started.append(Server())
+        started.append(Server())
+        yield [s.endpoint for s in started]
+    finally:
+        codes = [s.stop() for s in started]
+    assert codes == [0, 0], f"rpc-server did not end cleanly on SIGTERM: exit codes {codes}"
+
+
+@pytest.fixture(scope="module")
+def model8(tiny_model_path) -> Path:
+    """Eight layers (L L L A L L L A): every split below puts both layer kinds on a remote device."""
+    return tiny_model_path("tiny", "q8_0", n_layer=8)
+
+
+def _run(path: Path, **kw) -> tuple[np.ndarray, list[int], list[np.ndarray], str]:
+    """Prompt logits (two ubatches), then STEPS greedy decode steps."""
+    from deltarun.runner.model import Model
+
+    with Model(path, n_ctx=64, n_batch=12, n_threads=1, **kw) as m:
+        logits = m.eval(PROMPT, all_logits=True)
+        toks, steps = [], []
+        last = logits[-1]
+        for _ in range(STEPS):
+            toks.append(int(np.argmax(last)))
+            last = m.eval([toks[-1]])
+            steps.append(last)
+        return logits, toks, steps, m.placement.describe()
+
+
+def _nmse(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(((a - b) ** 2).sum() / (a ** 2).sum())
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model8):
+    return _run(model8)
+
+
+@pytest.mark.parametrize("split, expect", [
+    ("1,1,0", {"RPC0": 5, "RPC1": 3, "cpu": 0}),     # 1:1 over the two servers
+    ("3,1,0", {"RPC0": 7, "RPC1": 1, "cpu": 0}),     # 3:1
+    ("1,0,0", {"RPC0": 8, "RPC1": 0, "cpu": 0}),     # every layer (and the output) remote
+    ("1,1,1", {"RPC0": 3, "RPC1": 3, "cpu": 2}),     # remote and local
+])
+def test_split_matches_cpu(servers, model8, cpu_run, split, expect):
+    logits, toks, steps, where = _run(model8, rpc=",".join(servers), tensor_split=split)
+    for name, n in expect.items():
+        assert f"{name}" in where and f": {n} layers" in where.split(name, 1)[1].split(",")[0], where
+    ref_logits, ref_toks, ref_steps, _ = cpu_run
+    assert toks == ref_toks
+    assert _nmse(ref_logits, logits) <= MATMUL_LIMIT
+    for a, b in zip(ref_steps, steps):
+        assert _nmse(a, b) <= MATMUL_LIMIT
+
+
+def test_backend_name_rpc_puts_everything_on_the_server(servers, model8, cpu_run):
+    logits, toks, _, where = _run(model8, backend=f"rpc:{servers[0]}")
+    assert "RPC0" in where and ": 8 layers + output" in where
+    assert toks == cpu_run[1]
+    assert _nmse(cpu_run[0], logits) <= MATMUL_LIMIT
+
+
+def test_remote_state_rolls_back(servers, model8):
+    """Speculative-style steps on a model whose KV cache and recurrent state are on the servers."""
+    from deltarun.runner.model import Model
+
+    def steps(**kw):
+        with Model(model8, n_ctx=64, n_batch=16, n_threads=1, rs_slots=4, **kw) as m:
+            out = [m.eval(PROMPT[:10])]
+            out.append(m.eval([7, 8, 9], all_logits=True))
+            m.rollback(2)                       # keep 7; drop 8, 9
+            out.append(m.eval([11, 12], all_logits=True))
+            cp = m.checkpoint()
+            out.append(m.eval([13, 14, 15], all_logits=True))
+            m.restore(cp)
+            out.append(m.eval([13], all_logits=True))
+            states = [m.memory.conv_slots(il) for il in m.hp.linear_layers]
+            states += [m.memory.ssm_slots(il) for il in m.hp.linear_layers]
+            return out, states, m.tokens(), m.placement.describe()
+
+    ref, ref_states, ref_tokens, _ = steps()
+    got, states, tokens, where = steps(rpc=",".join(servers), tensor_split="1,1,0")
+    assert "RPC0" in where and "RPC1" in where and "cpu: 0 layers" in where
+    assert tokens == ref_tokens == PROMPT[:10] + [7, 11, 12, 13]
+    for a, b in zip(ref, got):
+        assert _nmse(a, b) <= MATMUL_LIMIT
+    for a, b in zip(ref_states, states):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_cli_generate_and_devices(servers, model8):
+    """The command-line path: --rpc/--tensor-split on generate, devices --rpc, graph --rpc."""
+    base = [sys.executable, "-m", "deltarun"]
+    gen = ["generate", str(model8), "-p", "hello world", "-n", "12", "--temp", "0", "-t", "1", "--ctx", "64"]
+    local = subprocess.run(base + gen, capture_output=True, text=True, timeout=120, env=_env())
+    remote = subprocess.run(base + gen + ["--rpc", ",".join(servers), "--tensor-split", "1,1,0"],
+                            capture_output=True, text=True, timeout=120, env=_env())
+    assert local.returncode == 0 and remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and local.stdout.strip()
+    dev = subprocess.run(base + ["devices", "--rpc", servers[0]], capture_output=True, text=True, timeout=60,
+                         env=_env())
+    assert dev.returncode == 0, dev.stderr
+    assert f"rpc:{servers[0]}" in dev.stdout and "rpc: built in" in dev.stdout
+    g = subprocess.run(base + ["graph", str(model8), "--rpc", servers[1], "-ts", "1,1", "--ctx", "64", "-t", "1"],
+                       capture_output=True, text=True, timeout=120, env=_env())
+    assert g.returncode == 0, g.stderr
+    assert "placement: layers split: RPC" in g.stdout and f"[{servers[1]}]" in g.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults
+# ----------------------------------------------------------------------------------------------
+def _one_line_error(proc: subprocess.CompletedProcess | subprocess.Popen, stderr: str, endpoint: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert lines, "no error message"
+    last = lines[-1]
+    assert last.startswith("error: ") and endpoint in last, stderr
+    assert "Traceback" not in stderr and "GGML_ASSERT" not in stderr and "recv failed" not in stderr, stderr
+    return last
+
+
+def test_unreachable_server_is_one_line(model8):
+    port = _free_port()          # nothing listens there
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "deltarun", "generate", str(model8), "-p", "hi", "-n", "2",
+                        "--rpc", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == rpc.RpcError.exit_code
+    assert "unreachable" in _one_line_error(r, r.stderr, f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 30
+
+
+def test_silent_endpoint_times_out():
+    """A port that accepts connections but never answers (not an RPC server, or a busy one)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        ep = f"127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RpcError, match="did not"):
+            rpc.probe(ep, timeout=1.0)
+        assert time.monotonic() - t0 < 10
+
+
+def test_protocol_version_mismatch_is_refused():
+    """A server answering HELLO with protocol 3.0.0 is refused with both versions named."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    ep = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def serve_one():
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(5)
+            head = conn.recv(9)
+            cmd, size = struct.unpack("<BQ", head)
+            conn.recv(size)
+            assert cmd == rpc.CMD_HELLO
+            conn.sendall(struct.pack("<Q", 4 + rpc.CONN_CAPS_SIZE) + bytes([3, 0, 0, 0]) + bytes(rpc.CONN_CAPS_SIZE))
+
+    t = threading.Thread(target=serve_one, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(rpc.RpcError, match=r"speaks protocol 3\.0\.0.*4\.0\.1"):
+            rpc.probe(ep, timeout=5)
+    finally:
+        t.join(5)
+        listener.close()
+
+
+def test_server_killed_mid_generation(model8):
+    """Kill -9 one of two servers while `generate` streams: one line naming it, exit 8, within 30 s."""
+    a, b = Server(), Server()
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "deltarun", "generate", str(model8), "-p", "hello", "-n",
+                                 "6000", "--ctx", "8192", "--temp", "0", "-t", "1", "--rpc",
+                                 f"{a.endpoint},{b.endpoint}", "--tensor-split", "1,1,0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+        first = proc.stdout.read(16)       # blocks until tokens stream: the model is loaded and decoding
+        assert first, proc.stderr.read().decode()
+        b.proc.kill()
+        t0 = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=LOST_DEADLINE_S + 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("generate did not end after its RPC server was killed")
+        elapsed = time.monotonic() - t0
+        assert proc.returncode == rpc.RpcError.exit_code, err.decode()
+        line = _one_line_error(proc, err.decode(errors="replace"), b.endpoint)
+        assert "lost" in line and a.endpoint not in line
+        assert elapsed < LOST_DEADLINE_S
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        a.stop()
+        b.stop()
+
+
+def test_endpoint_parsing():
+    assert rpc.parse_endpoints("a:1, b.example:50052") == ["a:1", "b.example:50052"]
+    for bad in ("nohost", "h:0", "h:70000", "::1:5", "h:p"):
+        with pytest.raises(rpc.RpcError):
+            rpc.parse_endpoints(bad)
+    with pytest.raises(rpc.RpcError, match="twice"):
+        rpc.parse_endpoints("a:1,a:1")
+    assert rpc.is_loopback("127.0.0.1") and not rpc.is_loopback("0.0.0.0")
+
+
+def test_assign_layers_follows_llama_cpp():
+    from deltarun.runner.layer_split import assign_layers, parse_tensor_split
+
+    assert assign_layers(8, [1, 1, 0]) == [0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert assign_layers(8, [0, 1]) == [1] * 9
+    assert assign_layers(4, [1, 0, 0]) == [0] * 5
+    assert parse_tensor_split("3,1") == [3.0, 1.0]
+    for bad in ("0,0", "-1,2", "a,b"):
+        with pytest.raises(Exception, match="tensor-split"):
+            parse_tensor_split(bad)
