@@ -33,7 +33,8 @@ RS_SLOTS = 4
 
 def _server(path, parallel: int = 4, **settings) -> ServeHandle:
     ctx = settings.pop("n_ctx", N_CTX)
-    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS),
+    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS,
+                                       n_threads=1),
                        ServeSettings(parallel=parallel, **settings))
 
 
@@ -322,7 +323,7 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port),
-                             "--parallel", "2", "--ctx", "2048"], stderr=subprocess.PIPE, env=env)
+                             "--parallel", "2", "--ctx", "2048", "--threads", "1"], stderr=subprocess.PIPE, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -444,7 +445,7 @@ def test_json_schema_output_validates(client, temperature):
 
 
 def test_json_object_output_parses(client):
-    r = _ask(client, [{"role": "user", "content": "JSON please"}], max_tokens=300, temperature=0.7, seed=1,
+    r = _ask(client, [{"role": "user", "content": "JSON please"}], max_tokens=120, temperature=0.7, seed=1,
              response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)

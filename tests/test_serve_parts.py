@@ -103,7 +103,7 @@ def test_loopback_detection():
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_batch=32) as m:
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_batch=32, n_threads=1) as m:
         yield m
 
 
