@@ -354,6 +354,53 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
             proc.wait()
 
 
+def test_long_prompt_prefills_in_chunks_between_decode_steps(model_path):
+    """While a long prompt is evaluated, a running stream gets a token after every chunk."""
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        stream = iter(_ask(c, [{"role": "user", "content": "keep going"}], max_tokens=900, ignore_eos=True,
+                           stream=True))
+        next(stream), next(stream)
+        h.worker.trace = trace = []
+        long = _ask(c, [{"role": "user", "content": "long " * 400}], max_tokens=1)
+        h.worker.trace = None
+        stream.close()
+    steps = [t for t in trace if t[0] == "prefill"]
+    assert len(steps) == -(-long.usage.prompt_tokens // 32) and all(n <= 32 for _, _, n in steps)
+    first = trace.index(steps[0])
+    last = trace.index(steps[-1])
+    between = trace[first:last + 1]
+    # prefill, decode, prefill, decode, ...: the other stream never waits for more than one chunk
+    assert all(a[0] != b[0] for a, b in zip(between, between[1:]))
+
+
+def test_health_is_503_while_loading(model_path):
+    import threading
+
+    gate = threading.Event()
+
+    def slow_open():
+        gate.wait(60)
+        return Model(model_path, n_ctx=256, n_threads=1)
+
+    h = ServeHandle(slow_open, ServeSettings(parallel=1))
+    h.worker.start()
+    h._thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not h.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.get(h.base_url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+        assert _error(_post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}), 503)
+        gate.set()
+        assert h.worker.ready.wait(60)
+        assert httpx.get(h.base_url + "/health").json() == {"status": "ok"}
+    finally:
+        gate.set()
+        h.stop()
+
+
 # --------------------------------------------------------------------------------------------- prompt cache
 def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens):
     """Qwen3 template, thinking off: each turn re-renders the previous answer without the empty

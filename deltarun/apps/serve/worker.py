@@ -114,6 +114,8 @@ class Worker:
         self._active: list[Job] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
+        #: set to a list to record each step's work: ("prefill", job id, tokens) / ("decode", job ids)
+        self.trace: list[tuple[Any, ...]] | None = None
 
     # --- handler side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -256,6 +258,8 @@ class Worker:
         end = min(job.pos + self.chunk, nxt, n)
         t0 = time.perf_counter()
         logits = self.model.eval(p.prompt[job.pos:end], job.cell)
+        if self.trace is not None:
+            self.trace.append(("prefill", job.id, end - job.pos))
         self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0)
         job.n_evaluated += end - job.pos
         job.pos = end
@@ -284,6 +288,8 @@ class Worker:
                     self._fail(j, _server_error(e))
                 continue
             self.metrics.decode_step(len(run), time.perf_counter() - t0)
+            if self.trace is not None:
+                self.trace.append(("decode", tuple(j.id for j in run)))
             for j in run:
                 j.pending = None
                 self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
