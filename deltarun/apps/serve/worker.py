@@ -4,8 +4,12 @@ Request handlers (on the event loop) submit a `Job` and read `Event`s back; noth
 the model. The worker loops over steps; each step
 
 1. admits waiting jobs into idle cells (sequence slots), resuming each from the prompt cache;
-2. evaluates one prompt chunk (at most `chunk` tokens, ending at the next checkpoint position) of
-   the oldest job still prefilling, so a long prompt delays the running streams by one chunk;
+2. evaluates one prompt chunk (ending at the next checkpoint position) of the oldest job still
+   prefilling, so a long prompt delays the running streams by one chunk. With nobody decoding a
+   chunk is `chunk` tokens; while others decode, its size (a power of two, >= MIN_CHUNK, so few
+   graph shapes) is adjusted after each chunk so that it takes about STALL_FACTOR decode steps:
+   the streams' inter-token latency stays within about (1 + STALL_FACTOR) x what it is without
+   the prefill;
 3. decodes one token for every generating job: their last tokens go into one ubatch per run of
    consecutive cells (`Model.eval_batch` evaluates equal-length token lists of consecutive cells
    together), then each job samples its next token.
@@ -34,6 +38,8 @@ from deltarun.runner.errors import DeltarunError
 from deltarun.runner.sampling import Sampler
 
 _ids = itertools.count(1)
+MIN_CHUNK = 16
+STALL_FACTOR = 0.8
 
 
 @dataclass
@@ -101,6 +107,8 @@ class Worker:
         self.max_queue = max_queue
         self.cache_bytes = cache_bytes
         self.chunk = chunk
+        self._shared_chunk = min(chunk, MIN_CHUNK)   # chunk size while others decode: grows as it can
+        self._decode_s = 0.0              # moving average of one decode step's wall time
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
         self._grammar_factory = grammar_factory
@@ -255,9 +263,12 @@ class Worker:
         p = job.params
         n = len(p.prompt)
         nxt = min((c for c in p.checkpoints if c > job.pos), default=n)
-        end = min(job.pos + self.chunk, nxt, n)
+        others = any(j.state == "decode" for j in self._active)
+        end = min(job.pos + (self._shared_chunk if others else self.chunk), nxt, n)
         t0 = time.perf_counter()
         logits = self.model.eval(p.prompt[job.pos:end], job.cell)
+        if others and self._decode_s > 0:
+            self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
         if self.trace is not None:
             self.trace.append(("prefill", job.id, end - job.pos))
         self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0)
@@ -270,6 +281,14 @@ class Worker:
             job.state = "decode"
             self._advance(job, logits)
 
+    def _adapt_chunk(self, n: int, seconds: float) -> None:
+        """Halve or double the shared chunk so that one takes about STALL_FACTOR decode steps."""
+        target = STALL_FACTOR * self._decode_s
+        if n == self._shared_chunk and seconds > target and n > MIN_CHUNK:
+            self._shared_chunk //= 2
+        elif n == self._shared_chunk and seconds * 2.2 < target and 2 * n <= self.chunk:
+            self._shared_chunk *= 2
+
     # --- decoding ----------------------------------------------------------------------------------
     def _decode(self, jobs: list[Job]) -> None:
         jobs = sorted((j for j in jobs if j.pending is not None), key=lambda j: j.cell)
@@ -279,6 +298,7 @@ class Worker:
                 runs[-1].append(j)
             else:
                 runs.append([j])
+        t_step = time.perf_counter()
         for run in runs:
             t0 = time.perf_counter()
             try:
@@ -293,6 +313,8 @@ class Worker:
             for j in run:
                 j.pending = None
                 self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
+        step = time.perf_counter() - t_step
+        self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
 
     def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
         """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
