@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "compare": "deltarun.cli.compare:compare",
     "devices": "deltarun.cli.devices:devices",
     "rpc-server": "deltarun.cli.rpc_server:rpc_server",
+    "serve": "deltarun.cli.serve:serve",
 }
 
 
