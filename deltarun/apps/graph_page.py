@@ -58,14 +58,14 @@ def render_page(data: dict[str, Any], title: str) -> str:
 # Layout
 # ----------------------------------------------------------------------------------------------
 def _band_keys(tensors: list[dict[str, Any]]) -> dict[str, Any]:
-    """Band of every tensor: its layer for nodes of a layer; graph-level nodes before the first
-    layer go to `inputs`, after it to `output`; a leaf goes to the band of its consumers when they
+    """Band of every tensor: its layer for nodes of a layer; graph-level nodes after the last
+    layer's nodes go to `output`, the others to `inputs`; a leaf goes to the band of its consumers when they
     share one, else to `inputs`."""
     nodes = [t for t in tensors if t["kind"] == "node"]
-    first_layered = next((i for i, t in enumerate(nodes) if t["layer"] is not None), len(nodes))
+    last_layered = max((i for i, t in enumerate(nodes) if t["layer"] is not None), default=-1)
     band: dict[str, Any] = {}
     for i, t in enumerate(nodes):
-        band[t["id"]] = t["layer"] if t["layer"] is not None else (INPUTS_BAND if i < first_layered else OUTPUT_BAND)
+        band[t["id"]] = t["layer"] if t["layer"] is not None else (INPUTS_BAND if i < last_layered else OUTPUT_BAND)
     consumers: dict[str, list[str]] = defaultdict(list)
     for t in nodes:
         for s in t["src_ids"]:
@@ -219,7 +219,7 @@ def compare_view(graph: dict[str, Any], side_a: dict[str, Any], side_b: dict[str
     for row in graph["nodes"]:
         t = {k: row[k] for k in ("id", "index", "name", "op", "type", "ne", "status", "nmse", "limit", "max_abs_err",
                                  "n_diff", "note", "named", "backend_a", "backend_b", "inputs")}
-        t.update(kind="node", backend=row["backend_b"] or row["backend_a"], layer=_name_layer(row["name"]),
+        t.update(kind="node", backend=row["backend_b"] or row["backend_a"], layer=row.get("layer", _name_layer(row["name"])),
                  src_ids=[i["id"] for i in row["inputs"]], src=[i["name"] for i in row["inputs"]])
         tensors.append(t)
         known.add(row["id"])
