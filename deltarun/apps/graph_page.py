@@ -31,7 +31,8 @@ INPUTS_BAND = "inputs"
 OUTPUT_BAND = "output"
 
 
-def _asset(name: str) -> str:
+def read_asset(name: str) -> str:
+    """A file of deltarun/apps/pages (package data): graph.html/css/js, chat.html."""
     return resources.files("deltarun.apps").joinpath("pages", name).read_text(encoding="utf-8")
 
 
@@ -47,11 +48,11 @@ def _text(s: str) -> str:
 
 def render_page(data: dict[str, Any], title: str) -> str:
     """The single HTML file: graph.html with its stylesheet, script and `data` inlined."""
-    html = _asset("graph.html")
+    html = read_asset("graph.html")
     return (html.replace("%%TITLE%%", _text(title))
-            .replace("/*%%STYLE%%*/", _asset("graph.css"))
+            .replace("/*%%STYLE%%*/", read_asset("graph.css"))
             .replace("%%DATA%%", _script_json(data))
-            .replace("/*%%SCRIPT%%*/", _asset("graph.js")))
+            .replace("/*%%SCRIPT%%*/", read_asset("graph.js")))
 
 
 # ----------------------------------------------------------------------------------------------
