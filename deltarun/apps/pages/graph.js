@@ -48,7 +48,8 @@
     const c = [0, 1, 2].map((k) => Math.round(lerp(stops[i][k], stops[i + 1][k], f)));
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
-  const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  // light enough for dark text: small values blue, large ones orange
+  const VALUES_RAMP = [[189, 215, 238], [158, 202, 225], [161, 217, 155], [254, 224, 139], [252, 141, 89]];
   const ERRRAMP = [[102, 187, 106], [212, 225, 87], [255, 202, 40], [255, 138, 101]];
   const FAIL = new Set(["exceeds", "nan", "inf_mismatch", "shape_mismatch", "index_mismatch"]);
   const SKIP = new Set(["only_a", "not_read", "not_observed"]);
@@ -101,8 +102,8 @@
       if (!v || !v.observed) return "#eeeeee";
       if (v.n_nan || v.n_inf) return "#e53935";
       if (v.rms === null) return "#eeeeee";
-      if (v.rms === 0) return ramp(VIRIDIS, 0);
-      return ramp(VIRIDIS, L.hi > L.lo ? (Math.log10(v.rms) - L.lo) / (L.hi - L.lo) : 0.5);
+      if (v.rms === 0) return ramp(VALUES_RAMP, 0);
+      return ramp(VALUES_RAMP, L.hi > L.lo ? (Math.log10(v.rms) - L.lo) / (L.hi - L.lo) : 0.5);
     }
     // nmse against the limit
     if (FAIL.has(t.status)) return t.status === "exceeds" ? "#e53935" : "#8e24aa";
@@ -511,7 +512,7 @@
       }
     } else if (L.kind === "values") {
       box.append(el("div", {}, "rms of the recorded values, log scale"));
-      box.append(el("div", { class: "gradient", style: `background:linear-gradient(to right, ${[0, .25, .5, .75, 1].map((x) => ramp(VIRIDIS, x)).join(",")})` }));
+      box.append(el("div", { class: "gradient", style: `background:linear-gradient(to right, ${[0, .25, .5, .75, 1].map((x) => ramp(VALUES_RAMP, x)).join(",")})` }));
       box.append(el("div", { class: "legend-row" }, `${fmt(Math.pow(10, L.lo))} \u2026 ${fmt(Math.pow(10, L.hi))}; red: NaN or Inf; grey: not recorded`));
     } else {
       box.append(el("div", {}, "NMSE of side b against side a, relative to the node's limit (log scale)"));
@@ -598,7 +599,7 @@
     const found = G.tensors.filter((t) => t.name.toLowerCase().includes(q) || t.id === q);
     for (const t of found) matches.add(t.id);
     for (const t of found.slice(0, 200)) {
-      const li = el("li", { "data-id": t.id }, t.name, el("span", { class: "op" }, `${t.op} ${t.id}`));
+      const li = el("li", { "data-id": t.id }, el("span", { class: "name" }, t.name), el("span", { class: "op" }, `${t.op} ${t.id}`));
       li.addEventListener("mousedown", (e) => { e.preventDefault(); results.hidden = true; select(t.id, true); });
       results.append(li);
     }

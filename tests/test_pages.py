@@ -1,0 +1,158 @@
+"""The pages in a real browser (headless Chromium through selenium; see tests/browser.py).
+
+The graph page of the tiny model must carry and draw every tensor of the JSON dump made with
+the same options, find `rs_s_slot_rev` by name and show a clicked node's shape; the compare page
+of an F32-vs-Q4_K comparison must mark the report's first failing node; no page may log a console
+error. Screenshots are written to tests/screenshots/.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deltarun.cli.main import cli
+
+from browser import console_errors, screenshot, start_browser, wait_for
+
+GRAPH_ARGS = ["--rs-slots", "2", "--tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def driver():
+    d = start_browser()
+    yield d
+    d.quit()
+
+
+def invoke(*args: object, exit_code: int = 0) -> str:
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == exit_code, (result.output, result.exception)
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def graph_files(tiny_model_path, tmp_path_factory) -> tuple[dict, Path]:
+    model = tiny_model_path("tiny", "f32")
+    out = tmp_path_factory.mktemp("pages")
+    dump = json.loads(invoke("graph", model, *GRAPH_ARGS, "--format", "json"))
+    page = out / "graph.html"
+    invoke("graph", model, *GRAPH_ARGS, "--format", "html", "-o", page)
+    return dump, page
+
+
+def open_page(driver, path: Path) -> None:
+    driver.get(path.as_uri())
+    wait_for(lambda: driver.execute_script("return !!(window.graphPage && window.graphPage.ready)"),
+             what="the graph page's first paint")
+
+
+def click_canvas_at(driver, tensor_id: str) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    pos = driver.execute_script("return window.graphPage.screenPos(arguments[0])", tensor_id)
+    assert pos is not None, tensor_id
+    assert 0 <= pos["x"] < pos["w"] and 0 <= pos["y"] < pos["h"], f"{tensor_id} is not in view: {pos}"
+    canvas = driver.find_element("id", "canvas")
+    # selenium 4 offsets are from the element's centre
+    ActionChains(driver).move_to_element_with_offset(canvas, int(pos["x"] - pos["w"] / 2),
+                                                     int(pos["y"] - pos["h"] / 2)).click().perform()
+
+
+def test_graph_page_draws_every_tensor_of_the_dump(driver, graph_files):
+    dump, page = graph_files
+    ids = {t["id"] for t in dump["nodes"] + dump["leafs"]}
+    assert len(dump["nodes"]) == dump["summary"]["n_nodes"] > 100
+    open_page(driver, page)
+    assert set(driver.execute_script("return window.graphPage.tensorIds()")) == ids
+    driver.find_element("id", "expand-all").click()
+    driver.find_element("id", "fit").click()
+    drawn = wait_for(lambda: int(driver.find_element("id", "canvas").get_attribute("data-drawn-tensors") or 0)
+                     == len(ids) and len(ids), what="every tensor drawn after 'fit'")
+    assert drawn
+    assert f"{len(ids)} tensors" in driver.find_element("id", "status").text
+    screenshot(driver, "graph-fit")
+    assert console_errors(driver) == []
+
+
+def test_graph_page_search_and_click_show_shape(driver, graph_files):
+    from selenium.webdriver.common.keys import Keys
+
+    dump, page = graph_files
+    by_name = {t["name"]: t for t in dump["nodes"] + dump["leafs"]}
+    open_page(driver, page)
+    search = driver.find_element("id", "search")
+    search.send_keys("rs_s_slot_rev")
+    items = wait_for(lambda: driver.find_elements("css selector", "#search-results li[data-id]"),
+                     what="search results")
+    assert [i.find_element("css selector", ".name").text for i in items] == ["rs_s_slot_rev"]
+    search.send_keys(Keys.ENTER)
+    wait_for(lambda: driver.find_element("id", "details-name").text == "rs_s_slot_rev", what="details")
+    slot = by_name["rs_s_slot_rev"]
+    shape = driver.find_element("css selector", "#details-table tr[data-field=ne] td:last-child").text
+    assert shape == "[" + ", ".join(map(str, slot["ne"])) + "]"
+    screenshot(driver, "graph-search")
+
+    # a node found by search, then deselected and clicked on the canvas itself
+    target = by_name["attn_norm-0"]
+    driver.execute_script("window.graphPage.select(arguments[0])", target["id"])
+    driver.find_element("id", "canvas").send_keys(Keys.ESCAPE)
+    wait_for(lambda: not driver.find_elements("id", "details-name"), what="the selection cleared")
+    click_canvas_at(driver, target["id"])
+    wait_for(lambda: driver.find_elements("id", "details-name"), what="details after a click")
+    assert driver.find_element("id", "details-name").text == "attn_norm-0"
+    fields = {r.get_attribute("data-field"): r.find_elements("css selector", "td")[1].text
+              for r in driver.find_elements("css selector", "#details-table tr")}
+    assert fields["ne"] == "[" + ", ".join(map(str, target["ne"])) + "]"
+    assert fields["nb"] == "[" + ", ".join(map(str, target["nb"])) + "]"
+    assert fields["op"] == target["op"] and fields["type"] == target["type"]
+    assert fields["backend"] == target["backend"]
+    inputs = [a.text for a in driver.find_elements("css selector", "#details-inputs a")]
+    assert inputs == target["src"]
+    screenshot(driver, "graph-click")
+    assert console_errors(driver) == []
+
+
+def test_graph_page_with_values(driver, tiny_model_path, tmp_path):
+    model = tiny_model_path("tiny", "f32")
+    page = tmp_path / "values.html"
+    invoke("graph", model, "-p", "Hello world, a graph with values", "--format", "html", "-o", page)
+    dump = json.loads(invoke("graph", model, "-p", "Hello world, a graph with values", "--format", "json"))
+    open_page(driver, page)
+    assert driver.find_element("id", "colour-mode").get_attribute("value") == "values"
+    node = next(t for t in dump["nodes"] if t["name"] == "result_norm")
+    driver.execute_script("window.graphPage.select(arguments[0])", node["id"])
+    text = wait_for(lambda: driver.find_element("id", "details-values").text, what="values in the details")
+    assert "rms" in text and "NaN / Inf 0 / 0" in text
+    screenshot(driver, "graph-values")
+    assert console_errors(driver) == []
+
+
+def test_compare_page_marks_first_failing_node(driver, tiny_model_path, tmp_path):
+    a, b = tiny_model_path("tiny", "f32"), tiny_model_path("tiny", "q4_k")
+    page = tmp_path / "report.html"
+    report = json.loads(invoke("compare", a, "--against", b, "-s", "2", "-q", "--json", "--html", page,
+                               exit_code=7))
+    assert not report["passed"]
+    graph_index, first = next((i, g["first_failure"]) for i, g in enumerate(report["graphs"]) if g["first_failure"])
+    open_page(driver, page)
+    assert driver.find_element("id", "graph-select").get_attribute("value") == str(graph_index)
+    assert driver.find_element("id", "verdict").text.startswith("FAIL")
+    box = driver.find_element("id", "first-failure")
+    assert box.find_element("css selector", "a").get_attribute("data-id") == first["id"]
+    assert first["name"] in box.text
+    # its inputs, each with its error (or exact for weights and inputs)
+    lines = box.find_elements("css selector", "li")
+    assert [li.find_element("css selector", "a").text for li in lines] == [i["name"] for i in first["inputs"]]
+    # the first failure is selected and in view
+    assert driver.find_element("id", "details-name").text == first["name"]
+    pos = driver.execute_script("return window.graphPage.screenPos(arguments[0])", first["id"])
+    assert 0 <= pos["x"] < pos["w"] and 0 <= pos["y"] < pos["h"]
+    assert driver.find_element("css selector", "#details-table tr[data-field=status]").text.endswith(first["status"])
+    logits = driver.find_element("id", "logits").text
+    assert "exceeds" in logits and f"{sum(report['logits']['top1'])}/{len(report['logits']['top1'])}" in logits
+    screenshot(driver, "compare")
+    assert console_errors(driver) == []
