@@ -92,6 +92,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mtp": ModelConfig(n_mtp=1),
     # Drafts are mostly accepted on this one: it repeats its input (see residual_scale).
     "tiny-echo": ModelConfig(n_mtp=1, tied_output=True, residual_scale=0.02),
+    # The graph page's benchmark: as many layers as Qwen3-Next-80B (48: 36 linear + 12 full attention).
+    "tiny-48": ModelConfig(n_layer=48),
     # Speed measurements: hidden 1024, 8 layers, 16 experts top-4.
     "bench": ModelConfig(
         n_embd=1024, n_layer=8, n_head=8, n_head_kv=2, head_dim=128, n_rot=32,

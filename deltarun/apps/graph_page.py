@@ -88,11 +88,8 @@ def layout(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     execution order."""
     by_id = {t["id"]: t for t in tensors}
     band_of = _band_keys(tensors)
-    order: list[Any] = [INPUTS_BAND]
-    for t in tensors:
-        if t["kind"] == "node" and band_of[t["id"]] not in order and band_of[t["id"]] != OUTPUT_BAND:
-            order.append(band_of[t["id"]])
-    order.append(OUTPUT_BAND)
+    layers = sorted({k for k in band_of.values() if isinstance(k, int)})
+    order: list[Any] = [INPUTS_BAND, *layers, OUTPUT_BAND]  # ggml may start a layer before the previous ends
     members: dict[Any, list[dict[str, Any]]] = {k: [] for k in order}
     for t in tensors:
         members[band_of[t["id"]]].append(t)

@@ -4,7 +4,7 @@
 "use strict";
 (function () {
   const DATA = JSON.parse(document.getElementById("graph-data").textContent);
-  const NODE_W = 180, NODE_H = 36, RANK_H = 64, BAND_HEAD = 30, BAND_GAP = 18, GROUP_H = 48, GROUP_W = 460;
+  const NODE_W = 180, NODE_H = 36, RANK_H = 64, BAND_HEAD = 30, BAND_GAP = 18, GROUP_H = 48, GROUP_W = 540;
   const MIN_SCALE = 0.004, MAX_SCALE = 4;
   const canvas = document.getElementById("canvas");
   const ctx = canvas.getContext("2d");
@@ -157,6 +157,7 @@
     }
     edges = [];
     const seen = new Set();
+    const bandOf = (bx) => (bx.t ? bx.t.band : bx.band);
     function addEdge(a, b, dashed, from, to) {
       if (!a || !b || a === b) return;
       if (a.band !== undefined || b.band !== undefined) {
@@ -164,7 +165,8 @@
         if (seen.has(k)) return;
         seen.add(k);
       }
-      edges.push({ x1: a.x + a.w / 2, y1: a.y + a.h, x2: b.x + b.w / 2, y2: b.y, dashed, from, to });
+      const far = Math.abs(bandOf(a) - bandOf(b)) > 1;  // e.g. a graph input read by every layer: drawn faint
+      edges.push({ x1: a.x + a.w / 2, y1: a.y + a.h, x2: b.x + b.w / 2, y2: b.y, dashed, far, from, to });
     }
     for (const t of G.tensors) {
       const b = boxOf.get(t.id);
@@ -230,14 +232,15 @@
       ctx.strokeStyle = colour; ctx.lineWidth = width; ctx.setLineDash(dash);
       ctx.stroke();
     };
-    const plain = [], dashed = [], hot = [];
+    const plain = [], dashed = [], hot = [], faint = [];
     for (const e of edges) {
       if (Math.max(e.x1, e.x2) < x0 || Math.min(e.x1, e.x2) > x1 || Math.max(e.y1, e.y2) < y0 || Math.min(e.y1, e.y2) > y1) continue;
       if (sel && (e.from === sel || e.to === sel)) hot.push(e);
-      else (e.dashed ? dashed : plain).push(e);
+      else (e.dashed ? dashed : (e.far ? faint : plain)).push(e);
     }
     const thin = 1 / Math.max(s, 0.5);
     strokeEdges(plain, s < 0.1 ? "rgba(80,90,100,0.25)" : "rgba(80,90,100,0.55)", thin, []);
+    strokeEdges(faint, "rgba(80,90,100,0.16)", thin, []);
     strokeEdges(dashed, "rgba(120,120,120,0.6)", thin, [4, 3]);
     strokeEdges(hot, "#1e88e5", 2.5 / Math.max(s, 0.5), []);
     ctx.setLineDash([]);
@@ -257,8 +260,9 @@
         if (s * b.h > 10) {
           ctx.fillStyle = "#263238"; ctx.font = "12px ui-monospace, monospace";
           const ops = Object.entries(band.ops).map(([k, v]) => `${k} ${v}`).join(", ");
-          ctx.fillText(clip(`${band.label}: ${band.n_nodes} nodes (click to expand)`, 60), b.x + 8, b.y + 15);
-          ctx.fillStyle = "#546e7a"; ctx.fillText(clip(ops, 60), b.x + 8, b.y + 30);
+          const n = Math.floor((b.w - 16) / charW);
+          ctx.fillText(clip(`${band.label}: ${band.n_nodes} nodes (click to expand)`, n), b.x + 8, b.y + 15);
+          ctx.fillStyle = "#546e7a"; ctx.fillText(clip(ops, n), b.x + 8, b.y + 30);
         }
         continue;
       }
