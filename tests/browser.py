@@ -26,7 +26,7 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"{reason}: run scripts/install-browser.sh (Debian's chromium and chromium-driver)")
 
 
-def start_browser(width: int = 1400, height: int = 900) -> Any:
+def start_browser(width: int = 1400, height: int = 900, scale: float = 1.0) -> Any:
     """A headless Chromium session that records the page's console."""
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         _unavailable(f"no {CHROMIUM} or {CHROMEDRIVER}")
@@ -39,7 +39,8 @@ def start_browser(width: int = 1400, height: int = 900) -> Any:
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              f"--window-size={width},{height}", "--no-first-run", "--disable-extensions"):
+              f"--window-size={width},{height}", "--no-first-run", "--disable-extensions",
+              f"--force-device-scale-factor={scale}"):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
