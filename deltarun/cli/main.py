@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "perplexity": "deltarun.cli.perplexity:perplexity",
     "compare": "deltarun.cli.compare:compare",
     "devices": "deltarun.cli.devices:devices",
+    "serve": "deltarun.cli.serve:serve",
 }
 
 

@@ -1,0 +1,381 @@
+"""The HTTP side: a Starlette app whose handlers validate, build prompts and talk to the worker.
+
+Handlers never touch the model: they turn a body into `GenParams` (in the thread pool), submit a
+`Job` and relay the worker's `Event`s, as one JSON response or as server-sent events (`data:
+{chunk}` ... `data: [DONE]`). A client that disconnects cancels its job; so does the end of a
+stream for any other reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
+from deltarun.apps.serve.output import Delta
+from deltarun.apps.serve.protocol import (ApiError, chat_delta, chat_message, envelope, parse_chat, parse_completion,
+                                          timings, usage)
+from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
+
+PUBLIC_PATHS = {"/health", "/v1/health"}
+DISCONNECT_POLL_S = 0.25
+
+
+class ServerState:
+    """What the handlers share: the worker, the prompt builder (made once the model is loaded), settings."""
+
+    def __init__(self, worker: Worker, make_builder: Callable[[Any], Any], *, model_name: str,
+                 api_key: str | None = None, max_body: int = 8 << 20, n_parallel: int = 1):
+        self.worker = worker
+        self._make_builder = make_builder
+        self._builder: Any = None
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body = max_body
+        self.n_parallel = n_parallel
+        self.created = int(time.time())
+
+    @property
+    def builder(self) -> Any:
+        if self.worker.load_error is not None:
+            raise ApiError(f"the model failed to load: {self.worker.load_error}", status=500, type="server_error")
+        if not self.worker.ready.is_set():
+            raise ApiError("Loading model", status=503, type="unavailable_error", code="loading",
+                           headers={"Retry-After": "1"})
+        if self._builder is None:
+            self._builder = self._make_builder(self.worker)
+        return self._builder
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"the request body has {declared} bytes; the limit is {limit}", status=413,
+                       code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as e:
+        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+class _Relay:
+    """A job plus the asyncio queue its events arrive on (put there from the worker thread)."""
+
+    def __init__(self, state: ServerState, params: GenParams):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            except RuntimeError:   # the loop is gone (server stopped)
+                pass
+
+        self.job = Job(params, emit)
+        state.worker.submit(self.job)
+        self.finished = False
+
+    async def events(self, request: Request | None = None) -> AsyncIterator[Event]:
+        """Events until the job ends; with `request`, a client disconnect cancels the job."""
+        try:
+            while True:
+                if request is None:
+                    ev = await self.queue.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                yield ev
+                if ev.finish_reason is not None or ev.error is not None:
+                    self.finished = True
+                    return
+        finally:
+            if not self.finished:
+                self.job.cancel()
+
+
+def _chunk(cid: str, model: str, created: int, choice: dict[str, Any] | None, obj: str) -> dict[str, Any]:
+    out = envelope(obj, cid, model, created)
+    out["choices"] = [choice] if choice is not None else []
+    return out
+
+
+def create_app(state: ServerState) -> Starlette:
+    async def health(request: Request) -> Response:
+        try:
+            state.builder
+        except ApiError as e:
+            return JSONResponse({"error": {"code": e.status, "message": e.message, "type": e.type}},
+                                status_code=e.status, headers=e.headers)
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        meta: dict[str, Any] = {}
+        w = state.worker
+        if w.ready.is_set() and w.model is not None:
+            m = w.model
+            meta = {"n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_embd": m.hp.n_embd, "n_params": None,
+                    "size": m.path.stat().st_size}
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "deltarun",
+             "meta": meta}]})
+
+    async def chat_completions(request: Request) -> Response:
+        body = await _read_json(request, state.max_body)
+        req = parse_chat(body)
+        builder = state.builder
+        params = await run_in_threadpool(builder.chat, req)
+        relay = _Relay(state, params)
+        cid = "chatcmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        model = req.model or state.model_name
+        if req.stream:
+            return EventSourceResponse(_chat_stream(relay, cid, model, created, req.include_usage),
+                                       shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
+        text = Delta()
+        logprobs: list[dict[str, Any]] = []
+        async for ev in relay.events(request):
+            if ev.error is not None:
+                return _error_response(ev.error)
+            if ev.delta is not None:
+                text.add(ev.delta)
+            if ev.logprobs:
+                logprobs.extend(ev.logprobs)
+            if ev.finish_reason is not None:
+                r = ev.result
+                out = envelope("chat.completion", cid, model, created)
+                out["choices"] = [{"index": 0, "message": chat_message(text.content, text.reasoning, text.tool_calls),
+                                   "logprobs": {"content": logprobs} if req.logprobs else None,
+                                   "finish_reason": ev.finish_reason}]
+                out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
+                out["timings"] = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"],
+                                         r["generate_s"])
+                return JSONResponse(out)
+        return Response(status_code=499)   # the client went away
+
+    async def _chat_stream(relay: _Relay, cid: str, model: str, created: int,
+                           include_usage: bool) -> AsyncIterator[dict[str, str]]:
+        first = True
+        async for ev in relay.events():
+            if ev.error is not None:
+                yield {"data": json.dumps(ev.error.body())}
+                break
+            if ev.delta or ev.logprobs or first:
+                delta = ev.delta or Delta()
+                choice = {"index": 0, "delta": chat_delta(delta, first), "logprobs": None, "finish_reason": None}
+                if ev.logprobs:
+                    choice["logprobs"] = {"content": ev.logprobs}
+                first = False
+                if ev.finish_reason is None or delta or ev.logprobs:
+                    yield {"data": json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk"))}
+            if ev.finish_reason is not None:
+                r = ev.result
+                last = _chunk(cid, model, created, {"index": 0, "delta": {}, "logprobs": None,
+                                                    "finish_reason": ev.finish_reason}, "chat.completion.chunk")
+                t = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"], r["generate_s"])
+                if include_usage:
+                    yield {"data": json.dumps(last)}
+                    last = _chunk(cid, model, created, None, "chat.completion.chunk")
+                    last["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
+                last["timings"] = t
+                yield {"data": json.dumps(last)}
+        yield {"data": "[DONE]"}
+
+    async def completions(request: Request) -> Response:
+        body = await _read_json(request, state.max_body)
+        req = parse_completion(body)
+        builder = state.builder
+        params = await run_in_threadpool(builder.completion, req)
+        relay = _Relay(state, params)
+        cid = "cmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        model = req.model or state.model_name
+        tok = state.worker.model.tokenizer
+        echo = tok.decode(params.prompt) if req.echo else ""
+        if req.stream:
+            return EventSourceResponse(_completion_stream(relay, cid, model, created, req.include_usage, echo),
+                                       shutdown_grace_period=5.0)
+        text, lps = echo, []
+        async for ev in relay.events(request):
+            if ev.error is not None:
+                return _error_response(ev.error)
+            if ev.delta is not None:
+                text += ev.delta.content
+            if ev.logprobs:
+                lps.extend(ev.logprobs)
+            if ev.finish_reason is not None:
+                r = ev.result
+                out = envelope("text_completion", cid, model, created)
+                out["choices"] = [{"index": 0, "text": text, "logprobs": _legacy_logprobs(lps) if req.logprobs else None,
+                                   "finish_reason": ev.finish_reason}]
+                out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
+                out["timings"] = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"],
+                                         r["generate_s"])
+                return JSONResponse(out)
+        return Response(status_code=499)
+
+    async def _completion_stream(relay: _Relay, cid: str, model: str, created: int, include_usage: bool,
+                                 echo: str) -> AsyncIterator[dict[str, str]]:
+        if echo:
+            yield {"data": json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": None,
+                                                                   "finish_reason": None}, "text_completion"))}
+        async for ev in relay.events():
+            if ev.error is not None:
+                yield {"data": json.dumps(ev.error.body())}
+                break
+            text = ev.delta.content if ev.delta is not None else ""
+            if text or ev.logprobs or ev.finish_reason is not None:
+                choice = {"index": 0, "text": text, "logprobs": _legacy_logprobs(ev.logprobs) if ev.logprobs else None,
+                          "finish_reason": ev.finish_reason}
+                out = _chunk(cid, model, created, choice, "text_completion")
+                if ev.finish_reason is not None:
+                    r = ev.result
+                    out["timings"] = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"],
+                                             r["generate_s"])
+                    if include_usage:
+                        yield {"data": json.dumps(out)}
+                        out = _chunk(cid, model, created, None, "text_completion")
+                        out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
+                yield {"data": json.dumps(out)}
+        yield {"data": "[DONE]"}
+
+    async def metrics(request: Request) -> Response:
+        running, queued = state.worker.counts
+        state.worker.metrics.running.set(running)
+        state.worker.metrics.queued.set(queued)
+        return Response(state.worker.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(request: Request) -> Response:
+        body = await _read_json(request, state.max_body)
+        if not isinstance(body, dict) or not isinstance(body.get("content", ""), str):
+            raise ApiError("'content' must be a string", param="content", code="invalid_type")
+        tok = state.builder.tokenizer
+        ids = await run_in_threadpool(tok.encode, body.get("content", ""), bool(body.get("add_special", False)),
+                                      bool(body.get("parse_special", True)))
+        if body.get("with_pieces"):
+            pieces = []
+            for t in ids:
+                b = tok.token_bytes(t)
+                try:
+                    piece: Any = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(b)
+                pieces.append({"id": t, "piece": piece})
+            return JSONResponse({"tokens": pieces})
+        return JSONResponse({"tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        body = await _read_json(request, state.max_body)
+        ids = body.get("tokens", []) if isinstance(body, dict) else None
+        builder = state.builder
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError("'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+        bad = [t for t in ids if not 0 <= t < builder.tokenizer.n_vocab]
+        if bad:
+            raise ApiError(f"token id {bad[0]} is outside the vocabulary", param="tokens", code="invalid_value")
+        return JSONResponse({"content": builder.tokenizer.decode(ids)})
+
+    async def props(request: Request) -> Response:
+        b = state.builder
+        m = state.worker.model
+        tok = b.tokenizer
+        from dataclasses import asdict
+
+        from deltarun.runner.sampling import SamplingParams
+
+        return JSONResponse({
+            "default_generation_settings": {"params": asdict(SamplingParams()), "n_ctx": m.n_ctx},
+            "total_slots": state.n_parallel,
+            "model_alias": state.model_name,
+            "model_path": str(m.path),
+            "modalities": {"vision": False, "audio": False, "video": False},
+            "chat_template": b.template.source,
+            "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+            "build_info": "deltarun",
+            "rs_slots": m.rs_slots,
+            "cache_ram_bytes": state.worker.cache_bytes,
+        })
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind,
+                                       "param": None, "code": None}}, status_code=exc.status_code)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+
+    routes = [
+        Route("/health", health), Route("/v1/health", health),
+        Route("/v1/models", models), Route("/models", models),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]), Route("/completions", completions, methods=["POST"]),
+        Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]), Route("/props", props),
+    ]
+    middleware = [Middleware(ApiKeyMiddleware, key=state.api_key)] if state.api_key else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
+
+
+class ApiKeyMiddleware:
+    """401 with OpenAI's error object unless `Authorization: Bearer KEY` (or `x-api-key`) matches."""
+
+    def __init__(self, app: Any, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            token = given[7:].strip() if given[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(token, self.key):
+                e = ApiError("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
+                             type="authentication_error", code="invalid_api_key")
+                await _error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """/v1/completions' logprobs object from per-token entries."""
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}

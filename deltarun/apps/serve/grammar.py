@@ -1,0 +1,121 @@
+"""Constrained decoding with llguidance: JSON schemas (and forced tool calls) to token masks.
+
+llguidance compiles a JSON schema or a Lark grammar against the model's vocabulary and, at each
+step, gives the set of tokens that keep the output valid; the sampler only ever sees those. The
+vocabulary is handed over as the bytes of every token, special tokens marked with a 0xff prefix
+(as llguidance's own llama.cpp bridge does), so grammars can name them (`<tool_call>`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from deltarun.apps.serve.protocol import ApiError
+
+#: Compact JSON: a model with random weights could otherwise emit whitespace forever.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+TOKEN_TYPE_NORMAL = 1
+
+
+class _Vocabulary:
+    """The shape llguidance.TokenizerWrapper reads: token bytes, eos/bos ids, and an encoder."""
+
+    def __init__(self, tokenizer: Any, n_vocab: int):
+        self._tok = tokenizer
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens: list[bytes] = []
+        self.special_token_ids: list[int] = []
+        for i in range(n_vocab):
+            if i >= tokenizer.n_vocab:
+                self.tokens.append(b"")
+                continue
+            b = tokenizer.token_bytes(i)
+            if tokenizer.token_type(i) != TOKEN_TYPE_NORMAL:
+                b = b"\xff" + b
+                self.special_token_ids.append(i)
+            self.tokens.append(b)
+
+    def __call__(self, s: bytes | str) -> list[int]:
+        text = s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s
+        return self._tok.encode(text, parse_special=False)
+
+
+class GrammarFactory:
+    """Builds one matcher per request from the model's tokenizer (converted once, on first use)."""
+
+    def __init__(self, tokenizer: Any, n_vocab: int, eog_ids: list[int]):
+        self._tokenizer, self.n_vocab, self._eog = tokenizer, n_vocab, eog_ids
+        self._ll: Any = None
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        if self._ll is None:
+            wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self.n_vocab))
+            self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self.n_vocab, eos_token=self._eog)
+        return self._ll
+
+    def json_schema(self, schema: dict[str, Any] | None, param: str) -> str:
+        """The grammar of a JSON schema (None: any JSON object), checked now so errors are a 400."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema if schema is not None else {"type": "object"}, overrides=_JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise ApiError(f"invalid JSON schema: {e}", param=param) from e
+        return self._checked(grammar, param)
+
+    def tool_call(self, tools: list[dict[str, Any]], xml: bool, param: str = "tool_choice") -> str:
+        """A grammar that forces one call of one of `tools` in the model's tool-call format."""
+        alternatives = []
+        for i, tool in enumerate(tools):
+            fn = tool["function"]
+            params = fn.get("parameters") or {"type": "object"}
+            if xml:   # free-form values: only the function name is constrained
+                alternatives.append(f'"<function={fn["name"]}>\\n" XMLBODY "</function>"')
+            else:
+                schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                          "required": ["name", "arguments"], "additionalProperties": False}
+                alternatives.append(f"%json {json.dumps(schema)}")
+        lines = ["start: <tool_call> \"\\n\" call \"\\n\" </tool_call>", "call: " + " | ".join(alternatives)]
+        if xml:
+            lines.append('XMLBODY: /(<parameter=[a-zA-Z0-9_]+>\\n[^<]*\\n<\\/parameter>\\n)*/')
+        grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+        return self._checked(grammar, param)
+
+    def _checked(self, grammar: str, param: str) -> str:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise ApiError(f"cannot build a grammar: {messages[0] if messages else 'invalid'}", param=param)
+        return grammar
+
+    def matcher(self, grammar: str) -> "Constraint":
+        return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self.n_vocab)
+
+
+class Constraint:
+    """One request's grammar state: masks logits before sampling, advances on each token."""
+
+    def __init__(self, matcher: Any, n_vocab: int):
+        self.matcher, self.n_vocab = matcher, n_vocab
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """Logits with every token the grammar forbids at -inf (a new array)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = bits[:logits.shape[0]].astype(bool)
+        return np.where(allowed, logits, -np.inf).astype(np.float32)
+
+    def accept(self, token: int) -> None:
+        self.matcher.consume_token(int(token))
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing more may follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None

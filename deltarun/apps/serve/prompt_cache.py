@@ -1,0 +1,246 @@
+"""The prompt cache for hybrid models: resume each request from the longest usable saved state.
+
+A hybrid model's state after n tokens is the KV rows of positions 0..n-1 (which any shorter
+prefix can reuse: they are per position) plus the recurrent state, which exists only for the exact
+length it was computed at. So the cache keeps, per conversation, its KV rows and recurrent-state
+checkpoints at chosen lengths:
+
+- in a **cell** (a sequence slot of the model) the KV rows are live and the live recurrent state
+  is the one at the cell's length; host checkpoints hold earlier lengths, and the rollback slots
+  reach the last few tokens of the last ubatch;
+- in **host RAM** an evicted conversation keeps a copy of its KV rows plus its checkpoints
+  (including one at its end), bounded with the cell checkpoints by `--cache-ram`, least recently
+  used first out.
+
+Checkpoints are taken where the next request is likely to diverge: at message boundaries, at
+the position where the next turn's rendering of this turn's answer begins (Qwen3 templates drop
+the think block of earlier answers, so the next prompt differs right there), every M tokens of a
+long prompt, and at the end of each prompt (with its logits, so re-sending the same prompt
+evaluates nothing).
+
+For a request the cache looks at every idle cell and host entry, computes the common token
+prefix p with the prompt and the longest length r <= p it can resume at (the cell's live state
+when the prompt extends it, a rollback, or a checkpoint), and picks the largest r. Only the
+prompt after r is evaluated; r is the request's `cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deltarun.apps.chat import common_prefix_length
+from deltarun.runner.seq_state import (KVRows, RecurrentState, clear_seq, read_kv, read_recurrent,
+                                       set_tokens, write_kv, write_recurrent)
+
+
+@dataclass
+class Checkpoint:
+    state: RecurrentState
+    logits: np.ndarray | None = None     # logits of the last token, for a prompt-end checkpoint
+
+    @property
+    def pos(self) -> int:
+        return self.state.n_past
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + (self.logits.nbytes if self.logits is not None else 0)
+
+
+@dataclass
+class CellInfo:
+    """What the cache knows about one cell beyond the model's own bookkeeping."""
+
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+    answer_start: int = 0     # where the next turn is expected to diverge from the last prompt
+    last_used: float = 0.0
+
+    def truncate(self, n: int) -> None:
+        self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= n}
+        self.answer_start = min(self.answer_start, n)
+
+
+@dataclass
+class HostEntry:
+    tokens: list[int]
+    kv: KVRows
+    checkpoints: dict[int, Checkpoint]
+    answer_start: int
+    last_used: float
+
+
+@dataclass
+class Resume:
+    """Where a request starts: `pos` prompt tokens are reused (`logits` set when pos == len(prompt))."""
+
+    pos: int = 0
+    how: str = "fresh"                   # fresh | live | rollback | checkpoint | host
+    cell: int | None = None              # for live / rollback / checkpoint
+    entry: HostEntry | None = None       # for host
+    checkpoint: Checkpoint | None = None
+    logits: np.ndarray | None = None
+
+
+_PREFERENCE = {"live": 4, "rollback": 3, "checkpoint": 2, "host": 1, "fresh": 0}
+
+
+class PromptCache:
+    def __init__(self, model: Any, n_cells: int, budget_bytes: int):
+        self.model = model
+        self.cells = [CellInfo() for _ in range(n_cells)]
+        self.host: list[HostEntry] = []
+        self.budget = budget_bytes
+        self.n_evictions = 0
+
+    # --- lookup ------------------------------------------------------------------------------
+    @staticmethod
+    def _best_checkpoint(cps: dict[int, Checkpoint], p: int, n_prompt: int) -> Checkpoint | None:
+        best = None
+        for pos, cp in cps.items():
+            usable = pos <= p and (pos < n_prompt or cp.logits is not None)
+            if usable and (best is None or pos > best.pos):
+                best = cp
+        return best
+
+    def _cell_resume(self, cell: int, prompt: list[int]) -> Resume:
+        held = self.model.tokens(cell)
+        n, L = len(held), len(prompt)
+        p = common_prefix_length(held, prompt)
+        info = self.cells[cell]
+        if p == n and n < L:
+            return Resume(n, "live", cell)
+        best = Resume()
+        if p == n == L and L in info.checkpoints and info.checkpoints[L].logits is not None:
+            return Resume(L, "live", cell, logits=info.checkpoints[L].logits)
+        target = min(p, L - 1)
+        st = self.model.memory.seqs[cell]
+        limit = min(st.last_ubatch, self.model.rs_slots - 1) - st.rolled_back
+        if 0 < n - target <= limit:
+            best = Resume(target, "rollback", cell)
+        cp = self._best_checkpoint(info.checkpoints, p, L)
+        if cp is not None and cp.pos > best.pos:
+            best = Resume(cp.pos, "checkpoint", cell, checkpoint=cp,
+                          logits=cp.logits if cp.pos == L else None)
+        return best
+
+    def lookup(self, prompt: list[int], idle: list[int]) -> Resume:
+        """The best place to resume `prompt` from among the idle cells and the host entries."""
+        best = Resume()
+        for c in idle:
+            r = self._cell_resume(c, prompt)
+            if (r.pos, _PREFERENCE[r.how]) > (best.pos, _PREFERENCE[best.how]):
+                best = r
+        for e in self.host:
+            p = common_prefix_length(e.tokens, prompt)
+            if p <= best.pos:
+                continue
+            cp = self._best_checkpoint(e.checkpoints, p, len(prompt))
+            if cp is not None and cp.pos > best.pos:
+                best = Resume(cp.pos, "host", entry=e, checkpoint=cp,
+                              logits=cp.logits if cp.pos == len(prompt) else None)
+        return best
+
+    def pick_cell(self, idle: list[int]) -> int:
+        """A cell for a request that resumes from host RAM or from nothing: an empty one, else the LRU."""
+        empty = [c for c in idle if self.model.n_past(c) == 0]
+        if empty:
+            return empty[0]
+        return min(idle, key=lambda c: self.cells[c].last_used)
+
+    # --- applying a lookup ---------------------------------------------------------------------
+    def apply(self, r: Resume, cell: int) -> None:
+        """Make `cell` hold the first r.pos tokens of the request's prompt."""
+        model, info = self.model, self.cells[cell]
+        if r.how in ("fresh", "host") and model.n_past(cell) > 0:
+            self._evict(cell)
+        if r.how == "fresh":
+            clear_seq(model, cell)
+            self.cells[cell] = CellInfo()
+        elif r.how == "live":
+            pass
+        elif r.how == "rollback":
+            model.rollback(model.n_past(cell) - r.pos, cell)
+            info.truncate(r.pos)
+        elif r.how == "checkpoint":
+            if r.pos < info.answer_start:          # a branch or another conversation: keep the old one too
+                self._evict(cell, keep_cell=True)
+            tokens = model.tokens(cell)[:r.pos]
+            write_recurrent(model, cell, r.checkpoint.state)
+            set_tokens(model, cell, tokens)
+            info.truncate(r.pos)
+        elif r.how == "host":
+            e = r.entry
+            write_kv(model, cell, e.kv, r.pos)
+            write_recurrent(model, cell, r.checkpoint.state)
+            set_tokens(model, cell, e.tokens[:r.pos])
+            self.cells[cell] = CellInfo({p: c for p, c in e.checkpoints.items() if p <= r.pos},
+                                        min(e.answer_start, r.pos))
+            self.host.remove(e)
+        self.cells[cell].last_used = time.monotonic()
+
+    def checkpoint(self, cell: int, logits: np.ndarray | None = None) -> None:
+        """Save the live recurrent state of `cell` at its current length."""
+        cp = Checkpoint(read_recurrent(self.model, cell), None if logits is None else np.array(logits))
+        self.cells[cell].checkpoints[cp.pos] = cp
+        self._enforce_budget(protect=cell)
+
+    def finished(self, cell: int, answer_start: int) -> None:
+        info = self.cells[cell]
+        info.answer_start = min(answer_start, self.model.n_past(cell))
+        info.last_used = time.monotonic()
+
+    # --- host RAM ------------------------------------------------------------------------------
+    def _evict(self, cell: int, keep_cell: bool = False) -> None:
+        """Copy the conversation in `cell` to host RAM (when the budget allows it)."""
+        model, info = self.model, self.cells[cell]
+        n = model.n_past(cell)
+        if n == 0 or self.budget <= 0:
+            return
+        cps = dict(info.checkpoints)
+        if n not in cps:
+            cps[n] = Checkpoint(read_recurrent(model, cell))
+        kv = read_kv(model, cell, n)
+        entry = HostEntry(model.tokens(cell), kv, cps, info.answer_start, info.last_used)
+        if self._entry_bytes(entry) > self.budget:
+            return
+        self.host.append(entry)
+        self.n_evictions += 1
+        if not keep_cell:
+            self.cells[cell] = CellInfo()
+        self._enforce_budget(protect=cell)
+
+    @staticmethod
+    def _entry_bytes(e: HostEntry) -> int:
+        return e.kv.nbytes + sum(c.nbytes for c in e.checkpoints.values())
+
+    def nbytes(self) -> int:
+        """Host bytes held: KV copies plus every distinct checkpoint."""
+        seen: dict[int, int] = {}
+        total = 0
+        for e in self.host:
+            total += e.kv.nbytes
+            for c in e.checkpoints.values():
+                seen[id(c)] = c.nbytes
+        for info in self.cells:
+            for c in info.checkpoints.values():
+                seen[id(c)] = c.nbytes
+        return total + sum(seen.values())
+
+    def _enforce_budget(self, protect: int | None = None) -> None:
+        """Drop least recently used host entries, then the oldest checkpoints of other cells."""
+        while self.nbytes() > self.budget and self.host:
+            self.host.remove(min(self.host, key=lambda e: e.last_used))
+        if self.nbytes() <= self.budget:
+            return
+        for c in sorted(range(len(self.cells)), key=lambda c: (c == protect, self.cells[c].last_used)):
+            cps = self.cells[c].checkpoints
+            for pos in sorted(cps):
+                if self.nbytes() <= self.budget:
+                    return
+                if c == protect and pos == max(cps):
+                    break
+                del cps[pos]

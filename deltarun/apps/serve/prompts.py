@@ -1,0 +1,117 @@
+"""Checked requests -> the worker's `GenParams`: chat template, tokens, limits, grammar, checkpoints.
+
+Runs in the handlers' thread pool (rendering and tokenizing are CPU work), reading only the
+model's tokenizer, hyperparameters and chat template, which never change after loading.
+
+Checkpoint positions are found by rendering, not by knowing the template: a message boundary
+is where the prompt and the rendering of the first i messages stop agreeing; the answer boundary
+is where the prompt and the rendering of the conversation followed by an answer and another user
+message stop agreeing, which is exactly where the next turn's prompt will differ from this one
+(Qwen3 templates render an earlier answer without its think block).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from deltarun.apps.chat import common_prefix_length, opens_thinking
+from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from deltarun.apps.serve.worker import GenParams
+from deltarun.runner.chat_template import ChatTemplate
+from deltarun.runner.errors import TokenizerError
+
+#: Message boundaries are looked for among the last this many messages only (each costs a render).
+BOUNDARY_MESSAGES = 8
+
+
+class PromptBuilder:
+    def __init__(self, model: Any, template: ChatTemplate, grammars: Any, checkpoint_every: int = 1024):
+        self.tokenizer = model.tokenizer
+        self.n_ctx = model.n_ctx
+        self.n_vocab = model.hp.n_vocab
+        self.template = template
+        self.grammars = grammars
+        self.checkpoint_every = checkpoint_every
+        self.xml_tools = "<function=" in template.source and "<parameter=" in template.source
+
+    def tokenize(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        add_special = not (bos and text.startswith(bos))   # the template may have written bos itself
+        return tok.encode(text, add_special=add_special, parse_special=True)
+
+    def _render(self, messages: list[dict[str, Any]], req: ChatRequest, tools: list | None, gen: bool) -> str:
+        kwargs = dict(req.template_kwargs)
+        thinking = kwargs.pop("enable_thinking", None)
+        return self.template.render(messages, add_generation_prompt=gen, enable_thinking=thinking, tools=tools,
+                                    **kwargs)
+
+    def _check_length(self, prompt: list[int]) -> None:
+        if len(prompt) >= self.n_ctx:
+            raise ApiError(f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx} (and at least "
+                           f"one token must be generated)", param="messages", code="context_length_exceeded",
+                           type="exceed_context_size_error", extra={"n_prompt_tokens": len(prompt), "n_ctx": self.n_ctx})
+
+    def _max_tokens(self, requested: int | None, n_prompt: int) -> int:
+        room = self.n_ctx - n_prompt
+        return room if requested is None else min(requested, room)
+
+    def _boundary(self, text: str, other: str, prompt: list[int]) -> int:
+        """Tokens of the prompt up to where `other` (another rendering) stops agreeing with `text`."""
+        k = len(os.path.commonprefix([text, other]))
+        if k == len(text):
+            return len(prompt)
+        return common_prefix_length(self.tokenize(text[:k]), prompt)
+
+    def _checkpoints(self, n: int, boundaries: list[int]) -> list[int]:
+        every = list(range(self.checkpoint_every, n, self.checkpoint_every)) if self.checkpoint_every > 0 else []
+        return sorted({b for b in boundaries + every if 0 < b <= n} | {n})
+
+    def chat(self, req: ChatRequest) -> GenParams:
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = req.tools if use_tools else None
+        try:
+            text = self._render(req.messages, req, tools, True)
+        except TokenizerError as e:
+            raise ApiError(str(e), param="messages", code="template_error") from e
+        prompt = self.tokenize(text)
+        self._check_length(prompt)
+        boundaries = []
+        msgs = req.messages
+        for i in range(max(1, len(msgs) - BOUNDARY_MESSAGES), len(msgs)):
+            try:
+                boundaries.append(self._boundary(text, self._render(msgs[:i], req, tools, False), prompt))
+            except TokenizerError:
+                pass
+        try:
+            follow = msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+            answer_start = self._boundary(text, self._render(follow, req, tools, False), prompt)
+        except TokenizerError:
+            answer_start = len(prompt)
+        grammar = None
+        if req.response_format is not None:
+            grammar = self.grammars.json_schema(req.response_format["schema"], "response_format")
+        elif use_tools and req.tool_choice != "auto":
+            chosen = req.tools if req.tool_choice == "required" else \
+                [t for t in req.tools if t["function"]["name"] == req.tool_choice["function"]["name"]]
+            grammar = self.grammars.tool_call(chosen, self.xml_tools)
+        return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens, len(prompt)), req=req,
+                         grammar=grammar, reasoning=True, starts_thinking=opens_thinking(text), tools=use_tools,
+                         checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start]),
+                         answer_start=answer_start)
+
+    def completion(self, req: CompletionRequest) -> GenParams:
+        if isinstance(req.prompt, str):
+            prompt = self.tokenize(req.prompt)
+        else:
+            prompt = list(req.prompt)
+            bad = [t for t in prompt if not 0 <= t < self.n_vocab]
+            if bad:
+                raise ApiError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})", param="prompt",
+                               code="invalid_value")
+        if not prompt:
+            raise ApiError("the prompt has no tokens", param="prompt", code="invalid_value")
+        self._check_length(prompt)
+        return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens or 16, len(prompt)), req=req,
+                         checkpoints=self._checkpoints(len(prompt), []), answer_start=len(prompt))

@@ -1,0 +1,392 @@
+"""OpenAI request bodies in, checked values out; OpenAI response objects out.
+
+Every field a request may carry is checked here, before anything reaches the model: a wrong type
+or range is an `ApiError` (HTTP 400 with OpenAI's `{"error": {"message", "type", "param",
+"code"}}`) naming the field. Unknown fields are ignored, as OpenAI's and llama-server's servers do
+(clients send extras). The shapes of the responses follow OpenAI's API reference; `timings` and
+`/props`-style extras follow llama-server.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltarun.runner.sampling import SamplingParams
+
+_DEFAULTS = SamplingParams()
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error answered as JSON: status, OpenAI error type, the offending parameter, a code."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None, code: str | None = None, extra: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.extra = extra or {}
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _type_error(param: str, what: str) -> ApiError:
+    return ApiError(f"'{param}' must be {what}", param=param, code="invalid_type")
+
+
+def _number(body: dict, key: str, default: float | None, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _type_error(key, "a number")
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ApiError(f"'{key}' is {v}, outside {rng}", param=key, code="invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, key: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise _type_error(key, "an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(f"'{key}' is {v}, outside [{lo if lo is not None else '-inf'}, "
+                       f"{hi if hi is not None else 'inf'}]", param=key, code="invalid_value")
+    return v
+
+
+def _boolean(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(key, "a boolean")
+    return v
+
+
+def _object(body: dict, key: str) -> dict | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise _type_error(key, "an object")
+    return v
+
+
+def _stops(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _type_error("stop", "a string or a list of strings")
+    if len(v) > MAX_STOPS:
+        raise ApiError(f"'stop' has {len(v)} strings; at most {MAX_STOPS}", param="stop", code="invalid_value")
+    return [s for s in v if s]
+
+
+# --------------------------------------------------------------------------------------------- requests
+@dataclass
+class SamplingRequest:
+    """The fields /v1/chat/completions and /v1/completions share."""
+
+    max_tokens: int | None = None
+    sampling: SamplingParams = _DEFAULTS
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stops: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+@dataclass
+class ChatRequest(SamplingRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    response_format: dict[str, Any] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] = ""
+    echo: bool = False
+
+
+def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = False) -> None:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object", code="invalid_body")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string")
+    req.model = model
+    mt = _integer(body, "max_completion_tokens", None, lo=1)
+    req.max_tokens = _integer(body, "max_tokens", mt, lo=1)
+    n_predict = _integer(body, "n_predict", None, lo=-1)      # llama-server's name
+    if req.max_tokens is None and n_predict is not None and n_predict > 0:
+        req.max_tokens = n_predict
+    n = _integer(body, "n", 1)
+    if n != 1:
+        raise ApiError("only n=1 is supported", param="n", code="invalid_value")
+    temperature = _number(body, "temperature", _DEFAULTS.temperature, lo=0.0)
+    seed = _integer(body, "seed", None)
+    req.sampling = SamplingParams(
+        temperature=temperature,
+        top_k=_integer(body, "top_k", _DEFAULTS.top_k, lo=0),
+        top_p=_number(body, "top_p", _DEFAULTS.top_p, lo=0.0, hi=1.0, lo_open=True),
+        min_p=_number(body, "min_p", _DEFAULTS.min_p, lo=0.0, hi=1.0),
+        repeat_penalty=_number(body, "repeat_penalty", _DEFAULTS.repeat_penalty, lo=0.0, lo_open=True),
+        repeat_last_n=_integer(body, "repeat_last_n", _DEFAULTS.repeat_last_n, lo=-1),
+        seed=None if seed is None else seed % 2**63)
+    req.presence_penalty = _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
+    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
+    bias = _object(body, "logit_bias") or {}
+    req.logit_bias = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise ApiError(f"'logit_bias' key {k!r} is not a token id", param="logit_bias",
+                           code="invalid_value") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(f"'logit_bias' value for {k} must be a number in [-100, 100]", param="logit_bias",
+                           code="invalid_value")
+        req.logit_bias[tid] = float(v)
+    req.stops = _stops(body)
+    req.ignore_eos = _boolean(body, "ignore_eos", False)
+    if logprobs_is_int:      # /v1/completions: logprobs is the number of alternatives
+        k = _integer(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+        req.logprobs, req.top_logprobs = k is not None, k or 0
+    else:
+        req.logprobs = _boolean(body, "logprobs", False)
+        req.top_logprobs = _integer(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    req.stream = _boolean(body, "stream", False)
+    opts = _object(body, "stream_options") or {}
+    req.include_usage = _boolean(opts, "include_usage", False) if req.stream else False
+
+
+def _message_text(content: Any, where: str) -> str | None:
+    """Text content of a message: a string, or the text parts of a list; images are refused."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _type_error(f"{where}.content", "a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        p = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _type_error(p, "an object with a 'type'")
+        kind = part["type"]
+        if kind in ("text", "input_text"):
+            if not isinstance(part.get("text"), str):
+                raise _type_error(f"{p}.text", "a string")
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_image", "image"):
+            raise ApiError(f"{p} is an image: this model reads text only (no vision encoder)", param=p,
+                           code="unsupported_content")
+        else:
+            raise ApiError(f"{p} has type {kind!r}; only text parts are supported", param=p,
+                           code="unsupported_content")
+    return "".join(texts)
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError("'messages' must be a non-empty list", param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _type_error(where, "an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}", param=f"{where}.role",
+                           code="invalid_value")
+        msg = dict(m)
+        msg["role"] = "system" if role == "developer" else role
+        text = _message_text(m.get("content"), where)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise _type_error(f"{where}.tool_calls", "a list on an assistant message")
+            msg["tool_calls"] = [_history_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        if text is None and not calls:
+            raise ApiError(f"{where} has no content", param=f"{where}.content", code="invalid_value")
+        msg["content"] = text or ""
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise _type_error(f"{where}.reasoning_content", "a string")
+        out.append(msg)
+    return out
+
+
+def _history_tool_call(call: Any, where: str) -> dict[str, Any]:
+    import json
+
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _type_error(f"{where}.function", "an object with a 'name'")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):      # templates write arguments as an object
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(f"{where}.function.arguments is not JSON", param=f"{where}.function.arguments",
+                           code="invalid_value") from None
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tools(body: dict) -> tuple[list[dict[str, Any]], str | dict[str, Any]]:
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise _type_error("tools", "a list")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                           param=f"tools[{i}]", code="invalid_value")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise _type_error(f"tools[{i}].function.parameters", "a JSON schema object")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(f"'tool_choice' is {choice!r}; expected none, auto, required or a function",
+                           param="tool_choice", code="invalid_value")
+        if choice == "required" and not tools:
+            raise ApiError("'tool_choice' is required but no tools are given", param="tool_choice",
+                           code="invalid_value")
+    elif isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if name not in [t["function"]["name"] for t in tools]:
+            raise ApiError(f"'tool_choice' names function {name!r}, which is not among the tools",
+                           param="tool_choice", code="invalid_value")
+    else:
+        raise _type_error("tool_choice", "a string or an object")
+    return tools, choice
+
+
+def _response_format(body: dict) -> dict[str, Any] | None:
+    rf = _object(body, "response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"schema": None}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError("'response_format.json_schema.schema' must be a JSON schema object",
+                           param="response_format.json_schema.schema", code="invalid_value")
+        return {"schema": schema}
+    raise ApiError(f"'response_format.type' is {kind!r}; expected text, json_object or json_schema",
+                   param="response_format.type", code="invalid_value")
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    req = ChatRequest()
+    _sampling_fields(body, req)
+    req.messages = _messages(body)
+    req.tools, req.tool_choice = _tools(body)
+    req.response_format = _response_format(body)
+    if req.response_format is not None and req.tool_choice not in ("none", "auto"):
+        raise ApiError("'response_format' and a forced 'tool_choice' cannot be combined", param="response_format",
+                       code="invalid_value")
+    kwargs = _object(body, "chat_template_kwargs") or {}
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs)
+    if reserved:
+        raise ApiError(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}",
+                       param="chat_template_kwargs", code="invalid_value")
+    req.template_kwargs = dict(kwargs)
+    return req
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    req = CompletionRequest()
+    _sampling_fields(body, req, logprobs_is_int=True)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("'prompt' is empty", param="prompt", code="invalid_value")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        pass
+    else:
+        raise _type_error("prompt", "a non-empty string or list of token ids (one prompt)")
+    req.prompt = prompt
+    req.echo = _boolean(body, "echo", False)
+    return req
+
+
+# --------------------------------------------------------------------------------------------- responses
+def usage(n_prompt: int, n_cached: int, n_generated: int) -> dict[str, Any]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
+
+
+def timings(n_cached: int, n_evaluated: int, prompt_s: float, n_generated: int, generate_s: float) -> dict[str, Any]:
+    """llama-server's `timings` object."""
+    def per(n: int, s: float) -> tuple[float, float]:
+        return (1e3 * s / n if n else 0.0, n / s if s > 0 else 0.0)
+
+    p_tok, p_tps = per(n_evaluated, prompt_s)
+    g_tok, g_tps = per(n_generated, generate_s)
+    return {"cache_n": n_cached, "prompt_n": n_evaluated, "prompt_ms": 1e3 * prompt_s, "prompt_per_token_ms": p_tok,
+            "prompt_per_second": p_tps, "predicted_n": n_generated, "predicted_ms": 1e3 * generate_s,
+            "predicted_per_token_ms": g_tok, "predicted_per_second": g_tps}
+
+
+def chat_message(content: str, reasoning: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not tool_calls) else None}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
+    return msg
+
+
+def envelope(obj_type: str, cid: str, model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": cid, "object": obj_type, "created": int(created or time.time()), "model": model,
+            "system_fingerprint": "deltarun"}
+
+
+def chat_delta(delta: Any, first: bool) -> dict[str, Any]:
+    """The `delta` of a chat.completion.chunk from an output `Delta`."""
+    d: dict[str, Any] = {}
+    if first:
+        d["role"] = "assistant"
+    if delta.reasoning:
+        d["reasoning_content"] = delta.reasoning
+    if delta.content or (first and not delta.tool_calls and not delta.reasoning):
+        d["content"] = delta.content
+    if delta.tool_calls:
+        d["tool_calls"] = delta.tool_calls
+    return d

@@ -1,0 +1,139 @@
+"""Wiring: a model opener + settings -> worker, app and a uvicorn server that ends streams cleanly.
+
+    handle = ServeHandle(open_model, ServeSettings(parallel=4), host="127.0.0.1", port=0)
+    with handle:                     # starts uvicorn in a thread, waits for the port
+        print(handle.base_url)       # http://127.0.0.1:PORT
+
+`serve_forever` is what the CLI runs: uvicorn in the main thread, where SIGTERM/SIGINT first make
+the worker end every stream (a final chunk with finish_reason, then `data: [DONE]`) and refuse
+queued requests, then let uvicorn close the connections.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import uvicorn
+
+from deltarun.apps.serve.app import ServerState, create_app
+from deltarun.apps.serve.grammar import GrammarFactory
+from deltarun.apps.serve.metrics import Metrics
+from deltarun.apps.serve.prompts import PromptBuilder
+from deltarun.apps.serve.worker import Worker
+from deltarun.runner.chat_template import ChatTemplate
+
+
+@dataclass
+class ServeSettings:
+    parallel: int = 1
+    cache_ram_mib: int = 2048
+    api_key: str | None = None
+    max_queue: int = 64
+    chunk: int = 512
+    checkpoint_every: int = 1024
+    max_body_mib: int = 8
+    model_name: str = "deltarun"
+
+
+def _eog_ids(model: Any) -> list[int]:
+    tok = model.tokenizer
+    ids = sorted(getattr(tok, "_eog_ids", ()) or [t for t in (tok.eos_id, tok.eot_id) if t is not None])
+    return [i for i in ids if i < model.hp.n_vocab]
+
+
+def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerState]:
+    """The Starlette app and its state (the worker is not started yet)."""
+    worker = Worker(open_model, s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
+                    chunk=s.chunk, checkpoint_every=s.checkpoint_every, metrics=Metrics(),
+                    grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)))
+
+    def make_builder(w: Worker) -> PromptBuilder:
+        return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
+
+    state = ServerState(worker, make_builder, model_name=s.model_name, api_key=s.api_key,
+                        max_body=s.max_body_mib << 20, n_parallel=s.parallel)
+    return create_app(state), state
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a shutdown signal first ends the model's streams (they would otherwise run on)."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker):
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.worker.shutdown()
+        super().handle_exit(sig, frame)
+
+
+def _config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                          lifespan="off", access_log=log_level == "debug")
+
+
+def serve_forever(open_model: Callable[[], Any], s: ServeSettings, host: str, port: int,
+                  log_level: str = "warning", on_ready: Callable[[], None] | None = None) -> None:
+    app, state = build(open_model, s)
+    state.worker.start()
+    server = _Server(_config(app, host, port, log_level), state.worker)
+    if on_ready is not None:
+        threading.Thread(target=lambda: (state.worker.ready.wait(), on_ready()), daemon=True).start()
+    try:
+        server.run()
+    finally:
+        state.worker.shutdown(wait=30)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServeHandle:
+    """A server in a background thread (tests, benchmarks): `with ServeHandle(...) as h: h.base_url`."""
+
+    def __init__(self, open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.state = build(open_model, s)
+        self.host, self.port = host, port or free_port(host)
+        self.server = _Server(_config(self.app, self.host, self.port, "warning"), self.state.worker)
+        self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def worker(self) -> Worker:
+        return self.state.worker
+
+    def start(self, timeout: float = 120.0) -> "ServeHandle":
+        self.state.worker.start()
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        if not self.state.worker.ready.wait(max(0.0, deadline - time.monotonic())):
+            raise RuntimeError("the model did not load in time")
+        if self.state.worker.load_error is not None:
+            raise RuntimeError(f"the model failed to load: {self.state.worker.load_error}")
+        return self
+
+    def stop(self) -> None:
+        self.state.worker.shutdown()
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.state.worker.shutdown(wait=30)
+
+    def __enter__(self) -> "ServeHandle":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

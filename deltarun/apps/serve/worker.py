@@ -1,0 +1,374 @@
+"""The model worker: one thread owns the Model and schedules every request's sequence.
+
+Request handlers (on the event loop) submit a `Job` and read `Event`s back; nothing else touches
+the model. The worker loops over steps; each step
+
+1. admits waiting jobs into idle cells (sequence slots), resuming each from the prompt cache;
+2. evaluates one prompt chunk (at most `chunk` tokens, ending at the next checkpoint position) of
+   the oldest job still prefilling, so a long prompt delays the running streams by one chunk;
+3. decodes one token for every generating job: their last tokens go into one ubatch per run of
+   consecutive cells (`Model.eval_batch` evaluates equal-length token lists of consecutive cells
+   together), then each job samples its next token.
+
+A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
+tokens it evaluated stay in the cell for the prompt cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from deltarun.apps.serve.metrics import Metrics
+from deltarun.apps.serve.output import Delta, OutputStream
+from deltarun.apps.serve.prompt_cache import PromptCache
+from deltarun.apps.serve.protocol import ApiError, SamplingRequest
+from deltarun.runner.errors import DeltarunError
+from deltarun.runner.sampling import Sampler
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenParams:
+    """Everything the worker needs to run one request."""
+
+    prompt: list[int]
+    max_tokens: int
+    req: SamplingRequest
+    grammar: str | None = None          # llguidance grammar (json_schema / forced tool call)
+    reasoning: bool = False             # split <think> blocks into reasoning_content
+    starts_thinking: bool = False       # the prompt opened a think block
+    tools: bool = False                 # parse tool calls
+    checkpoints: list[int] = field(default_factory=list)   # prompt positions to checkpoint at
+    answer_start: int = 0               # where the next turn will diverge from this prompt
+
+
+@dataclass
+class Event:
+    """One message from the worker to a handler."""
+
+    delta: Delta | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    result: dict[str, Any] | None = None
+    error: ApiError | None = None
+
+
+class Job:
+    def __init__(self, params: GenParams, emit: Callable[[Event], None]):
+        self.id = next(_ids)
+        self.params = params
+        self.emit = emit
+        self._cancelled = threading.Event()
+        self.cell: int | None = None
+        self.state = "waiting"            # waiting | prefill | decode | done
+        self.pos = 0                      # prompt tokens the cell holds
+        self.n_cached = 0
+        self.n_evaluated = 0
+        self.pending: int | None = None   # sampled, not yet evaluated
+        self.generated: list[int] = []
+        self.history: list[int] = []
+        self.output: OutputStream | None = None
+        self.constraint: Any = None
+        self.sampler: Sampler | None = None
+        self.counts: collections.Counter[int] = collections.Counter()
+        self.t_submit = time.perf_counter()
+        self.t_admit = self.t_first = self.t_end = 0.0
+
+    def cancel(self) -> None:
+        """Called from any thread: the client is gone."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Worker:
+    def __init__(self, open_model: Callable[[], Any], n_parallel: int, *, max_queue: int = 64,
+                 cache_bytes: int = 2 << 30, chunk: int = 512, checkpoint_every: int = 1024,
+                 metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None):
+        self._open_model = open_model
+        self.n_parallel = n_parallel
+        self.max_queue = max_queue
+        self.cache_bytes = cache_bytes
+        self.chunk = chunk
+        self.checkpoint_every = checkpoint_every
+        self.metrics = metrics or Metrics()
+        self._grammar_factory = grammar_factory
+        self.grammars: Any = None
+        self.model: Any = None
+        self.cache: PromptCache | None = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
+
+    # --- handler side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ApiError("the server is shutting down", status=503, type="unavailable_error",
+                               code="shutting_down")
+            if len(self._waiting) >= self.max_queue:
+                raise ApiError(f"the server is busy: {len(self._active)} requests running and "
+                               f"{len(self._waiting)} waiting", status=503, type="unavailable_error",
+                               code="queue_full", headers={"Retry-After": "1"})
+            self._waiting.append(job)
+            self.metrics.queued.set(len(self._waiting))
+            self._cond.notify()
+
+    def shutdown(self, wait: float | None = None) -> None:
+        """End every stream (finish_reason "stop"), refuse waiting jobs, stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if wait is not None and self._thread.is_alive():
+            self._thread.join(wait)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return len(self._active), len(self._waiting)
+
+    # --- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.model = self._open_model()
+            self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
+            if self._grammar_factory is not None:
+                self.grammars = self._grammar_factory(self.model)
+        except BaseException as e:   # reported by /health and the CLI
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        try:
+            while self._step():
+                pass
+        finally:
+            self.model.close()
+
+    def _step(self) -> bool:
+        with self._cond:
+            while not self._waiting and not self._active and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                stopping = list(self._waiting)
+                self._waiting.clear()
+            else:
+                stopping = None
+            admitted = []
+            free = self.n_parallel - len(self._active)
+            while free > 0 and self._waiting:
+                job = self._waiting.popleft()
+                if not job.cancelled:
+                    admitted.append(job)
+                    free -= 1
+            self.metrics.queued.set(len(self._waiting))
+        if stopping is not None:
+            for job in stopping:
+                job.emit(Event(error=ApiError("the server is shutting down", status=503, type="unavailable_error",
+                                              code="shutting_down")))
+            for job in list(self._active):
+                self._finish(job, "stop")
+            return False
+        for job in list(self._active):
+            if job.cancelled:
+                self._release(job)
+        for job in admitted:
+            self._admit(job)
+        self.metrics.running.set(len(self._active))
+        prefilling = [j for j in self._active if j.state == "prefill"]
+        if prefilling:
+            self._guard(prefilling[0], self._prefill_chunk)
+        decoding = [j for j in self._active if j.state == "decode"]
+        if decoding:
+            self._decode(decoding)
+        return True
+
+    def _guard(self, job: Job, fn: Callable[[Job], None]) -> None:
+        try:
+            fn(job)
+        except DeltarunError as e:
+            self._fail(job, ApiError(str(e), status=500, type="server_error"))
+
+    def _fail(self, job: Job, err: ApiError) -> None:
+        job.emit(Event(error=err))
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        job.state = "done"
+        if job in self._active:
+            self._active.remove(job)
+        if job.cell is not None and self.cache is not None:
+            self.cache.finished(job.cell, job.params.answer_start)
+        self.metrics.running.set(len(self._active))
+
+    # --- admission and prefill ---------------------------------------------------------------------
+    def _admit(self, job: Job) -> None:
+        model, p = self.model, job.params
+        busy = {j.cell for j in self._active}
+        idle = [c for c in range(self.n_parallel) if c not in busy]
+        resume = self.cache.lookup(p.prompt, idle)
+        cell = resume.cell if resume.cell is not None else self.cache.pick_cell(idle)
+        try:
+            self.cache.apply(resume, cell)
+        except DeltarunError:            # e.g. a rollback the slots no longer cover: start over
+            from deltarun.apps.serve.prompt_cache import Resume
+
+            resume = Resume()
+            self.cache.apply(resume, cell)
+        job.cell, job.pos, job.n_cached = cell, resume.pos, resume.pos
+        job.t_admit = time.perf_counter()
+        job.history = list(p.prompt)
+        job.sampler = Sampler(p.req.sampling)
+        job.output = OutputStream(model.tokenizer, p.req.stops, reasoning=p.reasoning,
+                                  starts_thinking=p.starts_thinking, tools=p.tools)
+        if p.grammar is not None:
+            job.constraint = self.grammars.matcher(p.grammar)
+        self._active.append(job)
+        self.metrics.prompt_done(len(p.prompt), job.n_cached)
+        if resume.logits is not None:       # the whole prompt was cached with its logits
+            job.state = "decode"
+            self._advance(job, resume.logits)
+        else:
+            job.state = "prefill"
+
+    def _prefill_chunk(self, job: Job) -> None:
+        p = job.params
+        n = len(p.prompt)
+        nxt = min((c for c in p.checkpoints if c > job.pos), default=n)
+        end = min(job.pos + self.chunk, nxt, n)
+        t0 = time.perf_counter()
+        logits = self.model.eval(p.prompt[job.pos:end], job.cell)
+        self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0)
+        job.n_evaluated += end - job.pos
+        job.pos = end
+        if end in p.checkpoints or end == n:
+            self.cache.checkpoint(job.cell, logits if end == n else None)
+            self.metrics.cache_bytes.set(self.cache.nbytes())
+        if end == n:
+            job.state = "decode"
+            self._advance(job, logits)
+
+    # --- decoding ----------------------------------------------------------------------------------
+    def _decode(self, jobs: list[Job]) -> None:
+        jobs = sorted((j for j in jobs if j.pending is not None), key=lambda j: j.cell)
+        runs: list[list[Job]] = []
+        for j in jobs:
+            if runs and runs[-1][-1].cell + 1 == j.cell:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        for run in runs:
+            t0 = time.perf_counter()
+            try:
+                out = self.model.eval_batch({j.cell: [j.pending] for j in run})
+            except DeltarunError as e:
+                for j in run:
+                    self._fail(j, ApiError(str(e), status=500, type="server_error"))
+                continue
+            self.metrics.decode_step(len(run), time.perf_counter() - t0)
+            for j in run:
+                j.pending = None
+                self._advance(j, out[j.cell])
+
+    def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
+        """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
+        r, tok = job.params.req, self.model.tokenizer
+        x = np.asarray(logits, dtype=np.float32)
+        raw = x
+        if r.presence_penalty or r.frequency_penalty or r.logit_bias or r.ignore_eos:
+            x = x.copy()
+            if job.counts and (r.presence_penalty or r.frequency_penalty):
+                ids = np.fromiter(job.counts.keys(), dtype=np.int64)
+                cnt = np.fromiter(job.counts.values(), dtype=np.float32)
+                x[ids] -= r.presence_penalty + r.frequency_penalty * cnt
+            for t, b in r.logit_bias.items():
+                if 0 <= t < x.shape[0]:
+                    x[t] += b
+            if r.ignore_eos:
+                x[self._eog_ids()] = -np.inf
+        if job.constraint is not None:
+            x = job.constraint.mask(x)
+        t = job.sampler.sample(x, job.history)
+        info = None
+        if r.logprobs:
+            lp = raw.astype(np.float64) - raw.max()
+            lp = lp - np.log(np.exp(lp).sum())
+            info = _logprob_entry(tok, t, lp, r.top_logprobs)
+        return t, info
+
+    def _eog_ids(self) -> list[int]:
+        tok = self.model.tokenizer
+        ids = getattr(tok, "_eog_ids", None)
+        if ids is None:
+            ids = [t for t in (tok.eos_id, tok.eot_id) if t is not None]
+        return [i for i in ids if i < self.model.hp.n_vocab]
+
+    def _advance(self, job: Job, logits: np.ndarray) -> None:
+        """Sample the job's next token, stream it, and decide whether the job goes on."""
+        p, model = job.params, self.model
+        if job.cancelled:
+            self._release(job)
+            return
+        token, info = self._pick(job, logits)
+        if job.t_first == 0.0:
+            job.t_first = time.perf_counter()
+        if model.tokenizer.is_eog(token) and not p.req.ignore_eos:
+            self._finish(job, "stop")
+            return
+        job.generated.append(token)
+        job.history.append(token)
+        job.counts[token] += 1
+        if job.constraint is not None:
+            job.constraint.accept(token)
+        delta = job.output.push(token)
+        reason = None
+        if job.output.stopped or (job.constraint is not None and job.constraint.done):
+            reason = "stop"
+        elif len(job.generated) >= p.max_tokens or model.n_past(job.cell) + 1 > model.n_ctx:
+            reason = "length"
+        if delta or info is not None:
+            job.emit(Event(delta=delta, logprobs=[info] if info is not None else None))
+        if reason is not None:
+            self._finish(job, reason)
+        else:
+            job.pending = token
+
+    def _finish(self, job: Job, reason: str) -> None:
+        job.t_end = time.perf_counter()
+        tail = job.output.flush()
+        if job.output.n_tool_calls and reason == "stop":
+            reason = "tool_calls"
+        prompt_s = (job.t_first or job.t_end) - job.t_admit
+        gen_s = job.t_end - (job.t_first or job.t_end)
+        result = {"n_prompt": len(job.params.prompt), "n_cached": job.n_cached, "n_evaluated": job.n_evaluated,
+                  "prompt_s": prompt_s, "n_generated": len(job.generated), "generate_s": gen_s,
+                  "text": job.output.text, "tokens": list(job.generated)}
+        job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
+        self._release(job)
+
+
+def _logprob_entry(tok: Any, token: int, logprobs: np.ndarray, top: int) -> dict[str, Any]:
+    def one(t: int) -> dict[str, Any]:
+        b = tok.token_bytes(int(t)) if int(t) < tok.n_vocab else b""
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": float(logprobs[t]), "bytes": list(b)}
+
+    entry = one(token)
+    best = np.argsort(-logprobs, kind="stable")[:top] if top else []
+    entry["top_logprobs"] = [one(int(t)) for t in best]
+    return entry
