@@ -9,6 +9,7 @@ error. Screenshots are written to tests/screenshots/.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -155,4 +156,146 @@ def test_compare_page_marks_first_failing_node(driver, tiny_model_path, tmp_path
     logits = driver.find_element("id", "logits").text
     assert "exceeds" in logits and f"{sum(report['logits']['top1'])}/{len(report['logits']['top1'])}" in logits
     screenshot(driver, "compare")
+    assert console_errors(driver) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The pages of `deltarun serve`: the chat page at / and the loaded model's graph at /graph
+# ------------------------------------------------------------------------------------------------
+SERVE_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    from deltarun.apps.serve.server import ServeHandle, ServeSettings
+    from deltarun.runner.model import Model
+
+    path = tiny_model_path("tiny", "f32")
+    with ServeHandle(lambda: Model(path, n_ctx=SERVE_CTX, n_seq_max=2, n_batch=64, rs_slots=2),
+                     ServeSettings(parallel=2, chunk=32)) as h:
+        yield h
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(url: str) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def set_setting(driver, section: str, field: str, value: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    summary = next(s for s in driver.find_elements("css selector", "details.settings summary") if s.text == section)
+    if summary.find_element("xpath", "..").get_attribute("open") is None:
+        summary.click()
+    box = driver.find_element("id", field)
+    box.clear()
+    box.send_keys(value, Keys.TAB)  # "change" fires when the field loses focus
+
+
+def send_message(driver, text: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element("id", "input")
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+
+
+def js_text(driver, selector: str) -> str:
+    return driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.textContent : ''",
+                                 selector)
+
+
+def normal(s: str) -> str:
+    return " ".join(s.split())
+
+
+def test_chat_page_streams_an_answer(driver, server):
+    message = "Hello there, tell me a story"
+    # the server's own answer to the same request (greedy), to compare with what the page assembles
+    status, direct = post_json(server.base_url + "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": message}], "temperature": 0,
+                                "max_tokens": 12})
+    assert status == 200, direct
+    want = direct["choices"][0]["message"]
+    assert want["content"]
+
+    driver.get(server.base_url + "/")
+    driver.execute_script("localStorage.clear()")
+    driver.refresh()
+    wait_for(lambda: driver.find_element("id", "model-name").text, what="the model name from /v1/models")
+    set_setting(driver, "sampling", "temperature", "0")
+    set_setting(driver, "sampling", "max_tokens", "12")
+    send_message(driver, message)
+    wait_for(lambda: driver.find_element("tag name", "body").get_attribute("data-idle") == "1"
+             and driver.find_elements("css selector", ".msg.assistant .stats"), 120, "the streamed answer")
+    answer = driver.find_element("css selector", ".msg.assistant .content").text
+    assert normal(answer) == normal(want["content"])
+    if want.get("reasoning_content"):
+        thinking = driver.find_element("css selector", ".msg.assistant details.thinking")
+        assert thinking.get_attribute("open") is None  # folded
+        assert normal(thinking.get_attribute("textContent")).endswith(normal(want["reasoning_content"]))
+    stats = driver.find_element("css selector", ".msg.assistant .stats").text
+    n_generated = direct["usage"]["completion_tokens"]
+    assert stats.startswith(f"{n_generated} tokens") and "tokens/s" in stats
+    assert re.search(r"\b(\d+) cached\b", stats), stats
+    screenshot(driver, "chat")
+
+    # the conversation is kept in the browser
+    driver.refresh()
+    wait_for(lambda: len(driver.find_elements("css selector", ".msg")) == 2, what="the conversation after a reload")
+    assert normal(driver.find_element("css selector", ".msg.assistant .content").text) == normal(want["content"])
+    assert console_errors(driver) == []
+
+
+def test_chat_page_stop_button(driver, server):
+    driver.get(server.base_url + "/")
+    wait_for(lambda: driver.find_element("id", "model-name").text, what="the model name")
+    set_setting(driver, "sampling", "max_tokens", str(SERVE_CTX // 2))
+    set_setting(driver, "sampling", "temperature", "1")
+    driver.find_element("id", "new-chat").click()
+    send_message(driver, "Count to a thousand")
+    # the answer is re-rendered on every chunk: read it in the page rather than through stale elements
+    wait_for(lambda: js_text(driver, ".msg.assistant .content"), 120, "the first tokens")
+    driver.find_element("id", "stop").click()
+    stats = wait_for(lambda: js_text(driver, ".msg.assistant .stats"), 60, "the stopped answer")
+    assert stats.endswith("stopped"), stats
+    assert driver.find_element("id", "send").is_displayed() and not driver.find_element("id", "stop").is_displayed()
+    assert console_errors(driver) == []
+
+
+def test_served_graph_page(driver, server, tiny_model_path):
+    status, body = get(server.base_url + "/graph?tokens=0")
+    assert status == 400 and "tokens" in json.loads(body)["error"]["message"]
+    status, body = get(server.base_url + "/graph?tokens=1000")
+    assert status == 400 and "batch size" in json.loads(body)["error"]["message"]
+    dump = json.loads(invoke("graph", tiny_model_path("tiny", "f32"), "--tokens", "8", "--rs-slots", "2",
+                             "--ctx", str(SERVE_CTX), "--format", "json"))
+    driver.get(server.base_url + "/graph")
+    wait_for(lambda: driver.execute_script("return !!(window.graphPage && window.graphPage.ready)"),
+             what="the served graph page")
+    names = driver.execute_script("return window.graphPage.tensorIds().map(i => window.graphPage.tensor(i).name)")
+    assert sorted(names) == sorted(t["name"] for t in dump["nodes"] + dump["leafs"])
+    screenshot(driver, "served-graph")
+    driver.get(server.base_url + "/graph?decode=1&past=16")
+    wait_for(lambda: driver.execute_script("return !!(window.graphPage && window.graphPage.ready)"),
+             what="the served decode graph page")
+    assert "1 x 1 tokens" in driver.title
     assert console_errors(driver) == []

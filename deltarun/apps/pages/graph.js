@@ -362,6 +362,7 @@
   }
   api.select = (id) => select(id, true);
   api.tensorIds = () => G.tensors.map((t) => t.id);
+  api.tensor = (id) => byId.get(id);
   api.screenPos = (id) => {
     const b = api.boxOf.get(id);
     if (!b) return null;
