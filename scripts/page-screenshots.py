@@ -6,6 +6,8 @@
 Makes the tiny model (F32 and Q4_K) in a temporary folder, then:
 - docs/graph-page.png: `deltarun graph --format html` of the tiny model, node attn_norm-0 selected;
 - docs/compare-page.png: `deltarun compare F32 --against Q4_K --html`, opened on its first failure;
+- docs/chat-page.png: `deltarun serve`'s chat page (the server in this process) after one streamed
+  answer of the tiny model (random weights: the text is gibberish).
 Needs Debian's chromium and chromium-driver (scripts/install-browser.sh).
 """
 
@@ -60,8 +62,32 @@ def main() -> None:
             page_shot(driver, d / "graph.html", a.out / "graph-page.png",
                       "const p = window.graphPage; p.select(p.tensorIds().find(i => i === 'n4'));")
             page_shot(driver, d / "compare.html", a.out / "compare-page.png")
+            chat_shot(driver, f32, a.out / "chat-page.png")
         finally:
             driver.quit()
+
+
+def chat_shot(driver, model: Path, out: Path) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    from deltarun.apps.serve.server import ServeHandle, ServeSettings
+    from deltarun.runner.model import Model
+
+    with ServeHandle(lambda: Model(model, n_ctx=1024, n_seq_max=1, n_batch=64), ServeSettings(parallel=1)) as h:
+        driver.get(h.base_url + "/")
+        driver.execute_script("localStorage.clear()")
+        driver.refresh()
+        wait_for(lambda: driver.find_element("id", "model-name").text)
+        driver.find_element("id", "system-prompt").send_keys("You are a helpful assistant.", Keys.TAB)
+        driver.execute_script("document.querySelectorAll('details.settings')[1].open = true")
+        driver.find_element("id", "max_tokens").clear()
+        driver.find_element("id", "max_tokens").send_keys("40", Keys.TAB)
+        box = driver.find_element("id", "input")
+        box.send_keys("Write a haiku about graphs", Keys.ENTER)
+        wait_for(lambda: driver.find_elements("css selector", ".msg.assistant .stats"), 120)
+        time.sleep(0.3)
+        driver.save_screenshot(str(out))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
