@@ -299,3 +299,87 @@ def test_served_graph_page(driver, server, tiny_model_path):
              what="the served decode graph page")
     assert "1 x 1 tokens" in driver.title
     assert console_errors(driver) == []
+
+
+def test_chat_page_folds_reasoning_and_sends_settings(driver, tmp_path):
+    """The tiny model never thinks, so the `reasoning_content` path is checked against a replay of
+    the stream llama-server / `deltarun serve` send for a thinking model (OpenAI chunks, the final
+    chunk with usage and llama.cpp's timings), served with the page by a stdlib HTTP server; the
+    request the page sends is recorded and checked too."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from deltarun.apps.graph_page import read_asset
+
+    page = read_asset("chat.html").encode()
+    received: list[dict] = []
+
+    def chunk(delta: dict | None, finish: str | None = None, **extra) -> bytes:
+        c = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "replay",
+             "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return b"data: " + json.dumps(c).encode() + b"\r\n\r\n"
+
+    stream = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Let me think"}),
+              chunk({"reasoning_content": " about it."}), chunk({"content": "Hello"}), chunk({"content": " world"}),
+              chunk({}, "stop"),
+              chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                                 "prompt_tokens_details": {"cached_tokens": 3}},
+                    timings={"cache_n": 3, "prompt_n": 2, "predicted_n": 4, "predicted_per_second": 42.0}),
+              b"data: [DONE]\r\n\r\n"]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, body: bytes, ctype: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path == "/":
+                self._send(page, "text/html; charset=utf-8")
+            else:
+                self._send(json.dumps({"object": "list", "data": [{"id": "replay"}]}).encode(), "application/json")
+
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for part in stream:
+                self.wfile.write(part)
+                self.wfile.flush()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        driver.get(f"http://127.0.0.1:{httpd.server_address[1]}/")
+        driver.execute_script("localStorage.clear()")
+        driver.refresh()
+        wait_for(lambda: driver.find_element("id", "model-name").text == "replay", what="the model name")
+        driver.find_element("id", "system-prompt").send_keys("Be brief.")
+        set_setting(driver, "sampling", "temperature", "0.3")
+        set_setting(driver, "sampling", "seed", "7")
+        send_message(driver, "Hi")
+        wait_for(lambda: js_text(driver, ".msg.assistant .stats"), 30, "the replayed answer")
+    finally:
+        httpd.shutdown()
+        thread.join(10)
+    (body,) = received
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0.3 and body["seed"] == 7 and body["model"] == "replay"
+    thinking = driver.find_element("css selector", ".msg.assistant details.thinking")
+    assert thinking.get_attribute("open") is None
+    assert js_text(driver, ".msg.assistant .thinking-text") == "Let me think about it."
+    assert js_text(driver, ".msg.assistant .content") == "Hello world"
+    stats = js_text(driver, ".msg.assistant .stats")
+    assert stats.startswith("4 tokens \u00b7 42.0 tokens/s \u00b7 prompt 5 tokens \u00b7 3 cached"), stats
+    thinking.find_element("css selector", "summary").click()
+    assert thinking.find_element("css selector", ".thinking-text").is_displayed()
+    screenshot(driver, "chat-thinking")
+    assert console_errors(driver) == []
