@@ -78,7 +78,8 @@ class GrammarFactory:
                 alternatives.append(f'"<function={fn["name"]}>\\n" XMLBODY "</function>"')
             else:
                 schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                          "required": ["name", "arguments"], "additionalProperties": False}
+                          "required": ["name", "arguments"], "additionalProperties": False,
+                          "x-guidance": _JSON_OPTIONS}
                 alternatives.append(f"%json {json.dumps(schema)}")
         lines = ["start: <tool_call> \"\\n\" call \"\\n\" </tool_call>", "call: " + " | ".join(alternatives)]
         if xml:

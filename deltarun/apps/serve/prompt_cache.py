@@ -111,7 +111,7 @@ class PromptCache:
         n, L = len(held), len(prompt)
         p = common_prefix_length(held, prompt)
         info = self.cells[cell]
-        if p == n and n < L:
+        if 0 < p == n < L:
             return Resume(n, "live", cell)
         best = Resume()
         if p == n == L and L in info.checkpoints and info.checkpoints[L].logits is not None:

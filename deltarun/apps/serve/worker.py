@@ -21,6 +21,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -209,7 +210,7 @@ class Worker:
             if job.cancelled:
                 self._release(job)
         for job in admitted:
-            self._admit(job)
+            self._guard(job, self._admit)
         self.metrics.running.set(len(self._active))
         prefilling = [j for j in self._active if j.state == "prefill"]
         if prefilling:
@@ -220,10 +221,11 @@ class Worker:
         return True
 
     def _guard(self, job: Job, fn: Callable[[Job], None]) -> None:
+        """Run one job's step; an error ends that job (HTTP 500 / an error event), never the worker."""
         try:
             fn(job)
-        except DeltarunError as e:
-            self._fail(job, ApiError(str(e), status=500, type="server_error"))
+        except Exception as e:  # noqa: BLE001 - reported to the client, logged, and the worker goes on
+            self._fail(job, _server_error(e))
 
     def _fail(self, job: Job, err: ApiError) -> None:
         job.emit(Event(error=err))
@@ -297,14 +299,14 @@ class Worker:
             t0 = time.perf_counter()
             try:
                 out = self.model.eval_batch({j.cell: [j.pending] for j in run})
-            except DeltarunError as e:
+            except Exception as e:  # noqa: BLE001
                 for j in run:
-                    self._fail(j, ApiError(str(e), status=500, type="server_error"))
+                    self._fail(j, _server_error(e))
                 continue
             self.metrics.decode_step(len(run), time.perf_counter() - t0)
             for j in run:
                 j.pending = None
-                self._advance(j, out[j.cell])
+                self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
 
     def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
         """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
@@ -381,6 +383,13 @@ class Worker:
                   "text": job.output.text, "tokens": list(job.generated)}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
+
+
+def _server_error(e: Exception) -> ApiError:
+    if not isinstance(e, DeltarunError):      # a bug: keep the traceback in the server's log
+        traceback.print_exception(e)
+    return ApiError(str(e) if isinstance(e, DeltarunError) else f"{type(e).__name__}: {e}", status=500,
+                    type="server_error")
 
 
 def _logprob_entry(tok: Any, token: int, logprobs: np.ndarray, top: int) -> dict[str, Any]:

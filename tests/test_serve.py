@@ -1,0 +1,485 @@
+"""`deltarun serve` over real HTTP on 127.0.0.1, with the official openai client.
+
+The servers run in this process (uvicorn in a thread, the model worker in another), so tests can
+also read the model's own counters (`Model.stats.n_eval_tokens`) next to what the API reports.
+The model is the tiny random-weights one: texts are gibberish, so the tests check shapes, exact
+greedy equalities, token counts and constraint validity rather than meaning.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from deltarun.apps.chat import common_prefix_length
+from deltarun.apps.serve.server import ServeHandle, ServeSettings, free_port
+from deltarun.runner.chat_template import ChatTemplate
+from deltarun.runner.gguf_file import GGUFFile
+from deltarun.runner.model import Model
+
+N_CTX = 1024
+RS_SLOTS = 4
+
+
+def _server(path, parallel: int = 4, **settings) -> ServeHandle:
+    ctx = settings.pop("n_ctx", N_CTX)
+    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS),
+                       ServeSettings(parallel=parallel, **settings))
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_path):
+    return tiny_model_path("tiny", "f32")
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    with _server(model_path, parallel=8, chunk=32, checkpoint_every=64) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def chat_tokens(model_path):
+    """(messages, **kwargs) -> prompt tokens, rendered as the server renders them."""
+    f = GGUFFile(model_path)
+    tok = f.tokenizer()
+    tmpl = ChatTemplate(f.get("tokenizer.chat_template"))
+
+    def render(messages, enable_thinking=None, gen=True, **kw):
+        return tok.encode(tmpl.render(messages, add_generation_prompt=gen, enable_thinking=enable_thinking, **kw),
+                          parse_special=True)
+    return render
+
+
+EXTRA = ("ignore_eos", "top_k", "min_p", "repeat_penalty", "chat_template_kwargs")
+
+
+def _ask(client, messages, **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    extra = {k: kw.pop(k) for k in EXTRA if k in kw}
+    if extra:
+        kw["extra_body"] = {**kw.get("extra_body", {}), **extra}
+    return client.chat.completions.create(model="tiny", messages=messages, **kw)
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.base_url + path, json=body, timeout=60, **kw)
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# --------------------------------------------------------------------------------------------- basics
+def test_chat_completion_shape_and_usage(client):
+    r = _ask(client, [{"role": "user", "content": "Hello there"}], max_tokens=6)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    u = r.usage
+    assert u.completion_tokens <= 6 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
+    t = r.model_extra["timings"]
+    assert t["cache_n"] + t["prompt_n"] == u.prompt_tokens and t["predicted_n"] == u.completion_tokens
+
+
+def test_stream_matches_non_stream_and_ends_with_usage(client):
+    msgs = [{"role": "user", "content": "Tell me a story about streams"}]
+    whole = _ask(client, msgs, max_tokens=10)
+    chunks = list(_ask(client, msgs, max_tokens=10, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    # the same prompt again is served from the prompt-end checkpoint: nothing evaluated
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens
+
+
+def test_raw_sse_framing(server):
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["choices"][0]["finish_reason"] in ("length", "stop") and "timings" in last
+
+
+def test_models_health_props_tokenize(server, client):
+    models = client.models.list()
+    assert models.data[0].object == "model"
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    props = httpx.get(server.base_url + "/props").json()
+    assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == N_CTX
+    assert props["modalities"]["vision"] is False and "im_start" in props["chat_template"]
+    toks = _post(server, "/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert "".join(t["piece"] for t in toks) == "Hello world"
+    ids = _post(server, "/tokenize", {"content": "Hello world"}).json()["tokens"]
+    assert ids == [t["id"] for t in toks]
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"content": "Hello world"}
+
+
+def test_metrics(server, client):
+    _ask(client, [{"role": "user", "content": "count me"}], max_tokens=3)
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in ("deltarun_prompt_tokens_total", "deltarun_tokens_predicted_total", "deltarun_prompt_tokens_cached_total",
+                 "deltarun_requests_processing", "deltarun_requests_deferred", "deltarun_predicted_tokens_seconds"):
+        assert name in text
+    generated = [ln for ln in text.splitlines() if ln.startswith("deltarun_tokens_predicted_total")]
+    assert float(generated[0].split()[1]) >= 3
+
+
+def test_completions(client, server):
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2)
+    assert r.object == "text_completion" and r.usage.completion_tokens <= 5
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens and all(len(t) <= 2 for t in lp.top_logprobs)
+    echo = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, echo=True)
+    assert echo.choices[0].text == "Once upon a time" + r.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+# --------------------------------------------------------------------------------------------- sampling
+def test_stop_string(client):
+    msgs = [{"role": "user", "content": "Say something long"}]
+    full = _ask(client, msgs, max_tokens=24).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    r = _ask(client, msgs, max_tokens=24, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(stop)]
+
+
+def test_logprobs(client):
+    r = _ask(client, [{"role": "user", "content": "probabilities"}], max_tokens=4, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].token == e.token      # greedy: the chosen token is the most likely
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+
+
+def test_seed_and_penalties(client):
+    msgs = [{"role": "user", "content": "random please"}]
+    a = _ask(client, msgs, max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    b = _ask(client, msgs, max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    plain = _ask(client, msgs, max_tokens=16, ignore_eos=True)
+    pen = _ask(client, msgs, max_tokens=16, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    assert pen.usage.completion_tokens == 16 == plain.usage.completion_tokens
+    ids = lambda r: [e.token for e in r.choices[0].logprobs.content]  # noqa: E731
+    plain_lp = _ask(client, msgs, max_tokens=16, ignore_eos=True, logprobs=True)
+    pen_lp = _ask(client, msgs, max_tokens=16, ignore_eos=True, logprobs=True, frequency_penalty=2.0,
+                  presence_penalty=2.0)
+    assert len(set(ids(pen_lp))) >= len(set(ids(plain_lp)))
+
+
+# --------------------------------------------------------------------------------------------- errors
+def test_errors_bad_requests(server):
+    url = "/v1/chat/completions"
+    bad = httpx.post(server.base_url + url, content=b"{not json", headers={"content-type": "application/json"})
+    assert _error(bad, 400)["code"] == "invalid_json"
+    assert _error(_post(server, url, {"messages": []}), 400)["param"] == "messages"
+    assert _error(_post(server, url, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                  400)["param"] == "temperature"
+    assert _error(_post(server, url, {"messages": [{"role": "user", "content": "x"}], "n": 2}), 400)["param"] == "n"
+    assert _error(_post(server, url, {"messages": [{"role": "wizard", "content": "x"}]}), 400)["param"] == \
+        "messages[0].role"
+    img = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    err = _error(_post(server, url, img), 400)
+    assert err["param"] == "messages[0].content[1]" and "image" in err["message"]
+    err = _error(_post(server, url, {"messages": [{"role": "user", "content": "x"}],
+                                     "response_format": {"type": "xml"}}), 400)
+    assert err["param"] == "response_format.type"
+    assert _error(_post(server, "/v1/completions", {"prompt": [999999]}), 400)["param"] == "prompt"
+    assert _error(httpx.get(server.base_url + "/v1/nothing"), 404)["type"] == "not_found_error"
+
+
+def test_error_prompt_over_context(server, client):
+    long = "word " * (N_CTX + 100)
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, [{"role": "user", "content": long}])
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["n_ctx"] == N_CTX and err["n_prompt_tokens"] > N_CTX
+    assert str(N_CTX) in err["message"] and str(err["n_prompt_tokens"]) in err["message"]
+
+
+def test_error_body_too_large(model_path):
+    with _server(model_path, parallel=1, max_body_mib=1) as h:
+        big = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+        assert _error(_post(h, "/v1/chat/completions", big), 413)["code"] == "body_too_large"
+
+
+def test_error_api_key(model_path):
+    with _server(model_path, parallel=1, api_key="sekret") as h:
+        assert httpx.get(h.base_url + "/health").status_code == 200      # health stays public
+        assert _error(httpx.get(h.base_url + "/v1/models"), 401)["type"] == "authentication_error"
+        wrong = openai.OpenAI(base_url=h.base_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            _ask(wrong, [{"role": "user", "content": "hi"}])
+        right = openai.OpenAI(base_url=h.base_url + "/v1", api_key="sekret", max_retries=0)
+        assert _ask(right, [{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_error_queue_full(model_path):
+    with _server(model_path, parallel=1, max_queue=1) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        long = dict(max_tokens=400, ignore_eos=True, stream=True)
+        first = _ask(c, [{"role": "user", "content": "one"}], **long)
+        next(iter(first))                                      # running: the slot is taken
+        second = _ask(c, [{"role": "user", "content": "two"}], **long)   # waits in the queue
+        deadline = time.monotonic() + 30
+        while h.worker.counts != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        resp = _post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "three"}]})
+        err = _error(resp, 503)
+        assert err["code"] == "queue_full" and resp.headers["retry-after"] == "1"
+        with pytest.raises(openai.InternalServerError):
+            _ask(c, [{"role": "user", "content": "four"}])
+        first.close()
+        second.close()
+
+
+# --------------------------------------------------------------------------------------------- parallel
+def test_greedy_same_alone_and_among_others(model_path):
+    prompts = [f"Request number {i} says {'hello ' * i}" for i in range(8)]
+    with _server(model_path, parallel=8, chunk=16) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        kw = dict(max_tokens=12, ignore_eos=True)
+        alone = [_ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content for p in prompts]
+        h.worker.model.reset()
+        for info in h.worker.cache.cells:
+            info.checkpoints.clear()
+        calls_before = h.worker.model.stats.n_eval_calls
+        with cf.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
+                                     prompts))
+        n_calls = h.worker.model.stats.n_eval_calls - calls_before
+    assert together == alone
+    # 8 x 12 tokens: decoding shares ubatches (one per step when the cells are consecutive)
+    assert n_calls < 8 * 12
+
+
+def test_eight_concurrent_streams(client, server):
+    def run(i):
+        stream = _ask(client, [{"role": "user", "content": f"stream {i}"}], max_tokens=16, ignore_eos=True,
+                      stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        return chunks[-1].usage.completion_tokens, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(8)))
+    assert [n for n, _ in results] == [16] * 8
+    for i, (_, text) in enumerate(results):
+        alone = _ask(client, [{"role": "user", "content": f"stream {i}"}], max_tokens=16, ignore_eos=True)
+        assert alone.choices[0].message.content == text
+
+
+def test_disconnect_frees_the_slot(model_path):
+    with _server(model_path, parallel=1) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        stream = _ask(c, [{"role": "user", "content": "go on forever"}], max_tokens=900, ignore_eos=True, stream=True)
+        it = iter(stream)
+        next(it), next(it)
+        stream.close()
+        deadline = time.monotonic() + 20
+        while h.worker.counts[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.worker.counts == (0, 0)
+        generated = h.worker.model.n_past(0)
+        assert generated < 300          # cancelled long before its 900 tokens
+        assert _ask(c, [{"role": "user", "content": "next"}], max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port),
+                             "--parallel", "2", "--ctx", "2048"], stderr=subprocess.PIPE, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("server did not come up")
+        lines = []
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}) as r:
+            for ln in r.iter_lines():
+                if ln:
+                    lines.append(ln)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "stop"
+        assert proc.wait(30) in (0, -signal.SIGTERM)   # uvicorn re-raises the signal once it has shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------------------------- prompt cache
+def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens):
+    """Qwen3 template, thinking off: each turn re-renders the previous answer without the empty
+    think block, so the new prompt differs from what the cell holds right after `assistant\\n`.
+    The server resumes from the checkpoint taken there and evaluates only the new tokens."""
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = h.worker.model
+        msgs = [{"role": "system", "content": "You are a terse assistant."}]
+        held: list[int] = []
+        kwargs = {"enable_thinking": False}
+        for turn in range(4):
+            msgs.append({"role": "user", "content": f"Question {turn}: what about {'this ' * (turn + 3)}?"})
+            prompt = chat_tokens(msgs, **kwargs)
+            new = len(prompt) - common_prefix_length(held, prompt)
+            before = model.stats.n_eval_tokens
+            r = _ask(c, msgs, max_tokens=12, extra_body={"chat_template_kwargs": kwargs})
+            evaluated = r.model_extra["timings"]["prompt_n"]
+            assert r.usage.prompt_tokens == len(prompt)
+            assert r.usage.prompt_tokens_details.cached_tokens == len(prompt) - evaluated
+            # the model evaluated the new prompt tokens and the answer's tokens but the last
+            assert model.stats.n_eval_tokens - before == evaluated + r.usage.completion_tokens - 1 \
+                or r.choices[0].finish_reason == "stop"
+            if turn:
+                assert evaluated <= new + RS_SLOTS
+                assert evaluated == new
+            # what the cells hold now: the prompt and the answer (the next turn renders the answer differently)
+            held = max((model.tokens(i) for i in range(2)), key=lambda t: common_prefix_length(t, prompt))
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+
+
+def test_branching_regenerate_and_edit(model_path, chat_tokens):
+    with _server(model_path, parallel=1, chunk=32, checkpoint_every=0) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": "First question here"},
+                {"role": "assistant", "content": "First answer"}, {"role": "user", "content": "Second question"}]
+        first = _ask(c, msgs, max_tokens=6)
+        again = _ask(c, msgs, max_tokens=6)                   # regenerate: everything cached, same greedy answer
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+        assert again.choices[0].message.content == first.choices[0].message.content
+        edited = [dict(m) for m in msgs]
+        edited[1]["content"] = "First question, edited"
+        r = _ask(c, edited, max_tokens=6)
+        system_only = chat_tokens(msgs[:1], gen=False)
+        # resumed from the checkpoint at the start of the edited message (right after the system prompt)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(system_only)
+        assert r.usage.prompt_tokens == len(chat_tokens(edited))
+        # the old branch went to host RAM: asking it again resumes from there
+        back = _ask(c, msgs, max_tokens=6)
+        assert back.usage.prompt_tokens_details.cached_tokens == back.usage.prompt_tokens
+        assert back.choices[0].message.content == first.choices[0].message.content
+
+
+def test_more_conversations_than_slots_resume_from_host_ram(model_path):
+    with _server(model_path, parallel=1, chunk=32, cache_ram_mib=64) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        convs = [[{"role": "user", "content": f"Conversation {i} starts with {'words ' * (5 + i)}"}] for i in range(3)]
+        answers = []
+        for m in convs:
+            answers.append(_ask(c, m, max_tokens=6))
+        for m, a in zip(convs, answers):     # each comes back after the others took the only slot
+            r = _ask(c, m, max_tokens=6)
+            assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens
+            assert r.choices[0].message.content == a.choices[0].message.content
+        assert h.worker.cache.n_evictions >= 2
+    with _server(model_path, parallel=1, chunk=32, cache_ram_mib=0) as h:   # no host RAM: recomputed
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for m in convs:
+            _ask(c, m, max_tokens=6)
+        r = _ask(c, convs[0], max_tokens=6)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+# --------------------------------------------------------------------------------------------- structure
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "admin": {"type": "boolean"},
+    "role": {"enum": ["user", "staff", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3}},
+    "required": ["name", "admin", "role", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates(client, temperature):
+    r = _ask(client, [{"role": "user", "content": "Give me a person"}], max_tokens=200, temperature=temperature,
+             seed=3, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_json_object_output_parses(client):
+    r = _ask(client, [{"role": "user", "content": "JSON please"}], max_tokens=300, temperature=0.7, seed=1,
+             response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:            # random weights may write a long object: what there is must be a valid JSON prefix
+        assert r.choices[0].message.content.startswith("{")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_forced_tool_call(client):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = _ask(client, msgs, max_tokens=100, tools=[WEATHER], tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(_ask(client, msgs, max_tokens=100, tools=[WEATHER],
+                       tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and all(d.index == 0 for d in deltas) and deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments for d in deltas)) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call goes back into the conversation, with the tool's answer
+    follow = msgs + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert _ask(client, follow, max_tokens=4, tools=[WEATHER]).usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_tools_render_into_the_prompt(client):
+    plain = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1)
+    with_tools = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1, tools=[WEATHER])
+    none = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1, tools=[WEATHER], tool_choice="none")
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens == none.usage.prompt_tokens

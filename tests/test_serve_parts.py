@@ -1,0 +1,165 @@
+"""The server's pieces without HTTP: output parsing (reasoning, tool calls), request checks,
+per-sequence state copies and the prompt cache's budget."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deltarun.apps.serve.output import OutputStream, ToolCallStream, parse_tool_call, parse_tool_calls
+from deltarun.apps.serve.prompt_cache import PromptCache
+from deltarun.apps.serve.protocol import ApiError, parse_chat, parse_completion
+from deltarun.cli.serve import is_loopback
+from deltarun.runner import seq_state
+from deltarun.runner.model import Model
+
+
+class _CharTokenizer:
+    """One token per character: lets a test feed exact text pieces through OutputStream."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.text[i].encode()
+
+
+def _stream(text: str, **kw) -> tuple[str, str, list[dict], OutputStream]:
+    out = OutputStream(_CharTokenizer(text), **kw)
+    content, reasoning, calls = "", "", []
+    for i in range(len(text)):
+        d = out.push(i)
+        content, reasoning, calls = content + d.content, reasoning + d.reasoning, calls + d.tool_calls
+        if out.stopped:
+            break
+    d = out.flush()
+    return content + d.content, reasoning + d.reasoning, calls + d.tool_calls, out
+
+
+def test_reasoning_split_from_content():
+    content, reasoning, _, _ = _stream("<think>\nLet me think.\n</think>\n\nThe answer.", reasoning=True)
+    assert reasoning == "Let me think.\n" and content == "The answer."
+    # the prompt opened the think block (Qwen3.5, Qwen3 thinking templates)
+    content, reasoning, _, _ = _stream("hmm</think>\n\nYes.", reasoning=True, starts_thinking=True)
+    assert reasoning == "hmm" and content == "Yes."
+    content, reasoning, _, _ = _stream("no thinking here", reasoning=True)
+    assert reasoning == "" and content == "no thinking here"
+
+
+def test_tool_calls_json_and_xml_forms():
+    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n' \
+           '<function=g>\n<parameter=city>\nParis\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content.strip() == "Sure."
+    assert [c["function"]["name"] for c in calls] == ["f", "g"] and [c["index"] for c in calls] == [0, 1]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Paris", "n": 3}
+    # streamed one character at a time, with reasoning before it
+    content, reasoning, calls2, out = _stream("<think>plan</think>" + text, reasoning=True, tools=True)
+    assert reasoning == "plan" and [c["function"] for c in calls2] == [c["function"] for c in calls]
+    assert out.n_tool_calls == 2
+    # not a tool call after all: kept as content
+    assert parse_tool_call("not json") is None
+    s = ToolCallStream()
+    d = s.push("<tool_call>oops</tool_call> rest")
+    assert d.content == "<tool_call>oops</tool_call> rest" and not d.tool_calls
+
+
+def test_stop_strings_hold_back_partial_matches():
+    content, _, _, out = _stream("Hello STOP world", stops=["STOP"])
+    assert content == "Hello " and out.stopped
+    content, _, _, out = _stream("Hello ST", stops=["STOP"])
+    assert content == "Hello ST" and not out.stopped
+
+
+def test_request_checks():
+    ok = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                                                     "text": "b"}]}],
+                     "max_completion_tokens": 5, "stop": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert ok.messages[0] == {"role": "system", "content": "ab"} and ok.max_tokens == 5 and ok.stops == ["x"]
+    assert ok.include_usage
+    bad = [({"messages": "hi"}, "messages"), ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+           ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+           ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+           ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+           ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+           ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, "logit_bias"),
+           ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed")]
+    for body, param in bad:
+        with pytest.raises(ApiError) as e:
+            parse_chat(body)
+        assert e.value.param == param and e.value.status == 400
+    with pytest.raises(ApiError):
+        parse_chat([1, 2])
+    assert parse_completion({"prompt": [1, 2, 3], "logprobs": 2}).top_logprobs == 2
+
+
+def test_loopback_detection():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.10")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_batch=32) as m:
+        yield m
+
+
+def test_seq_state_copies_move_a_sequence_between_cells(model):
+    """KV rows + recurrent state copied from cell 0 into cell 2 continue exactly like cell 0."""
+    model.reset()
+    prompt = list(range(40, 80))
+    model.eval(prompt, seq=0)
+    kv = seq_state.read_kv(model, 0, len(prompt))
+    rec = seq_state.read_recurrent(model, 0)
+    seq_state.write_kv(model, 2, kv)
+    seq_state.write_recurrent(model, 2, rec)
+    seq_state.set_tokens(model, 2, prompt)
+    a = model.eval([7, 8, 9], seq=0, all_logits=True)
+    b = model.eval([7, 8, 9], seq=2, all_logits=True)
+    np.testing.assert_array_equal(a, b)
+    # a shorter prefix from the same KV copy: positions 0..19 plus the state saved at 20
+    model.reset()
+    model.eval(prompt[:20], seq=1)
+    rec20 = seq_state.read_recurrent(model, 1)
+    model.eval(prompt[20:], seq=1)
+    seq_state.write_kv(model, 2, kv, 20)
+    seq_state.write_recurrent(model, 2, rec20)
+    seq_state.set_tokens(model, 2, prompt[:20])
+    fresh = Model.logits_for(model, prompt[:20] + [5, 6])[-1]
+    seq_state.write_kv(model, 2, kv, 20)
+    seq_state.write_recurrent(model, 2, rec20)
+    seq_state.set_tokens(model, 2, prompt[:20])
+    np.testing.assert_allclose(model.eval([5, 6], seq=2), fresh, rtol=1e-5, atol=1e-5)
+    seq_state.clear_seq(model, 2)
+    assert model.n_past(2) == 0
+
+
+def test_prompt_cache_lookup_and_budget(model):
+    model.reset()
+    cache = PromptCache(model, 3, budget_bytes=1 << 30)
+    prompt = list(range(100, 140))
+    model.eval(prompt[:16], seq=0)
+    cache.checkpoint(0)
+    model.eval(prompt[16:], seq=0)
+    cache.checkpoint(0, logits=np.zeros(model.hp.n_vocab, dtype=np.float32))
+    cache.finished(0, answer_start=16)
+    assert cache.lookup(prompt, [0, 1, 2]).how == "live" and cache.lookup(prompt, [0]).pos == len(prompt)
+    r = cache.lookup(prompt[:16] + [1, 2, 3], [0, 1, 2])
+    assert (r.how, r.pos, r.cell) in {("checkpoint", 16, 0), ("rollback", 16, 0)}
+    assert cache.lookup([9, 9, 9], [1, 2]).how == "fresh"
+    # moving the conversation out to host RAM and back
+    other = list(range(300, 330))
+    fresh = cache.lookup(other, [0])
+    cache.apply(fresh, 0)
+    assert cache.host and model.n_past(0) == 0
+    back = cache.lookup(prompt, [1])
+    assert back.how == "host" and back.pos == len(prompt)
+    cache.apply(back, 1)
+    assert model.tokens(1) == prompt and not cache.host
+    # a budget smaller than one entry keeps nothing in host RAM
+    small = PromptCache(model, 3, budget_bytes=1)
+    small.apply(small.lookup([1, 2, 3], [1]), 1)
+    assert not small.host and small.nbytes() <= 1
