@@ -383,3 +383,51 @@ def test_chat_page_folds_reasoning_and_sends_settings(driver, tmp_path):
     assert thinking.find_element("css selector", ".thinking-text").is_displayed()
     screenshot(driver, "chat-thinking")
     assert console_errors(driver) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Without a browser: the layout's invariants, self-containment, option checks
+# ------------------------------------------------------------------------------------------------
+def test_layout_places_every_tensor_without_overlap(graph_files):
+    from deltarun.apps import graph_page as gp
+
+    dump, _ = graph_files
+    view = gp.dump_view(dump)
+    ts = view["tensors"]
+    assert len(ts) == len(dump["nodes"]) + len(dump["leafs"])
+    by_id = {t["id"]: t for t in ts}
+    rows: dict[tuple[int, int], list[float]] = {}
+    for t in ts:
+        rows.setdefault((t["band"], t["rank"]), []).append(t["x"])
+        assert 0 <= t["rank"] < view["bands"][t["band"]]["n_ranks"]
+        assert 0 <= t["x"] <= view["bands"][t["band"]]["width"] - gp.NODE_W + 0.1
+        for s in t["src_ids"]:  # an input in the same band is drawn above its consumer
+            if s in by_id and by_id[s]["band"] == t["band"]:
+                assert by_id[s]["rank"] < t["rank"], (s, t["id"])
+    for xs in rows.values():
+        xs.sort()
+        assert all(b - a >= gp.NODE_W + gp.GAP_X - 0.2 for a, b in zip(xs, xs[1:]))
+    labels = [b["label"] for b in view["bands"]]
+    assert labels[0] == "graph inputs" and labels[-1] == "output head"
+    assert [b["layer"] for b in view["bands"][1:-1]] == [0, 1, 2, 3]
+    assert labels[1] == "layer 0: linear attention (delta-net)" and labels[4] == "layer 3: full attention"
+    # bands hold their layer's nodes; splits count backend runs (one backend: one split)
+    assert all(t["layer"] == view["bands"][t["band"]]["layer"] for t in ts if t["kind"] == "node" and t["layer"] is not None)
+    assert {t["split"] for t in ts if t["kind"] == "node"} == {0}
+
+
+def test_pages_are_self_contained(graph_files):
+    from deltarun.apps.graph_page import read_asset
+
+    _, page = graph_files
+    for text in (page.read_text(), read_asset("chat.html")):
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|@import|url\(\s*["']?https?:""", text)
+        assert "<script src" not in text and "<link rel=\"stylesheet\"" not in text
+    html = page.read_text()
+    assert html.count("</script>") == 2  # the data cannot close its element early
+
+
+def test_compare_html_needs_an_existing_folder(tiny_model_path, tmp_path):
+    result = CliRunner().invoke(cli, ["compare", str(tiny_model_path("tiny", "f32")), "-s", "0", "-n", "4", "-q",
+                                      "--html", str(tmp_path / "missing" / "report.html")])
+    assert result.exit_code == 2 and "no such folder" in result.output

@@ -95,6 +95,8 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     """
     from deltarun.apps import compare as cmp
 
+    if html_path is not None and not html_path.resolve().parent.is_dir():
+        raise click.BadParameter(f"{html_path}: no such folder", param_hint="'--html'")
     path = resolve_model(model, quiet=quiet or as_json)
     if not path.exists():
         raise DeltarunError(f"no such model file: {path}")
