@@ -95,6 +95,12 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mtp": ModelConfig(n_mtp=1),
     # Drafts are mostly accepted on this one: it repeats its input (see residual_scale).
     "tiny-echo": ModelConfig(n_mtp=1, tied_output=True, residual_scale=0.02),
+    # The graph page's benchmark: as many layers as Qwen3-Next-80B (48: 36 linear + 12 full attention),
+    # narrow so the file stays small (the graph has the same nodes at any width).
+    "tiny-48": ModelConfig(
+        n_layer=48, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_rot=8, ssm_d_state=16, ssm_n_k_heads=2,
+        ssm_n_v_heads=4, n_expert=4, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64,
+    ),
     # Speed measurements: hidden 1024, 8 layers, 16 experts top-4.
     "bench": ModelConfig(
         n_embd=1024, n_layer=8, n_head=8, n_head_kv=2, head_dim=128, n_rot=32,

@@ -129,8 +129,9 @@ def test_json_schema(tiny_model_path):
         assert set(g) == {"graph", "n_tokens", "n_past", "matched_by", "n_nodes_a", "n_nodes_b", "n_compared",
                           "n_failed", "n_skipped", "only_a", "only_b", "first_failure", "nodes"}
         for n in g["nodes"]:
-            assert set(n) == {"index", "id", "name", "op", "type", "ne", "named", "backend_a", "backend_b",
+            assert set(n) == {"index", "id", "name", "op", "type", "ne", "named", "layer", "backend_a", "backend_b",
                               "status", "nmse", "limit", "max_abs_err", "n_diff", "note", "inputs"}
+            assert n["layer"] is None or 0 <= n["layer"] < 4
             assert n["status"] in cmp.FAIL + cmp.SKIP + ("ok",)
             assert n["nmse"] is None or isinstance(n["nmse"], (int, float)) or n["nmse"] in ("inf", "nan")
             assert n["limit"] >= cmp.DEFAULT_LIMIT

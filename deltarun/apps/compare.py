@@ -74,6 +74,7 @@ graph::
 node::
 
     index (side a's graph index), id ("n<index>"), name, op, type, ne [4], named (bool),
+    layer (int|null: as in graph_dump),
     backend_a, backend_b (where the scheduler ran it, or null), status, nmse (float, or the
     strings "inf"/"nan", or null when not computed), limit, max_abs_err (float|null),
     n_diff (integer nodes: differing elements, else null), note (str|null),
@@ -363,7 +364,7 @@ def compare_graph(a: GraphCapture, b: GraphCapture) -> dict[str, Any]:
     for x, y in pairs:
         limit = limits[x.id]
         row: dict[str, Any] = {"index": x.index, "id": x.id, "name": x.name, "op": x.op, "type": x.type,
-                               "ne": list(x.ne), "named": is_named(x.name), "backend_a": x.backend,
+                               "ne": list(x.ne), "named": is_named(x.name), "layer": x.layer, "backend_a": x.backend,
                                "backend_b": y.backend if y is not None else None, "limit": limit}
         if y is None:
             d = NodeDiff("only_a", note="no node of this name on side b")

@@ -80,9 +80,13 @@ def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: i
 @click.option("--show", type=click.Choice(["named", "all", "failures"]), default="named", show_default=True,
               help="Table rows: named nodes, every node, or only failed nodes.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+              help="Also write the report as one self-contained page: the graph coloured by each node's NMSE "
+                   "against its limit, the first node over its limit marked, the logits metrics.")
 def compare(model: Path | None, backends: list[str] | None, against: Path | None, prompt: str | None,
             n_tokens: int | None, seed: int, decode_steps: int, delta_net: list[str] | None, gpu_layers: int | None,
-            kv_type: str, ctx: int | None, threads: int | None, as_json: bool, show: str, quiet: bool) -> None:
+            kv_type: str, ctx: int | None, threads: int | None, as_json: bool, show: str, quiet: bool,
+            html_path: Path | None) -> None:
     """Run MODEL on two sides and compare every named node, the logits and the greedy continuation.
 
     Sides differ by backend (--backends cpu,vulkan), by delta-net kernel (--delta-net
@@ -97,6 +101,8 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     """
     from deltarun.apps import compare as cmp
 
+    if html_path is not None and not html_path.resolve().parent.is_dir():
+        raise click.BadParameter(f"{html_path}: no such folder", param_hint="'--html'")
     path = resolve_model(model, quiet=quiet or as_json)
     if not path.exists():
         raise DeltarunError(f"no such model file: {path}")
@@ -117,6 +123,13 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     say = None if quiet else (lambda s: click.echo(s, err=True))
     report = cmp.compare(a, b, tokens, decode_steps, prompt_text=prompt, n_threads=threads, kv_type=kv_type,
                          n_ctx=ctx, progress=say)
+    if html_path is not None:
+        from deltarun.apps.graph_page import render_compare_html
+        from deltarun.runner.files import write_atomically
+
+        write_atomically(html_path, render_compare_html(report))
+        if say:
+            say(f"wrote {html_path}")
     click.echo(cmp.to_json(report) if as_json else cmp.to_text(report, show=show), nl=False)
     sys.stdout.flush()
     if not report["passed"]:

@@ -17,7 +17,7 @@ from deltarun.cli.options import check_backends, note_gpu_layers
 from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.errors import DeltarunError
 
-FORMATS = ("txt", "json", "dot", "svg")
+FORMATS = ("txt", "json", "dot", "svg", "html")
 DEFAULT_TOKENS = 8
 DEFAULT_DECODE_PAST = 32
 
@@ -55,7 +55,8 @@ DEFAULT_DECODE_PAST = 32
 @click.option("--layer", type=click.IntRange(min=0), default=None,
               help="Keep only the nodes of layer L (names ending in -L) and their direct sources.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
-              help="txt table, json (stable schema), graphviz dot, or svg (needs graphviz's `dot`).")
+              help="txt table, json (stable schema), graphviz dot, svg (needs graphviz's `dot`), or html "
+                   "(one self-contained page: pan, zoom, search, details; see the README).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write to FILE (atomically) instead of stdout.")
 @click.option("--values", "values", is_flag=True,
@@ -127,6 +128,10 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
         data = dump.to_json()
     elif fmt == "dot":
         data = dump.to_dot()
+    elif fmt == "html":
+        from deltarun.apps.graph_page import render_graph_html
+
+        data = render_graph_html(dump.to_dict())
     else:
         data = gd.render_svg(dump.to_dot())
     if output is not None:

@@ -30,7 +30,7 @@ from deltarun.apps.serve.protocol import (ApiError, chat_delta, chat_message, en
                                           timings, usage)
 from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
 
-PUBLIC_PATHS = {"/health", "/v1/health"}
+PUBLIC_PATHS = {"/health", "/v1/health", "/"}   # "/": the static chat page (it sends the key itself)
 DISCONNECT_POLL_S = 0.25
 
 
@@ -337,7 +337,9 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
                                        "type": "server_error", "param": None, "code": None}}, status_code=500)
 
-    routes = [
+    from deltarun.apps.serve.pages import page_routes
+
+    routes = page_routes(state) + [
         Route("/health", health), Route("/v1/health", health),
         Route("/v1/models", models), Route("/models", models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -21,6 +21,7 @@ tokens it evaluated stay in the cell for the prompt cache.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -120,6 +121,7 @@ class Worker:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
+        self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
         #: set to a list to record each step's work: ("prefill", job id, tokens) / ("decode", job ids)
@@ -141,6 +143,17 @@ class Worker:
             self._waiting.append(job)
             self.metrics.queued.set(len(self._waiting))
             self._cond.notify()
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(model)` on the model thread between two steps (e.g. a graph dump for /graph)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise ApiError("the server is shutting down", status=503, type="unavailable_error",
+                               code="shutting_down")
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut
 
     def shutdown(self, wait: float | None = None) -> None:
         """End every stream (finish_reason "stop"), refuse waiting jobs, stop the thread."""
@@ -174,8 +187,9 @@ class Worker:
 
     def _step(self) -> bool:
         with self._cond:
-            while not self._waiting and not self._active and not self._stopping:
+            while not self._waiting and not self._active and not self._calls and not self._stopping:
                 self._cond.wait()
+            calls, self._calls = self._calls, []
             if self._stopping:
                 stopping = list(self._waiting)
                 self._waiting.clear()
@@ -189,6 +203,12 @@ class Worker:
                     admitted.append(job)
                     free -= 1
             self.metrics.queued.set(len(self._waiting))
+        for fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.model))
+                except BaseException as e:   # handed to the caller
+                    fut.set_exception(e)
         if stopping is not None:
             for job in stopping:
                 job.emit(Event(error=ApiError("the server is shutting down", status=503, type="unavailable_error",

@@ -1,0 +1,75 @@
+"""The server's pages: the chat page at `/` and the graph page of the loaded model at `/graph`.
+
+`/` serves deltarun/apps/pages/chat.html as it is (a static page; it talks to /v1/chat/completions
+itself). `/graph` draws the graph the runner computes for one ubatch shape of the loaded model:
+`?tokens=N` (default 8) prompt tokens, or `?decode=1` for the one-token decode graph after
+`?past=P` (default 32) tokens. The dump is made on the model thread between two steps
+(`Worker.call`), since building and allocating a graph uses the model's scheduler, and each shape's
+page is kept after its first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from deltarun.apps.serve.protocol import ApiError
+from deltarun.runner.errors import DeltarunError
+
+DEFAULT_TOKENS = 8
+DEFAULT_DECODE_PAST = 32
+
+
+def _int_param(request: Request, name: str, default: int, lo: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(f"{name} must be an integer, not {raw!r}", param=name, code="invalid_value") from None
+    if value < lo:
+        raise ApiError(f"{name} must be at least {lo}", param=name, code="invalid_value")
+    return value
+
+
+def graph_page(model: Any, n_tokens: int, n_past: int) -> str:
+    """The graph page of `model` for an n_tokens ubatch after n_past tokens (on the model thread)."""
+    from deltarun.apps.graph_dump import dump_graph, ubatch_shape
+    from deltarun.apps.graph_page import render_graph_html
+
+    shape = ubatch_shape(model, n_tokens, 1, n_past, False)
+    return render_graph_html(dump_graph(model, shape, n_past=n_past).to_dict())
+
+
+def page_routes(state: Any) -> list[Route]:
+    from deltarun.apps.graph_page import read_asset
+
+    chat_html = read_asset("chat.html")
+    pages: dict[tuple[int, int], str] = {}
+
+    async def chat(request: Request) -> Response:
+        return HTMLResponse(chat_html, headers={"Cache-Control": "no-cache"})
+
+    async def graph(request: Request) -> Response:
+        state.builder  # 503 while the model loads, 500 when it failed
+        decode = request.query_params.get("decode", "0") not in ("0", "", "false")
+        n_tokens = 1 if decode else _int_param(request, "tokens", DEFAULT_TOKENS, 1)
+        n_past = _int_param(request, "past", DEFAULT_DECODE_PAST if decode else 0, 0)
+        model = state.worker.model
+        if n_tokens > model.n_batch:
+            raise ApiError(f"tokens must be at most the batch size {model.n_batch}", param="tokens",
+                           code="invalid_value")
+        key = (n_tokens, n_past)
+        if key not in pages:
+            try:
+                pages[key] = await asyncio.wrap_future(state.worker.call(lambda m: graph_page(m, n_tokens, n_past)))
+            except DeltarunError as e:
+                raise ApiError(str(e), code="invalid_value") from None
+        return HTMLResponse(pages[key])
+
+    return [Route("/", chat), Route("/graph", graph)]
