@@ -4,7 +4,7 @@
     python bench/conv_store_experiment.py [--model PATH] [--threads 1] [--reps 5]
 
 deltarun stores the last d_conv-1 columns of each linear layer's conv input with ONE set_rows
-into the rollback slots (`_Builder.write_conv_slots`, indexed by rs_s_slot_rev). Without rollback
+into the rollback slots (`graphs.blocks.delta_net.write_conv_slots`, indexed by rs_s_slot_rev). Without rollback
 slots (K = --rs-slots = 1, the default) that set_rows copies 3-float rows, conv_dim of them per
 layer and token, and shows up as ~2.5 % of a decode step in `perf` (llama.cpp uses a plain copy).
 This script patches the builder in-process so that for K == 1 the store is a ggml_cpy of the
@@ -26,21 +26,21 @@ DEFAULT_MODEL = "/tmp/drbench/bench-q8_0.gguf"
 
 
 def patch() -> None:
-    from deltarun.graphs import qwen3next as Q
+    from deltarun.graphs.blocks import delta_net as D
     from deltarun.runner.ggml_util import ggml, nb
 
-    orig = Q._Builder.write_conv_slots
+    orig = D.write_conv_slots
 
-    def write_conv_slots(self, conv_all, conv_input, il):
-        if self.mem.rs_slots != 1 or self.kw != 1:
-            return orig(self, conv_all, conv_input, il)
-        hp, ub, c = self.hp, self.ub, self.ctx
+    def write_conv_slots(g, rs, conv_all, conv_input, il):
+        if g.mem.rs_slots != 1 or rs.kw != 1:
+            return orig(g, rs, conv_all, conv_input, il)
+        hp, ub, c = g.hp, g.ub, g.ctx
         dc1, ch, T, N = hp.ssm_d_conv - 1, hp.conv_dim, ub.n_seq_tokens, ub.n_seqs
-        src = self.view(conv_input, (dc1, ch, N), (nb(conv_input)[1], nb(conv_input)[2]), T * 4)
-        dst = self.view(conv_all, (dc1, ch, N), (dc1 * 4, nb(conv_all)[1]), ub.seq_head * nb(conv_all)[1])
-        self.expand(self.cb(ggml.ggml_cpy(c, src, dst), "conv_state_store", il))
+        src = g.view(conv_input, (dc1, ch, N), (nb(conv_input)[1], nb(conv_input)[2]), T * 4)
+        dst = g.view(conv_all, (dc1, ch, N), (dc1 * 4, nb(conv_all)[1]), ub.seq_head * nb(conv_all)[1])
+        g.expand(g.cb(ggml.ggml_cpy(c, src, dst), "conv_state_store", il))
 
-    Q._Builder.write_conv_slots = write_conv_slots
+    D.write_conv_slots = write_conv_slots
 
 
 def child(variant: str, model: str, threads: int, reps: int) -> None:

@@ -165,6 +165,17 @@ def test_other_presets_match_the_cpu(tiny_model_path, preset):
     assert rep["greedy"]["match"]
 
 
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+@pytest.mark.parametrize("preset", ["tiny-qwen35", "tiny-qwen35moe"])
+def test_qwen35_families_match_the_cpu(tiny_model_path, preset, delta_net):
+    """IMRoPE, split beta/alpha and the tiled value-head broadcast (the fused kernel maps value head
+    h to key head h % H_k on every backend; the primitive path repeats q/k tiled)."""
+    n = "70" if delta_net == "primitive" else "12"
+    rep = compare(tiny_model_path(preset, "f32"), "-n", n, "-s", "4", "--delta-net", delta_net)
+    assert rep["passed"], rep["failures"]
+    assert rep["greedy"]["match"]
+
+
 def test_q8_0_agrees_at_the_logits_level(tiny_model_path):
     rep = compare(tiny_model_path("tiny", "q8_0"), "-n", "16", "-s", "8", code=None)
     lg = rep["logits"]

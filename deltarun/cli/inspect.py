@@ -164,13 +164,15 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
 
 
 def _try_hparams(f: GGUFFile, arch: str) -> Any:
-    """Qwen3-Next hyper-parameters when they can be read even though the file cannot run."""
-    if arch != "qwen3next":
+    """The family's hyper-parameters when they can be read even though the file cannot run."""
+    from deltarun.graphs import available_architectures
+
+    entry = available_architectures().get(arch)
+    if entry is None:
         return None
     try:
-        from deltarun.graphs.qwen3next_spec import read_hparams
-
-        return read_hparams(f)
+        family = entry.load() if hasattr(entry, "load") else entry
+        return family.read_hparams(f)
     except Exception:  # noqa: BLE001 - already reported by the runnability check
         return None
 

@@ -10,6 +10,10 @@ K = rs_slots snapshots (`--rs-slots`) so that speculative tokens can be rolled b
 
 Slot 0 is always the newest state. The KV cache holds n_ctx rows per sequence
 (row = seq * n_ctx + position), written with set_rows through an index input.
+
+Memory also owns the operations on that state (as mlx-lm's cache objects own trim and state):
+checkpoint / restore of a sequence's live recurrent state, rollback of the last tokens through the
+rollback slots, and copying a sequence into another; the graphs only ever read and write it.
 """
 
 from __future__ import annotations
@@ -21,10 +25,27 @@ import numpy as np
 
 from deltarun.graphs.interface import HParams
 from deltarun.runner.backend import Backend, Placement
-from deltarun.runner.errors import BackendError
-from deltarun.runner.ggml_util import Tensor, ctypes, ggml, name_of, new_context, set_name, tensor_to_numpy
+from deltarun.runner.errors import BackendError, RollbackError
+from deltarun.runner.ggml_util import (Tensor, ctypes, ggml, name_of, new_context, numpy_to_tensor, set_name,
+                                      tensor_to_numpy)
 
 KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
+
+
+@dataclass
+class StateCheckpoint:
+    """A sequence's length, tokens and live recurrent state (host copies), see `Memory.checkpoint`."""
+
+    seq: int
+    n_past: int
+    tokens: list[int]
+    log_index: int
+    conv: dict[int, np.ndarray]
+    ssm: dict[int, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.conv.values()) + sum(a.nbytes for a in self.ssm.values())
 
 
 @dataclass
@@ -71,6 +92,8 @@ class Memory:
         self.buffers = self._allocate(backend, placement)
         self.buffer = self.buffers[0]
         self.seqs = [SeqState() for _ in range(n_seq_max)]
+        #: (seq, new length) each time a sequence got shorter: what makes a checkpoint stale
+        self.truncations: list[tuple[int, int]] = []
         self.clear()
 
     def _allocate(self, backend: Backend, placement: Placement | None) -> list[Any]:
@@ -111,9 +134,110 @@ class Memory:
         return sum(int(ggml.ggml_backend_buffer_get_size(b)) for b in self.buffers)
 
     def clear(self) -> None:
+        """Forget every sequence (KV cache and recurrent state)."""
         for b in self.buffers:
             ggml.ggml_backend_buffer_clear(b, 0)
         self.seqs = [SeqState() for _ in range(self.n_cells)]
+        self.truncations.extend((s, 0) for s in range(self.n_cells))
+
+    # --- state operations ---------------------------------------------------------------------
+    def checkpoint(self, seq: int = 0) -> StateCheckpoint:
+        """Remember the live recurrent state of `seq` at its current length, on the host.
+
+        A recurrent state cannot be rolled back further than its slots, so a chat keeps a
+        checkpoint at the end of each prompt: when the next turn re-renders the previous answer
+        differently, the model returns to the checkpoint instead of recomputing everything. The KV
+        rows need no copy: rows before the checkpoint stay untouched unless the sequence is cut
+        shorter than it, which `restore` detects.
+        """
+        conv = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.conv.items()}
+        ssm = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.ssm.items()}
+        st = self.seqs[seq]
+        return StateCheckpoint(seq, st.n_past, list(st.tokens), len(self.truncations), conv, ssm)
+
+    def can_restore(self, cp: StateCheckpoint) -> bool:
+        """True while no rollback, restore or reset has cut the sequence below the checkpoint."""
+        return all(not (s == cp.seq and n < cp.n_past) for s, n in self.truncations[cp.log_index:])
+
+    def restore(self, cp: StateCheckpoint) -> None:
+        """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
+        if not self.can_restore(cp):
+            raise RollbackError("the checkpoint is stale: the sequence was cut below it since it was taken")
+        for il in self.conv:
+            for t, saved in ((self.conv[il], cp.conv[il]), (self.ssm[il], cp.ssm[il])):
+                ggml.ggml_backend_tensor_set(t, saved.ctypes.data, cp.seq * t.contents.nb[1], saved.nbytes)
+        st = self.seqs[cp.seq]
+        st.n_past, st.tokens, st.last_ubatch, st.rolled_back = cp.n_past, list(cp.tokens), 0, 0
+        self.truncations.append((cp.seq, cp.n_past))
+
+    def rollback(self, n_tokens: int, seq: int = 0) -> None:
+        """Drop the last n_tokens of a sequence: the KV rows are forgotten (masked, then
+        overwritten) and the recurrent state is restored from slot r.
+
+        After a ubatch of m tokens slot r holds the state r tokens back for r <= min(m, K-1)
+        (slot m, when m < K, is the state the ubatch started from), so at most min(m, K-1)
+        tokens can be undone in total.
+        """
+        state = self.seqs[seq]
+        if n_tokens == 0:
+            return
+        limit = min(state.last_ubatch, self.rs_slots - 1) - state.rolled_back
+        if not 0 < n_tokens <= limit:
+            raise RollbackError(
+                f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.rs_slots} rollback "
+                f"slots and the last ubatch had {state.last_ubatch} tokens, so {max(limit, 0)} can be undone")
+        self._restore_slot(n_tokens + state.rolled_back, seq)
+        state.rolled_back += n_tokens
+        state.n_past -= n_tokens
+        del state.tokens[len(state.tokens) - n_tokens:]
+        self.truncations.append((seq, state.n_past))
+
+    def copy_seq(self, src: int, dst: int) -> None:
+        """Make sequence dst a copy of src: KV rows, live recurrent state, bookkeeping."""
+        n = self.seqs[src].n_past
+        for il in list(self.k):
+            # each sequence owns one contiguous block of either cache: K's first n rows are its
+            # cells; V (transposed) holds the cells in every row of its block, so all of it is copied
+            for cache in (self.k[il], self.v[il]):
+                block = int(ggml.ggml_nbytes(cache)) // self.n_cells
+                size = n * cache.contents.nb[1] if cache is self.k[il] else block
+                if n:
+                    self._copy_bytes(cache, src * block, dst * block, size)
+        for il in self.conv:
+            for t in (self.conv[il], self.ssm[il]):    # one cell: its row (conv) or slot-0 cell (ssm)
+                cell = t.contents.nb[1]
+                self._copy_bytes(t, src * cell, dst * cell, cell)
+        s, d = self.seqs[src], self.seqs[dst]
+        d.n_past, d.tokens, d.last_ubatch, d.rolled_back = s.n_past, list(s.tokens), 0, 0
+        self.truncations.append((dst, 0))
+
+    def _restore_slot(self, r: int, seq: int) -> None:
+        """Make slot r the live state of `seq`: copy slot r into slot 0 for every linear layer.
+
+        Slots 1..r keep their contents; the graph always reads slot 0, so after this the next
+        ubatch continues from the state r tokens back.
+        """
+        hp, K = self.hp, self.rs_slots
+        for il in self.conv:
+            conv = tensor_to_numpy(self.conv[il]).reshape(self.n_cells, -1)
+            row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
+            row[:, 0, :] = row[:, r, :]
+            numpy_to_tensor(self.conv[il], row.reshape(-1), offset=seq * row.nbytes)
+            ssm = self.ssm[il]
+            slot_stride, cell_stride = ssm.contents.nb[2], ssm.contents.nb[1]
+            self._copy_bytes(ssm, r * slot_stride + seq * cell_stride, seq * cell_stride, hp.ssm_state_size * 4)
+
+    @staticmethod
+    def _read_bytes(t: Tensor, offset: int, size: int) -> np.ndarray:
+        buf = np.empty(size, dtype=np.uint8)
+        ggml.ggml_backend_tensor_get(t, buf.ctypes.data, offset, size)
+        return buf
+
+    @classmethod
+    def _copy_bytes(cls, t: Tensor, src: int, dst: int, size: int) -> None:
+        """Copy `size` bytes of backend tensor t from offset src to offset dst (through the host)."""
+        buf = cls._read_bytes(t, src, size)
+        ggml.ggml_backend_tensor_set(t, buf.ctypes.data, dst, size)
 
     # --- reading state back (tests, debugging) ------------------------------------------------
     def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:

@@ -17,10 +17,10 @@ import numpy as np
 
 from deltarun.graphs.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape, graph_family_for
 from deltarun.runner.backend import Backend, Placement, Scheduler, init_backend
-from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.runner.errors import ContextFullError, DeltarunError
 from deltarun.runner.gguf_file import GGUFFile
-from deltarun.runner.ggml_util import ggml, new_context, numpy_to_tensor, tensor_to_numpy
-from deltarun.runner.memory import Memory
+from deltarun.runner.ggml_util import ggml, new_context, tensor_to_numpy
+from deltarun.runner.memory import Memory, StateCheckpoint
 from deltarun.runner.weights import Weights
 
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
@@ -79,22 +79,6 @@ class _Graph:
 
 
 @dataclass
-class StateCheckpoint:
-    """A sequence's length, tokens and live recurrent state (host copies), see `Model.checkpoint`."""
-
-    seq: int
-    n_past: int
-    tokens: list[int]
-    log_index: int
-    conv: dict[int, np.ndarray]
-    ssm: dict[int, np.ndarray]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.conv.values()) + sum(a.nbytes for a in self.ssm.values())
-
-
-@dataclass
 class EvalStats:
     """Counters a caller can report (tokens/s) or a test can check (incremental prefill)."""
 
@@ -140,7 +124,6 @@ class Model:
         self._graphs: dict[UbatchShape, _Graph] = {}
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
-        self._truncations: list[tuple[int, int]] = []  # (seq, new length) each time a sequence got shorter
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -157,48 +140,18 @@ class Model:
     def reset(self) -> None:
         """Forget every sequence (KV cache and recurrent state)."""
         self.memory.clear()
-        self._truncations.extend((s, 0) for s in range(self.memory.n_cells))
 
     def checkpoint(self, seq: int = 0) -> StateCheckpoint:
-        """Remember the live recurrent state of `seq` at its current length, on the host.
-
-        A recurrent state cannot be rolled back further than its slots, so a chat keeps a
-        checkpoint at the end of each prompt: when the next turn re-renders the previous answer
-        differently, the model returns to the checkpoint instead of recomputing everything. The KV
-        rows need no copy: rows before the checkpoint stay untouched unless the sequence is cut
-        shorter than it, which `restore` detects.
-        """
-        mem = self.memory
-        conv, ssm = {}, {}
-        for il in self.hp.linear_layers:
-            conv[il] = self._read_bytes(mem.conv[il], seq * mem.conv[il].contents.nb[1], mem.conv[il].contents.nb[1])
-            ssm[il] = self._read_bytes(mem.ssm[il], seq * mem.ssm[il].contents.nb[1], mem.ssm[il].contents.nb[1])
-        st = mem.seqs[seq]
-        return StateCheckpoint(seq, st.n_past, list(st.tokens), len(self._truncations), conv, ssm)
+        """Remember the live recurrent state of `seq` at its current length (see Memory.checkpoint)."""
+        return self.memory.checkpoint(seq)
 
     def can_restore(self, cp: StateCheckpoint) -> bool:
         """True while no rollback, restore or reset has cut the sequence below the checkpoint."""
-        return all(not (s == cp.seq and n < cp.n_past) for s, n in self._truncations[cp.log_index:])
+        return self.memory.can_restore(cp)
 
     def restore(self, cp: StateCheckpoint) -> None:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
-        if not self.can_restore(cp):
-            raise RollbackError("the checkpoint is stale: the sequence was cut below it since it was taken")
-        mem = self.memory
-        for il in self.hp.linear_layers:
-            ggml.ggml_backend_tensor_set(mem.conv[il], cp.conv[il].ctypes.data,
-                                         cp.seq * mem.conv[il].contents.nb[1], cp.conv[il].nbytes)
-            ggml.ggml_backend_tensor_set(mem.ssm[il], cp.ssm[il].ctypes.data,
-                                         cp.seq * mem.ssm[il].contents.nb[1], cp.ssm[il].nbytes)
-        st = mem.seqs[cp.seq]
-        st.n_past, st.tokens, st.last_ubatch, st.rolled_back = cp.n_past, list(cp.tokens), 0, 0
-        self._truncations.append((cp.seq, cp.n_past))
-
-    @staticmethod
-    def _read_bytes(t: Any, offset: int, size: int) -> np.ndarray:
-        buf = np.empty(size, dtype=np.uint8)
-        ggml.ggml_backend_tensor_get(t, buf.ctypes.data, offset, size)
-        return buf
+        self.memory.restore(cp)
 
     def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
@@ -242,59 +195,15 @@ class Model:
         return sizes
 
     def rollback(self, n_tokens: int, seq: int = 0) -> None:
-        """Drop the last n_tokens of a sequence: the KV rows are forgotten (masked, then
-        overwritten) and the recurrent state is restored from slot r.
-
-        After a ubatch of m tokens slot r holds the state r tokens back for r <= min(m, K-1)
-        (slot m, when m < K, is the state the ubatch started from), so at most min(m, K-1)
-        tokens can be undone in total. Restoring copies slot r into slot 0: the graph always reads
-        the live state from slot 0.
-        """
-        state = self.memory.seqs[seq]
-        if n_tokens == 0:
-            return
-        limit = min(state.last_ubatch, self.rs_slots - 1) - state.rolled_back
-        if not 0 < n_tokens <= limit:
-            raise RollbackError(
-                f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.rs_slots} rollback "
-                f"slots and the last ubatch had {state.last_ubatch} tokens, so {max(limit, 0)} can be undone")
-        self._restore_slot(n_tokens + state.rolled_back, seq)
-        state.rolled_back += n_tokens
-        state.n_past -= n_tokens
-        del state.tokens[len(state.tokens) - n_tokens:]
-        self._truncations.append((seq, state.n_past))
+        """Drop the last n_tokens of a sequence (at most K-1, within the last ubatch; see Memory.rollback)."""
+        self.memory.rollback(n_tokens, seq)
 
     def copy_seq(self, src: int, dst: int) -> None:
         """Make sequence dst a copy of src (KV rows, live recurrent state, bookkeeping).
 
         A draft model drafts on a copy, so its committed sequence never needs a rollback.
         """
-        mem, hp = self.memory, self.hp
-        n = mem.seqs[src].n_past
-        for il in list(mem.k):
-            # each sequence owns one contiguous block of either cache: K's first n rows are its
-            # cells; V (transposed) holds the cells in every row of its block, so all of it is copied
-            for cache in (mem.k[il], mem.v[il]):
-                block = int(ggml.ggml_nbytes(cache)) // mem.n_cells
-                size = n * cache.contents.nb[1] if cache is mem.k[il] else block
-                buf = np.empty(size, dtype=np.uint8)
-                if n:
-                    ggml.ggml_backend_tensor_get(cache, buf.ctypes.data, src * block, size)
-                    ggml.ggml_backend_tensor_set(cache, buf.ctypes.data, dst * block, size)
-        for il in hp.linear_layers:
-            conv = mem.conv[il]
-            row = conv.contents.nb[1]
-            buf = np.empty(row, dtype=np.uint8)
-            ggml.ggml_backend_tensor_get(conv, buf.ctypes.data, src * row, row)
-            ggml.ggml_backend_tensor_set(conv, buf.ctypes.data, dst * row, row)
-            ssm = mem.ssm[il]
-            cell = ssm.contents.nb[1]
-            buf = np.empty(cell, dtype=np.uint8)
-            ggml.ggml_backend_tensor_get(ssm, buf.ctypes.data, src * cell, cell)
-            ggml.ggml_backend_tensor_set(ssm, buf.ctypes.data, dst * cell, cell)
-        s, d = mem.seqs[src], mem.seqs[dst]
-        d.n_past, d.tokens, d.last_ubatch, d.rolled_back = s.n_past, list(s.tokens), 0, 0
-        self._truncations.append((dst, 0))
+        self.memory.copy_seq(src, dst)
 
     def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Run the MTP block on rows (token i, hidden i) at positions start..; returns logits [n, vocab]
@@ -337,26 +246,6 @@ class Model:
         self.close()
 
     # --- internals ----------------------------------------------------------------------------
-    def _restore_slot(self, r: int, seq: int) -> None:
-        """Make slot r the live state of `seq`: copy slot r into slot 0 for every linear layer.
-
-        Slots 1..r keep their contents; the graph always reads slot 0, so after this the next
-        ubatch continues from the state r tokens back.
-        """
-        hp, mem = self.hp, self.memory
-        K = mem.rs_slots
-        for il in hp.linear_layers:
-            conv = tensor_to_numpy(mem.conv[il]).reshape(mem.n_cells, -1)
-            row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
-            row[:, 0, :] = row[:, r, :]
-            numpy_to_tensor(mem.conv[il], row.reshape(-1), offset=seq * row.nbytes)
-            D = hp.ssm_state_size
-            cell = np.empty(D, dtype=np.float32)
-            ssm = mem.ssm[il]
-            slot_stride, cell_stride = ssm.contents.nb[2], ssm.contents.nb[1]
-            ggml.ggml_backend_tensor_get(ssm, cell.ctypes.data, r * slot_stride + seq * cell_stride, cell.nbytes)
-            ggml.ggml_backend_tensor_set(ssm, cell.ctypes.data, seq * cell_stride, cell.nbytes)
-
     def _reserve_compute_buffers(self, largest: UbatchShape) -> None:
         """Size the compute buffers for the largest ubatch now, as llama.cpp does at context creation:
         the memory a session needs is known (and refused) up front, and no later graph reallocates

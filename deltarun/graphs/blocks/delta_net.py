@@ -91,23 +91,31 @@ def beta_and_gate(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> tupl
     return beta, ggml.ggml_reshape_4d(c, gate, 1, nv, T, N)
 
 
-def broadcast_qk(g: GraphContext, q: Tensor, k: Tensor, kind: DeltaNet) -> tuple[Tensor, Tensor]:
-    """q, k [S, H_k, T, N] as the delta rule of this graph reads them (see the module docstring)."""
+def repeat_grouped(g: GraphContext, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """q, k [S, H_k, T, N] -> [S, H_v, T, N] with value head j*r+i reading key head j
+    (repeat-interleave), as llama.cpp's qwen3next graph does; unchanged when H_v == H_k."""
     hp, c = g.hp, g.ctx
     S, nk, nv = hp.ssm_d_state, hp.ssm_n_k_heads, hp.ssm_n_v_heads
     r = nv // nk
     T, N = g.ub.n_seq_tokens, g.ub.n_seqs
     if r == 1:
         return q, k
-    if kind.broadcast == "grouped":  # value head j*r+i reads key head j (repeat-interleave), as llama.cpp does
-        q = ggml.ggml_reshape_4d(c, ggml.ggml_repeat_4d(
-            c, ggml.ggml_reshape_4d(c, q, S, 1, nk, T * N), S, r, nk, T * N), S, nv, T, N)
-        k = ggml.ggml_reshape_4d(c, ggml.ggml_repeat_4d(
-            c, ggml.ggml_reshape_4d(c, k, S, 1, nk, T * N), S, r, nk, T * N), S, nv, T, N)
+    q = ggml.ggml_reshape_4d(c, ggml.ggml_repeat_4d(
+        c, ggml.ggml_reshape_4d(c, q, S, 1, nk, T * N), S, r, nk, T * N), S, nv, T, N)
+    k = ggml.ggml_reshape_4d(c, ggml.ggml_repeat_4d(
+        c, ggml.ggml_reshape_4d(c, k, S, 1, nk, T * N), S, r, nk, T * N), S, nv, T, N)
+    return q, k
+
+
+def repeat_tiled(g: GraphContext, q: Tensor, k: Tensor, il: int) -> tuple[Tensor, Tensor]:
+    """q, k [S, H_k, T, N] -> [S, H_v, T, N] with value head h reading key head h % H_k (what the
+    fused op does by itself), for the primitive delta rule; unchanged when H_v == H_k."""
+    hp, c = g.hp, g.ctx
+    if hp.ssm_n_v_heads == hp.ssm_n_k_heads:
         return q, k
-    if g.ub.delta_net == "fused":    # tiled: the fused op maps value head h to key head h % H_k itself
-        return q, k
-    return ggml.ggml_repeat_4d(c, q, S, nv, T, N), ggml.ggml_repeat_4d(c, k, S, nv, T, N)
+    shape = (hp.ssm_d_state, hp.ssm_n_v_heads, g.ub.n_seq_tokens, g.ub.n_seqs)
+    return (g.cb(ggml.ggml_repeat_4d(c, q, *shape), "q_conv_tiled", il),
+            g.cb(ggml.ggml_repeat_4d(c, k, *shape), "k_conv_tiled", il))
 
 
 def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> Tensor:
@@ -143,10 +151,13 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     v = g.view(conv_out, (S, nv, T, N), (S * f32, row, row * T), 2 * hp.key_dim * f32)
     q = ggml.ggml_l2_norm(c, q, hp.rms_eps)
     k = ggml.ggml_l2_norm(c, k, hp.rms_eps)
-    q, k = broadcast_qk(g, q, k, kind)
-    g.cb(q, "q_conv_predelta", il)
+    if kind.broadcast == "grouped":
+        q, k = repeat_grouped(g, q, k)
+    g.cb(q, "q_conv_predelta", il)      # qwen35: still H_k heads, as in llama.cpp's fused path
     g.cb(k, "k_conv_predelta", il)
     v = g.cb(ggml.ggml_cont(c, v), "v_conv_predelta", il)
+    if kind.broadcast == "tiled" and ub.delta_net == "primitive":
+        q, k = repeat_tiled(g, q, k, il)
 
     ssm_all = g.mem.ssm[il]                                     # [D, n_cells, K]
     D = hp.ssm_state_size
