@@ -1,7 +1,7 @@
 """Dumps of the ggml graph the runner computes, and of the values flowing through it.
 
 `dump_graph(model, shape)` builds the graph of one ubatch shape through the model's own
-`Model._graph` (so it is exactly the graph `eval` computes), allocates it in the model's scheduler
+`Model.graph` (so it is exactly the graph `eval` computes), allocates it in the model's scheduler
 so every tensor has its backend, and walks it: every node (in ggml's execution order) and every
 tensor the nodes read that is not itself a node (weights, graph inputs, KV cache and recurrent
 state), which this module calls *leafs*. `capture_values(...)` runs a prompt through the same graph
@@ -476,8 +476,8 @@ def _shape_dict(model: Any, shape: UbatchShape, n_past: int) -> dict[str, Any]:
 
 def dump_graph(model: Any, shape: UbatchShape, *, layer: int | None = None, n_past: int = 0,
                allocate: bool = True) -> GraphDump:
-    """Describe the graph `model` computes for `shape` (built and cached by `Model._graph`)."""
-    g = model._graph(shape)
+    """Describe the graph `model` computes for `shape` (built and cached by `Model.graph`)."""
+    g = model.graph(shape)
     if allocate:
         model.sched.allocate(g.gf, g.ctx)
     w = _Walker(model, g.gf)

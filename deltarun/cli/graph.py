@@ -1,6 +1,6 @@
 """`deltarun graph`: dump the ggml graph the runner computes for one ubatch shape.
 
-The graph is built through the model's own graph cache (`Model._graph`), so the dump is exactly
+The graph is built through the model's own graph cache (`Model.graph`), so the dump is exactly
 what `eval` runs for that shape. With `--values -p PROMPT` the prompt is run through that graph and
 the values of every node (or those matching `--filter`) are recorded through the scheduler's eval
 callback; `--dump-dir` also saves them as .npy files with a manifest. The JSON schema is

@@ -124,11 +124,6 @@ class HParams:
     def attention_layers(self) -> list[int]:
         return [i for i in range(self.n_layer) if not self.recurrent[i]]
 
-    @property
-    def layer_pattern(self) -> str:
-        """One letter per block: L linear attention, A full attention, M MTP block."""
-        return "".join("L" if r else "A" for r in self.recurrent) + "M" * self.n_mtp
-
 
 @dataclass
 class BuiltGraph:

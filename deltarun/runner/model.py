@@ -216,7 +216,7 @@ class Model:
         n_kv = min(self.n_ctx, -(-(start + n) // KV_PAD) * KV_PAD)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n, n_kv=n_kv, seq_head=seq,
                             delta_net=self.delta_net, mtp=True)
-        g = self._graph(shape)
+        g = self.graph(shape)
         self.sched.allocate(g.gf, g.ctx)
         pos = np.arange(start, start + n, dtype=np.int32)[None, :]
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=[list(tokens)], hidden=hidden))
@@ -259,7 +259,9 @@ class Model:
         finally:
             ggml.ggml_free(ctx)
 
-    def _graph(self, shape: UbatchShape) -> _Graph:
+    def graph(self, shape: UbatchShape) -> _Graph:
+        """The graph of one ubatch shape (`ctx`, `gf`, `outputs`, `io`), built on first use and kept:
+        what `eval` computes for that shape, and what graph dumps describe."""
         g = self._graphs.get(shape)
         if g is None:
             size = self.graph_builder.graph_size(shape)
@@ -318,7 +320,7 @@ class Model:
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net)
-        g = self._graph(shape)
+        g = self.graph(shape)
         self.sched.allocate(g.gf, g.ctx)
         self._set_inputs(g, tokens, starts, shape)
         self.sched.compute(g.gf)

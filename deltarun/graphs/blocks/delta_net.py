@@ -126,7 +126,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     K = g.mem.rs_slots
     f32 = 4
 
-    qkv, z = qkvz(g, cur, il)                                    # [conv_dim, T, N], [value_dim, T*N]
+    qkv, z = qkvz(g, cur, il)                               # [conv_dim, T, N], [value_dim, T*N]
 
     beta, gate = beta_and_gate(g, cur, il, kind)
     rs = recurrent_input(g)
@@ -136,7 +136,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     dc1, ch = hp.ssm_d_conv - 1, hp.conv_dim
     gathered = ggml.ggml_get_rows(c, conv_all, rs.s_copy)        # [(d_conv-1)*K*conv_dim, N]
     conv_states = g.cb(g.view(gathered, (dc1, ch, N), (K * dc1 * f32, nb(gathered)[1]), 0),
-                          "conv_states", il)
+                       "conv_states", il)
     conv_input = ggml.ggml_concat(c, conv_states, ggml.ggml_transpose(c, qkv), 0)
     g.cb(conv_input, "conv_input", il)                          # [d_conv-1+T, conv_dim, N]
     write_conv_slots(g, rs, conv_all, conv_input, il)
@@ -178,7 +178,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
         # the whole ubatch can be rolled back; slots beyond stay unwritten
         start = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
         g.expand(g.cb(ggml.ggml_cpy(c, ggml.ggml_reshape_2d(c, state, D, N), start),
-                            "ssm_state_store_start", il))
+                      "ssm_state_store_start", il))
 
     z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
     normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
@@ -225,11 +225,11 @@ def write_conv_slots(g: GraphContext, rs: RecurrentStateInput, conv_all: Tensor,
     T, N = ub.n_seq_tokens, ub.n_seqs
     f32 = 4
     src = g.view(conv_input, (dc1, 1, ch, N), (f32, nb(conv_input)[1], nb(conv_input)[2]),
-                    (T - (Kw - 1)) * f32)
+                 (T - (Kw - 1)) * f32)
     src.contents.ne[1] = Kw
     g.cb(src, "conv_state_windows", il)
     dst = g.view(conv_all, (dc1, K, ch, N), (dc1 * f32, K * dc1 * f32, nb(conv_all)[1]),
-                    ub.seq_head * nb(conv_all)[1])
+                 ub.seq_head * nb(conv_all)[1])
     g.expand(g.cb(ggml.ggml_set_rows(c, dst, src, rs.slot_rev), "conv_state_store", il))
 
 
