@@ -56,7 +56,9 @@ FILE_FORMAT = "deltarun-chat"
 FILE_VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_PLACEHOLDER = "\x1f"   # stands for text not known yet when probing how the template renders history
+#: stands for text not known yet when probing how the template renders history (not whitespace,
+#: which templates trim away)
+_PLACEHOLDER = "PLACEHOLDER"
 
 #: Why a turn ended: end-of-generation token, a stop string, the n_predict limit, a full context,
 #: Ctrl-C / the iterator closed, an exception.
