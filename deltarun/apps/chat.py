@@ -460,8 +460,8 @@ class ChatSession:
             if stream is not None:
                 stream.close()   # type: ignore[attr-defined]
             stats.generated_tokens = len(answer)
-            # a context shift's re-evaluation counts as prefill, not generation
-            stats.generate_seconds = decoding.generate_seconds - (stats.prefill_seconds - prefill_before)
+            if generating:   # a context shift's re-evaluation counts as prefill, not generation
+                stats.generate_seconds = decoding.generate_seconds - (stats.prefill_seconds - prefill_before)
             stats.stop_reason = reason or "error"
             if generating and (answer or reason not in ("interrupted", "error")):
                 stopper.push(decoder.flush())
