@@ -73,6 +73,7 @@ def test_generate_options_reach_the_model_and_sampler(tiny_model):
     other = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", "--kv-type", "f32",
                "--batch", "3", "--rs-slots", "2", "--delta-net", "primitive", "--backend", "cpu", *FAST)
     assert other.stdout == base.stdout
+    assert "delta-net primitive" in other.stderr and "delta-net fused" in base.stderr   # the option arrived
     penalized = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--seed", "3", "--top-k", "5",
                    "--top-p", "0.5", "--min-p", "0.1", "--repeat-penalty", "1.3", "--repeat-last-n", "-1", *FAST)
     assert "top-k 5" in penalized.stderr and "repeat-penalty 1.3" in penalized.stderr
