@@ -19,7 +19,7 @@ from deltarun.runner.errors import DeltarunError
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
                    "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--seed", "-s", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
     """Write a synthetic Qwen3-Next model to OUT.gguf.
 
