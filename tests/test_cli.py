@@ -366,7 +366,8 @@ def deltarun_process(*args: str | Path, stdin: str = "", timeout: int = 120) -> 
 ])
 def test_chat_without_input_is_one_clear_error(tiny_model, redirect, single, message):
     p = deltarun_process("chat", tiny_model, "-n", "1", *(["--single"] if single else []), stdin=redirect)
-    assert p.returncode == 1 and p.stderr == f"error: {p.stderr[7:]}" and message in p.stderr, p.stderr
+    assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert message in p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
