@@ -243,6 +243,7 @@ def test_dropped_thinking_restores_the_checkpoint_and_matches_a_fresh_session(mo
     first_prompt = session._checkpoint.n_past      # the prompt of the first turn
     session.sampler = Sampler(GREEDY)
     session.n_predict = 6
+    evaluated = model.stats.n_eval_tokens
     answer = session.ask("Again")
     # the re-rendered history lacks the thinking: the slots cannot reach back, but the checkpoint
     # taken at the end of the first prompt can; only the rest of the prompt is evaluated
@@ -250,6 +251,7 @@ def test_dropped_thinking_restores_the_checkpoint_and_matches_a_fresh_session(mo
     assert session.last_reused_tokens == first_prompt
     full = len(session.tokenize(session.render(session.messages[:-1])))
     assert session.last_prefill_tokens == full - first_prompt
+    assert model.stats.n_eval_tokens - evaluated == full - first_prompt + 5    # and 5 of the 6 answer tokens
     model.reset()
     fresh = ChatSession(model, n_predict=6)
     fresh.messages = copy.deepcopy(session.messages[:-2])

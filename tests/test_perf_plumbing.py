@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from pathlib import Path
 
 import gguf
 import numpy as np

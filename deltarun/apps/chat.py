@@ -56,7 +56,9 @@ FILE_FORMAT = "deltarun-chat"
 FILE_VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_PLACEHOLDER = "\x1f"   # stands for text not known yet when probing how the template renders history
+#: stands for text not known yet when probing how the template renders history (not whitespace,
+#: which templates trim away)
+_PLACEHOLDER = "PLACEHOLDER"
 
 #: Why a turn ended: end-of-generation token, a stop string, the n_predict limit, a full context,
 #: Ctrl-C / the iterator closed, an exception.
@@ -458,8 +460,8 @@ class ChatSession:
             if stream is not None:
                 stream.close()   # type: ignore[attr-defined]
             stats.generated_tokens = len(answer)
-            # a context shift's re-evaluation counts as prefill, not generation
-            stats.generate_seconds = decoding.generate_seconds - (stats.prefill_seconds - prefill_before)
+            if generating:   # a context shift's re-evaluation counts as prefill, not generation
+                stats.generate_seconds = decoding.generate_seconds - (stats.prefill_seconds - prefill_before)
             stats.stop_reason = reason or "error"
             if generating and (answer or reason not in ("interrupted", "error")):
                 stopper.push(decoder.flush())

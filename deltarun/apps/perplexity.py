@@ -35,7 +35,6 @@ import numpy as np
 
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.files import temporary_beside
-from deltarun.runner.errors import DeltarunError
 from deltarun.runner.sampling import log_softmax
 
 FORMAT_VERSION = 1

@@ -17,6 +17,7 @@ import click
 
 from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
                                   sampling_params)
+from deltarun.cli.text_io import silence_stdout
 from deltarun.runner.errors import ContextFullError, DeltarunError
 
 HELP = """\
@@ -317,7 +318,7 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
                     if not ui.handle(raw.rstrip("\r\n")):
                         break
         except BrokenPipeError:
-            _silence_stdout()
+            silence_stdout()
             raise SystemExit(0)
         except KeyboardInterrupt:   # while reading input
             click.echo("", err=True)
@@ -330,11 +331,3 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
             _err(f"chat: {tot.turns} turns; prompt {tot.prefill_tokens} tokens ({_tps(tot.prefill_tokens, tot.prefill_seconds)}), "
                  f"generated {tot.generated_tokens} tokens ({_tps(tot.generated_tokens, tot.generate_seconds)})"
                  + ("" if params.greedy else f"; seed {params.seed}"))
-
-
-def _silence_stdout() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass

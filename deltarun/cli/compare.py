@@ -4,7 +4,7 @@ The rules, the per-op limits and the JSON schema are documented in `deltarun.app
 Exit status: 0 when everything is within its limits, 8 (`LIMITS_EXCEEDED`) when a limit is
 exceeded or a NaN appears, and the usual error codes when the comparison could not run. With
 --against the nodes exceed their limits by design (the weights differ): the report is the result
-and the status is 0.
+and the status is 0 unless the logits hold a NaN.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     inputs' errors. Then logits NMSE, top-1 agreement, KL divergence and the greedy continuations.
 
     Exit status: 0 within every limit; 8 when a limit is exceeded (or a NaN appears); with
-    --against 0, since two weight files exceed the node limits by design and the logits metrics
-    are the result; 1-7 when the comparison could not run (a bad file 2, a backend 5, ...).
+    --against 0 unless the logits hold a NaN, since two weight files exceed the node limits by
+    design and the logits metrics are the result; 1-7 when the comparison could not run (a bad
+    file 2, a backend 5, ...).
     """
     from deltarun.apps import compare as cmp
 
@@ -133,7 +134,7 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     click.echo(cmp.to_json(report) if as_json else cmp.to_text(report, show=show), nl=False)
     sys.stdout.flush()
     if not report["passed"]:
-        if against is not None:
+        if against is not None and report["logits"]["status"] != "nan":    # NaN logits are never expected
             if not quiet:
                 click.echo("compare: the two weight files exceed the node limits, as different weights do; "
                            "the logits metrics above are what the change costs", err=True)

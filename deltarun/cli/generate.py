@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import click
 
 from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
                                   sampling_params)
+from deltarun.cli.text_io import read_text_file, silence_stdout
 from deltarun.runner.errors import DeltarunError
 
 
@@ -18,13 +17,7 @@ def _read_prompt(prompt: str | None, file: Path | None) -> str:
     if prompt is not None and file is not None:
         raise click.UsageError("give the prompt with -p or with -f, not both")
     if file is not None:
-        try:
-            prompt = file.read_text(encoding="utf-8")
-        except OSError as e:
-            raise click.BadParameter(f"cannot read {file}: {e.strerror or e}", param_hint="'-f' / '--file'")
-        except UnicodeDecodeError as e:
-            raise click.BadParameter(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})",
-                                     param_hint="'-f' / '--file'")
+        prompt = read_text_file(file)
     if prompt is None:
         raise click.UsageError("no prompt: give one with -p TEXT or -f FILE")
     if prompt == "":
@@ -96,7 +89,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
             stats.stop_reason = "interrupted"
             click.echo(decoder.flush())
         except BrokenPipeError:  # e.g. `| head`: the reader is gone, stop quietly
-            _silence_stdout()
+            silence_stdout()
             raise SystemExit(0)
 
         err = dict(err=True)
@@ -128,15 +121,6 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                            f"{' (same tokens)' if same else ' (tokens differ: sampled output)'}", **err)
     if interrupted:
         raise SystemExit(130)
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # not a real file (e.g. under a test runner)
-        pass
 
 
 def _stop_text(reason: str) -> str:

@@ -22,7 +22,7 @@ from deltarun.runner.errors import DeltarunError
                    "bench-vocab151k (bench with the real 151,936-token Qwen2 vocabulary); "
                    "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--seed", "-s", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
     """Write a synthetic Qwen3-Next model to OUT.gguf.
 

@@ -11,17 +11,8 @@ from typing import Any
 import click
 
 from deltarun.cli.options import model_argument, model_options, open_model
+from deltarun.cli.text_io import read_text_file
 from deltarun.runner.errors import DeltarunError
-
-
-def _read_text(file: Path) -> str:
-    try:
-        return file.read_text(encoding="utf-8")
-    except OSError as e:
-        raise click.BadParameter(f"cannot read {file}: {e.strerror or e}", param_hint="'-f' / '--file'")
-    except UnicodeDecodeError as e:
-        raise click.BadParameter(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})",
-                                 param_hint="'-f' / '--file'")
 
 
 def _fmt(x: float, digits: int = 4) -> str:
@@ -51,7 +42,7 @@ def perplexity(model: Path, file: Path | None, chunks: int | None, kl_base: Path
 
     if file is None and (kl_base is None or not kl_base.exists()):
         raise click.UsageError("give the text with -f FILE (or an existing --kl-base file to reuse its tokens)")
-    text = _read_text(file) if file is not None else None
+    text = read_text_file(file) if file is not None else None
     if text is None:  # the windows come from the base: open the model with their size
         from deltarun.apps.perplexity import KLBaseReader
 
