@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from deltarun.apps.bench import BenchConfig, backend_label, iter_bench
+    from deltarun.apps.bench import BenchConfig, iter_bench
 
     model = args.model
     if model is None:
@@ -217,7 +217,7 @@ def main() -> None:
                 popts["rpc"] = ",".join(p.endpoint for p in proxies)
             tr = traffic(model, args.threads, popts, proxies)
             row = {"config": label, "placement": backend_label_from(model, args.threads, opts),
-                   "pp_tps": res["pp"].avg_tps, "pp_sd": res["pp"].stdev_tps if hasattr(res["pp"], "stdev_tps") else None,
+                   "pp_tps": res["pp"].avg_tps, "pp_sd": res["pp"].stddev_tps, "tg_sd": res["tg"].stddev_tps,
                    "tg_tps": res["tg"].avg_tps, **tr}
             if tr["tg_bytes"]:
                 link = row["tg_bytes"] * 8 / LINK_BPS

@@ -175,6 +175,17 @@ def test_remote_state_rolls_back(servers, model8):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_two_models_share_a_server(servers, model8, cpu_run):
+    """A second Model in the same process (a draft model) shares ggml's connection to the server."""
+    from deltarun.runner.model import Model
+
+    with Model(model8, n_ctx=64, n_threads=1, backend=f"rpc:{servers[0]}") as first:
+        with Model(model8, n_ctx=64, n_threads=1, backend=f"rpc:{servers[0]}") as second:
+            a = second.eval(PROMPT)
+        b = first.eval(PROMPT)
+    assert _nmse(cpu_run[0][-1], a) <= MATMUL_LIMIT and _nmse(cpu_run[0][-1], b) <= MATMUL_LIMIT
+
+
 def test_cli_generate_and_devices(servers, model8):
     """The command-line path: --rpc/--tensor-split on generate, devices --rpc, graph --rpc."""
     base = [sys.executable, "-m", "deltarun"]

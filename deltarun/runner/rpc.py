@@ -218,8 +218,13 @@ def add_servers(endpoints: Iterable[str]) -> list[str]:
         return []
     require()
     install_abort_hook()
+    connected = {e for _, e in _rpc_sockets()} if _REGISTERED else set()
     for ep in eps:
-        probe(ep)            # every time: a registered server may have gone since
+        if ep not in connected:
+            # every time: a registered server may have gone since. A server this process is
+            # connected to already (another Model, e.g. a draft) is not probed: it serves one
+            # client at a time, and ggml shares its one connection per endpoint in a process.
+            probe(ep)
         if ep in _REGISTERED:
             continue
         reg = ggml.ggml_backend_rpc_add_server(ep.encode())
