@@ -186,6 +186,26 @@ def test_two_models_share_a_server(servers, model8, cpu_run):
     assert _nmse(cpu_run[0][-1], a) <= MATMUL_LIMIT and _nmse(cpu_run[0][-1], b) <= MATMUL_LIMIT
 
 
+def test_ggml_sockets_get_keepalive_and_user_timeout(servers, model8):
+    """A vanished server machine must fail ggml's blocked receive within ~25 s, not never."""
+    from deltarun.runner.model import Model
+
+    with Model(model8, n_ctx=64, n_threads=1, rpc=",".join(servers), tensor_split="1,1,0"):
+        found = rpc._rpc_sockets()
+        assert {ep for _, ep in found} == set(servers)
+        for fd, _ in found:
+            s = socket.socket(fileno=os.dup(fd))
+            try:
+                assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpc.USER_TIMEOUT_MS
+                idle = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+                intvl = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+                cnt = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+                assert idle + intvl * cnt <= LOST_DEADLINE_S
+            finally:
+                s.close()
+
+
 def test_cli_generate_and_devices(servers, model8):
     """The command-line path: --rpc/--tensor-split on generate, devices --rpc, graph --rpc."""
     base = [sys.executable, "-m", "deltarun"]
