@@ -14,8 +14,10 @@ Starts two `deltarun rpc-server` processes on 127.0.0.1 and measures, with delta
 
 Then the traffic: each configuration again through counting TCP proxies in front of the servers
 (byte counts and messages in each direction, parsed from ggml-rpc's framing: requests
-| cmd u8 | size u64 | payload |, answers | size u64 | data |), over a 16-token prompt and then
-64 decoded tokens; reported per decoded token and per prompt token. Every answer is a round trip
+| cmd u8 | size u64 | payload |, answers | size u64 | data |), over a 16-token prompt, one decode
+step (its graph replaces the prompt's, so each server receives the whole graph again: reported as
+graph_switch_bytes) and then 64 decoded tokens (each server re-runs the graph it has,
+GRAPH_RECOMPUTE); reported per decoded token and per prompt token. Every answer is a round trip
 the client waits for. From that, what a 1 Gbit/s link would allow: the bandwidth ceiling
 (1e9 / 8 / bytes per token) and tg estimated as 1 / (loopback time per token + bytes x 8 / 1e9 +
 round trips x RTT) for a LAN round-trip time of 0.2 ms.
@@ -137,7 +139,8 @@ def start_server(threads: int) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(port), "--threads",
-                             str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: __import__("ctypes").CDLL(None).prctl(1, 15))  # die with us
     ep = f"127.0.0.1:{port}"
     for _ in range(150):
         try:
@@ -166,13 +169,16 @@ def traffic(model: Path, threads: int, opts: dict, proxies: list[Proxy], n_promp
         t0 = total()
         logits = m.eval(toks)
         t1 = total()
+        logits = m.eval([int(np.argmax(logits))])      # the decode graph replaces the prompt's
+        t2 = total()
         for _ in range(n_decode):
             logits = m.eval([int(np.argmax(logits))])
-        t2 = total()
-    pp, tg = (t1 - t0) / n_prompt, (t2 - t1) / n_decode
-    return {"prompt_up_bytes": pp[0], "prompt_down_bytes": pp[2],
-            "tg_up_bytes": tg[0], "tg_down_bytes": tg[2], "tg_bytes": tg[0] + tg[2],
-            "tg_requests": tg[1], "tg_answers": tg[3]}
+        t3 = total()
+    pp, first, tg = (t1 - t0) / n_prompt, t2 - t1, (t3 - t2) / n_decode
+    return {"prompt_up_bytes": float(pp[0]), "prompt_down_bytes": float(pp[2]),
+            "graph_switch_bytes": float(first[0] + first[2] - (tg[0] + tg[2])),
+            "tg_up_bytes": float(tg[0]), "tg_down_bytes": float(tg[2]), "tg_bytes": float(tg[0] + tg[2]),
+            "tg_requests": float(tg[1]), "tg_answers": float(tg[3])}
 
 
 def main() -> None:
@@ -244,16 +250,19 @@ def backend_label_from(model: Path, threads: int, opts: dict) -> str:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n| config | placement | pp{args.p} t/s | tg{args.n} t/s | bytes/decoded token (up + down) | "
-          f"answers/token | bytes/prompt token | 1 Gbit/s ceiling t/s | est. tg at 1 Gbit/s, 0.2 ms RTT |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"answers/token | bytes/prompt token | graph resend bytes | 1 Gbit/s ceiling t/s | "
+          f"est. tg at 1 Gbit/s, 0.2 ms RTT |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         if r["tg_bytes"]:
             extra = (f"{r['tg_up_bytes']:,.0f} + {r['tg_down_bytes']:,.0f} | {r['tg_answers']:.1f} | "
-                     f"{r['prompt_up_bytes'] + r['prompt_down_bytes']:,.0f} | {r['link_ceiling_tps']:,.0f} | "
+                     f"{r['prompt_up_bytes'] + r['prompt_down_bytes']:,.0f} | {r['graph_switch_bytes']:,.0f} | "
+                     f"{r['link_ceiling_tps']:,.0f} | "
                      f"{r['est_1gbit_tg_tps']:.1f}")
         else:
-            extra = "- | - | - | - | -"
-        print(f"| {r['config']} | {r['placement']} | {r['pp_tps']:.1f} | {r['tg_tps']:.1f} | {extra} |")
+            extra = "- | - | - | - | - | -"
+        print(f"| {r['config']} | {r['placement']} | {r['pp_tps']:.1f} ± {r['pp_sd']:.1f} | "
+              f"{r['tg_tps']:.1f} ± {r['tg_sd']:.1f} | {extra} |")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,13 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
+def _die_with_parent() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGTERM): a server never outlives a test process that died."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
 class Server:
     """A `deltarun rpc-server` subprocess on 127.0.0.1."""
 
@@ -54,7 +61,7 @@ class Server:
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(self.port),
                                       "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=_env())
+                                     env=_env(), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:

@@ -160,6 +160,11 @@ class _Builder:
         c, ub = self.ctx, self.ub
         residual = x
         cur = self.rms_norm(x, self.w[f"blk.{il}.attn_norm.weight"], "attn_norm", il)
+        # Emit the previous layer and this norm before the state reads below, so the graph runs
+        # layer by layer: ggml's scheduler then puts this layer's state gather on this layer's
+        # device, not the previous one's (a layer split over devices or RPC servers would copy
+        # the whole state across and back on every ubatch).
+        self.expand(cur)
         if il < self.hp.n_layer and self.hp.recurrent[il]:
             cur = self.linear_attention(cur, il)
         else:
