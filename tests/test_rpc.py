@@ -46,6 +46,13 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
+def _die_with_parent() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGTERM): a server never outlives a test process that died."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
 class Server:
     """A `deltarun rpc-server` subprocess on 127.0.0.1."""
 
@@ -54,7 +61,7 @@ class Server:
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(self.port),
                                       "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=_env())
+                                     env=_env(), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
@@ -173,6 +180,37 @@ def test_remote_state_rolls_back(servers, model8):
         assert _nmse(a, b) <= MATMUL_LIMIT
     for a, b in zip(ref_states, states):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_two_models_share_a_server(servers, model8, cpu_run):
+    """A second Model in the same process (a draft model) shares ggml's connection to the server."""
+    from deltarun.runner.model import Model
+
+    with Model(model8, n_ctx=64, n_threads=1, backend=f"rpc:{servers[0]}") as first:
+        with Model(model8, n_ctx=64, n_threads=1, backend=f"rpc:{servers[0]}") as second:
+            a = second.eval(PROMPT)
+        b = first.eval(PROMPT)
+    assert _nmse(cpu_run[0][-1], a) <= MATMUL_LIMIT and _nmse(cpu_run[0][-1], b) <= MATMUL_LIMIT
+
+
+def test_ggml_sockets_get_keepalive_and_user_timeout(servers, model8):
+    """A vanished server machine must fail ggml's blocked receive within ~25 s, not never."""
+    from deltarun.runner.model import Model
+
+    with Model(model8, n_ctx=64, n_threads=1, rpc=",".join(servers), tensor_split="1,1,0"):
+        found = rpc._rpc_sockets()
+        assert {ep for _, ep in found} == set(servers)
+        for fd, _ in found:
+            s = socket.socket(fileno=os.dup(fd))
+            try:
+                assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpc.USER_TIMEOUT_MS
+                idle = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+                intvl = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+                cnt = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+                assert idle + intvl * cnt <= LOST_DEADLINE_S
+            finally:
+                s.close()
 
 
 def test_cli_generate_and_devices(servers, model8):

@@ -6,8 +6,13 @@ gives each device's share of the layers in that order (missing entries are 0); w
 shares are the devices' free memory. As in llama.cpp, the repeating layers and the output layer
 are n_layer + 1 slots cut in order by the cumulative shares: layer il goes to the first device
 whose cumulative share exceeds il / (n_layer + 1), and the output layer (final norm, LM head, MTP
-blocks) to the device of the last slot. The token embeddings stay on the local CPU (a row lookup),
-except when the LM head shares them (tied embeddings): then they go with the output layer.
+blocks) to the device of the last slot. The token embeddings go with the first layer when that is
+on an RPC server (llama.cpp keeps them on the CPU): then 4 bytes of token id cross the network per
+token instead of a row of n_embd floats, and the first layer's graph split starts at the lookup, so
+the server sees one split per graph and ggml-rpc's GRAPH_RECOMPUTE can reuse the graph it has
+(it remembers one graph per device; a second split on the same device makes it resend the whole
+graph, ~250 KiB for the bench model, on every token). Otherwise they stay on the local CPU. With
+tied embeddings (the LM head shares them) they go with the output layer.
 
 Each layer's weights, KV cache and recurrent state live on its device (Weights and Memory place
 them through `layer` / `for_tensor`, the same interface as `backend.Placement`), and
@@ -117,7 +122,10 @@ class LayerSplit:
         if m:
             return self.layer(int(m.group(1)))
         if name.startswith("token_embd."):
-            return self.output if tied_output else self.cpu
+            if tied_output:
+                return self.output
+            first = self.layer(0)
+            return first if first.kind == "rpc" else self.cpu
         return self.output
 
     def layers_on(self, i: int) -> list[int]:

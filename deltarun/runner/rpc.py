@@ -218,8 +218,13 @@ def add_servers(endpoints: Iterable[str]) -> list[str]:
         return []
     require()
     install_abort_hook()
+    connected = {e for _, e in _rpc_sockets()} if _REGISTERED else set()
     for ep in eps:
-        probe(ep)            # every time: a registered server may have gone since
+        if ep not in connected:
+            # every time: a registered server may have gone since. A server this process is
+            # connected to already (another Model, e.g. a draft) is not probed: it serves one
+            # client at a time, and ggml shares its one connection per endpoint in a process.
+            probe(ep)
         if ep in _REGISTERED:
             continue
         reg = ggml.ggml_backend_rpc_add_server(ep.encode())
@@ -255,6 +260,19 @@ def _resolved(endpoint: str) -> set[tuple[str, int]]:
 _KNOWN: dict[int, str] = {}     # fd -> endpoint of the sockets harden_sockets found
 
 
+def _socket_of(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of `fd` (closing it leaves `fd` open); None if not a socket."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
 def _rpc_sockets() -> list[tuple[int, str]]:
     """(fd, endpoint) of this process's TCP sockets connected to a registered RPC server."""
     peers: dict[tuple[str, int], str] = {}
@@ -267,9 +285,8 @@ def _rpc_sockets() -> list[tuple[int, str]]:
     except OSError:   # pragma: no cover - not Linux
         return out
     for fd in fds:
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        s = _socket_of(fd)
+        if s is None:
             continue
         try:
             if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
@@ -293,7 +310,9 @@ def harden_sockets() -> int:
     _KNOWN.clear()
     _KNOWN.update(found)
     for fd, _ in found:
-        s = socket.socket(fileno=os.dup(fd))
+        s = _socket_of(fd)
+        if s is None:
+            continue
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             for opt, val in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
@@ -311,9 +330,8 @@ def lost_endpoints() -> list[str]:
     """Registered endpoints whose connection is broken (EOF or a socket error), else unreachable."""
     lost: list[str] = []
     for fd, ep in {**_KNOWN, **dict(_rpc_sockets())}.items():
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        s = _socket_of(fd)
+        if s is None:
             continue
         try:
             s.setblocking(False)
