@@ -303,6 +303,32 @@ def test_eight_concurrent_streams(client, server):
         assert alone.choices[0].message.content == text
 
 
+def test_running_sequences_stay_in_one_ubatch(model_path):
+    """A stream that ends in the middle leaves a hole; the last one moves into it and the rest
+    keep decoding in one ubatch, with the same greedy tokens as alone."""
+    with _server(model_path, parallel=3) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = dict(max_tokens=40, ignore_eos=True, stream=True)
+        streams = []
+        for i in range(3):
+            streams.append(_ask(c, [{"role": "user", "content": f"stream {i} here"}], **kw))
+            next(iter(streams[-1]))
+        h.worker.trace = trace = []
+        streams[1].close()                                  # the middle one goes away
+        texts = {i: "".join(ch.choices[0].delta.content or "" for ch in streams[i] if ch.choices) for i in (0, 2)}
+        h.worker.trace = None
+        alone = {i: _ask(c, [{"role": "user", "content": f"stream {i} here"}], max_tokens=40,
+                         ignore_eos=True) for i in (0, 2)}
+    moves = [t for t in trace if t[0] == "move"]
+    assert moves, trace
+    after = trace[trace.index(moves[0]) + 1:]
+    decodes = [t[1] for t in after if t[0] == "decode"]
+    sizes = [len(ids) for ids in decodes]
+    assert sizes[0] == 2 and sizes == sorted(sizes, reverse=True)   # together in one ubatch until one ends
+    for i in (0, 2):
+        assert texts[i] and texts[i] in alone[i].choices[0].message.content
+
+
 def test_disconnect_frees_the_slot(model_path):
     with _server(model_path, parallel=1) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -372,6 +398,15 @@ def test_long_prompt_prefills_in_chunks_between_decode_steps(model_path):
     between = trace[first:last + 1]
     # prefill, decode, prefill, decode, ...: the other stream never waits for more than one chunk
     assert all(a[0] != b[0] for a, b in zip(between, between[1:]))
+
+
+def test_cli_bad_model_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    proc = subprocess.run([sys.executable, "-m", "deltarun", "serve", str(bad), "--port", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_health_is_503_while_loading(model_path):

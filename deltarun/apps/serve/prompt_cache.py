@@ -193,6 +193,24 @@ class PromptCache:
         info.answer_start = min(answer_start, self.model.n_past(cell))
         info.last_used = time.monotonic()
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the contents of cells a and b (KV rows, recurrent state, tokens, checkpoints).
+
+        The worker keeps running sequences in consecutive cells this way, so that one ubatch decodes
+        all of them; rollback slots do not survive the move (nothing needs them between requests).
+        """
+        m = self.model
+        ta, tb = m.tokens(a), m.tokens(b)
+        kva, kvb = read_kv(m, a, len(ta)), read_kv(m, b, len(tb))
+        ra, rb = read_recurrent(m, a), read_recurrent(m, b)
+        write_kv(m, a, kvb)
+        write_recurrent(m, a, rb)
+        set_tokens(m, a, tb)
+        write_kv(m, b, kva)
+        write_recurrent(m, b, ra)
+        set_tokens(m, b, ta)
+        self.cells[a], self.cells[b] = self.cells[b], self.cells[a]
+
     # --- host RAM ------------------------------------------------------------------------------
     def _evict(self, cell: int, keep_cell: bool = False) -> None:
         """Copy the conversation in `cell` to host RAM (when the budget allows it)."""

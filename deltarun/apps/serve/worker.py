@@ -10,9 +10,10 @@ the model. The worker loops over steps; each step
    graph shapes) is adjusted after each chunk so that it takes about STALL_FACTOR decode steps:
    the streams' inter-token latency stays within about (1 + STALL_FACTOR) x what it is without
    the prefill;
-3. decodes one token for every generating job: their last tokens go into one ubatch per run of
-   consecutive cells (`Model.eval_batch` evaluates equal-length token lists of consecutive cells
-   together), then each job samples its next token.
+3. decodes one token for every generating job: their last tokens go into one ubatch
+   (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when a
+   finished job left a hole, the highest running sequence is first moved into it with
+   `PromptCache.swap`), then each job samples its next token.
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
@@ -290,8 +291,27 @@ class Worker:
             self._shared_chunk *= 2
 
     # --- decoding ----------------------------------------------------------------------------------
+    def _compact(self) -> None:
+        """Move running jobs into the lowest cells, so the decoding ones form one run."""
+        n = len(self._active)
+        holes = sorted(set(range(n)) - {j.cell for j in self._active})
+        movers = sorted((j for j in self._active if j.cell >= n), key=lambda j: -j.cell)
+        for job, hole in zip(movers, holes):
+            self.cache.swap(job.cell, hole)
+            job.cell = hole
+            if self.trace is not None:
+                self.trace.append(("move", job.id, hole))
+
     def _decode(self, jobs: list[Job]) -> None:
-        jobs = sorted((j for j in jobs if j.pending is not None), key=lambda j: j.cell)
+        cells = sorted(j.cell for j in jobs if j.pending is not None)
+        if cells and cells[-1] - cells[0] + 1 != len(cells):
+            try:
+                self._compact()
+            except Exception as e:  # noqa: BLE001 - a failed move ends the jobs involved, not the server
+                for j in list(self._active):
+                    self._fail(j, _server_error(e))
+                return
+        jobs = sorted((j for j in jobs if j.pending is not None and j.state == "decode"), key=lambda j: j.cell)
         runs: list[list[Job]] = []
         for j in jobs:
             if runs and runs[-1][-1].cell + 1 == j.cell:
