@@ -566,3 +566,47 @@ def test_tools_render_into_the_prompt(client):
     with_tools = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1, tools=[WEATHER])
     none = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1, tools=[WEATHER], tool_choice="none")
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens == none.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def qwen35_template_model(tmp_path_factory):
+    """The tiny model with a Qwen3.5-style chat template: the generation prompt opens <think>
+    unless thinking is off, and tool calls are written in the XML form."""
+    from deltarun.model_files import generate as gen
+
+    closing = "        {{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}"
+    source = gen.chat_template()
+    assert closing in source
+    source = source.replace(closing, closing.replace("{%- endif %}", "{%- else %}\n        {{- '<think>\\n' }}\n"
+                                                                      "    {%- endif %}"))
+    source += ("{#- tool calls: <tool_call>\\n<function=NAME>\\n<parameter=NAME>\\nVALUE\\n</parameter>\\n"
+               "</function>\\n</tool_call> -#}")
+    path = tmp_path_factory.mktemp("qwen35-template") / "tiny-qwen35-template.gguf"
+    original = gen.chat_template
+    gen.chat_template = lambda: source
+    try:
+        gen.write_model(path, "tiny", "f32")
+    finally:
+        gen.chat_template = original
+    return path
+
+
+def test_reasoning_content_and_xml_tool_calls(qwen35_template_model):
+    with _server(qwen35_template_model, parallel=1) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Think first"}]
+        # the prompt opened <think>: with random weights </think> never comes, so all is reasoning
+        r = _ask(c, msgs, max_tokens=12, ignore_eos=True)
+        assert r.choices[0].message.model_extra["reasoning_content"] and not r.choices[0].message.content
+        chunks = list(_ask(c, msgs, max_tokens=12, ignore_eos=True, stream=True))
+        streamed = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                           for ch in chunks if ch.choices)
+        assert streamed == r.choices[0].message.model_extra["reasoning_content"]
+        off = _ask(c, msgs, max_tokens=12, ignore_eos=True, chat_template_kwargs={"enable_thinking": False})
+        assert off.choices[0].message.content and "reasoning_content" not in (off.choices[0].message.model_extra or {})
+        forced = _ask(c, [{"role": "user", "content": "Weather?"}], max_tokens=400, tools=[WEATHER],
+                      tool_choice="required", chat_template_kwargs={"enable_thinking": False})
+        assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0].message
+        call = forced.choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
