@@ -118,6 +118,18 @@ def test_stream_matches_non_stream_and_ends_with_usage(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens
 
 
+def test_immediate_end_of_generation(client, server):
+    """logit_bias forces <|im_end|> first: an empty answer, still with the role chunk first."""
+    eos = _post(server, "/tokenize", {"content": "<|im_end|>"}).json()["tokens"]
+    assert len(eos) == 1
+    bias = {str(eos[0]): 100}
+    r = _ask(client, [{"role": "user", "content": "say nothing"}], logit_bias=bias)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    assert r.usage.completion_tokens == 0
+    chunks = list(_ask(client, [{"role": "user", "content": "say nothing"}], logit_bias=bias, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_raw_sse_framing(server):
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:

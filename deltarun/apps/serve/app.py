@@ -192,8 +192,7 @@ def create_app(state: ServerState) -> Starlette:
                 if ev.logprobs:
                     choice["logprobs"] = {"content": ev.logprobs}
                 first = False
-                if ev.finish_reason is None or delta or ev.logprobs:
-                    yield {"data": json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk"))}
+                yield {"data": json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk"))}
             if ev.finish_reason is not None:
                 r = ev.result
                 last = _chunk(cid, model, created, {"index": 0, "delta": {}, "logprobs": None,

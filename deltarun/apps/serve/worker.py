@@ -135,7 +135,8 @@ class Worker:
             if self._stopping:
                 raise ApiError("the server is shutting down", status=503, type="unavailable_error",
                                code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
+            free = max(0, self.n_parallel - len(self._active))     # jobs the next step admits at once
+            if len(self._waiting) >= self.max_queue + free:
                 raise ApiError(f"the server is busy: {len(self._active)} requests running and "
                                f"{len(self._waiting)} waiting", status=503, type="unavailable_error",
                                code="queue_full", headers={"Retry-After": "1"})
