@@ -140,8 +140,7 @@ def create_app(state: ServerState) -> Starlette:
         w = state.worker
         if w.ready.is_set() and w.model is not None:
             m = w.model
-            meta = {"n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_embd": m.hp.n_embd, "n_params": None,
-                    "size": m.path.stat().st_size}
+            meta = {"n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_embd": m.hp.n_embd, "size": m.path.stat().st_size}
         return JSONResponse({"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "deltarun",
              "meta": meta}]})
