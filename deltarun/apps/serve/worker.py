@@ -123,6 +123,8 @@ class Worker:
         self._active: list[Job] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
+        #: called at the end of every step (the app delivers the step's events then, in one go)
+        self.after_step: Callable[[], None] | None = None
         #: set to a list to record each step's work: ("prefill", job id, tokens) / ("decode", job ids)
         self.trace: list[tuple[Any, ...]] | None = None
 
@@ -169,8 +171,12 @@ class Worker:
             return
         self.ready.set()
         try:
-            while self._step():
-                pass
+            while True:
+                go_on = self._step()
+                if self.after_step is not None:
+                    self.after_step()
+                if not go_on:
+                    break
         finally:
             self.model.close()
 
