@@ -79,8 +79,8 @@ def _ask(client, messages, **kw):
     return client.chat.completions.create(model="tiny", messages=messages, **kw)
 
 
-def _post(server, path, body, **kw):
-    return httpx.post(server.base_url + path, json=body, timeout=60, **kw)
+def _post(server, path, body, timeout=60, **kw):
+    return httpx.post(server.base_url + path, json=body, timeout=timeout, **kw)
 
 
 def _error(resp, status):
@@ -355,6 +355,14 @@ def test_disconnect_frees_the_slot(model_path):
         generated = h.worker.model.n_past(0)
         assert generated < 300          # cancelled long before its 900 tokens
         assert _ask(c, [{"role": "user", "content": "next"}], max_tokens=2).usage.completion_tokens <= 2
+        # a non-streaming client that gives up is noticed too (the handler polls the connection)
+        with pytest.raises(httpx.ReadTimeout):
+            _post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "wait for me"}],
+                                              "max_tokens": 900, "ignore_eos": True}, timeout=1.5)
+        deadline = time.monotonic() + 20
+        while h.worker.counts[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.worker.counts == (0, 0) and h.worker.model.n_past(0) < 300
 
 
 def test_sigterm_ends_streams_cleanly(model_path, tmp_path):

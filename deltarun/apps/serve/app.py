@@ -140,16 +140,22 @@ class _Relay:
 
     async def events(self, request: Request | None = None) -> AsyncIterator[Event]:
         """Events until the job ends; with `request`, a client disconnect cancels the job."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 if request is None:
                     ev = await self.queue.get()
-                else:
+                else:                # events may keep coming: check the connection every so often
                     try:
                         ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
                     except asyncio.TimeoutError:
+                        ev = None
+                    if loop.time() - checked >= DISCONNECT_POLL_S:
+                        checked = loop.time()
                         if await request.is_disconnected():
                             return
+                    if ev is None:
                         continue
                 yield ev
                 if ev.finish_reason is not None or ev.error is not None:
