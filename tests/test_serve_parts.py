@@ -159,7 +159,11 @@ def test_prompt_cache_lookup_and_budget(model):
     assert back.how == "host" and back.pos == len(prompt)
     cache.apply(back, 1)
     assert model.tokens(1) == prompt and not cache.host
-    # a budget smaller than one entry keeps nothing in host RAM
+    # a budget smaller than one entry keeps nothing in host RAM, and only two checkpoints per cell
     small = PromptCache(model, 3, budget_bytes=1)
     small.apply(small.lookup([1, 2, 3], [1]), 1)
-    assert not small.host and small.nbytes() <= 1
+    assert not small.host
+    for n in range(4):
+        model.eval([5 + n], seq=2)
+        small.checkpoint(2)
+    assert sorted(small.cells[2].checkpoints) == [model.n_past(2) - 1, model.n_past(2)]

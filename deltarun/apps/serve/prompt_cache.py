@@ -85,6 +85,7 @@ class Resume:
     logits: np.ndarray | None = None
 
 
+KEEP_PER_CELL = 2
 _PREFERENCE = {"live": 4, "rollback": 3, "checkpoint": 2, "host": 1, "fresh": 0}
 
 
@@ -249,16 +250,17 @@ class PromptCache:
         return total + sum(seen.values())
 
     def _enforce_budget(self, protect: int | None = None) -> None:
-        """Drop least recently used host entries, then the oldest checkpoints of other cells."""
+        """Drop least recently used host entries, then the oldest checkpoints of the least recently
+        used cells. The two newest checkpoints of every cell stay whatever the budget: usually the
+        start of the last answer and the end of the last prompt, which the next turn and a
+        regeneration resume from."""
         while self.nbytes() > self.budget and self.host:
             self.host.remove(min(self.host, key=lambda e: e.last_used))
         if self.nbytes() <= self.budget:
             return
         for c in sorted(range(len(self.cells)), key=lambda c: (c == protect, self.cells[c].last_used)):
             cps = self.cells[c].checkpoints
-            for pos in sorted(cps):
+            for pos in sorted(cps)[:-KEEP_PER_CELL]:
                 if self.nbytes() <= self.budget:
                     return
-                if c == protect and pos == max(cps):
-                    break
                 del cps[pos]
