@@ -33,7 +33,8 @@ RS_SLOTS = 4
 
 def _server(path, parallel: int = 4, **settings) -> ServeHandle:
     ctx = settings.pop("n_ctx", N_CTX)
-    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS,
+    rs = max(RS_SLOTS, settings.get("draft_max", 0) + 1)
+    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=rs,
                                        n_threads=1),
                        ServeSettings(parallel=parallel, **settings))
 
@@ -339,6 +340,27 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
     assert sizes[0] == 2 and sizes == sorted(sizes, reverse=True)   # together in one ubatch until one ends
     for i in (0, 2):
         assert texts[i] and texts[i] in alone[i].choices[0].message.content
+
+
+def test_ngram_drafts_keep_greedy_output(tiny_model_path):
+    """--draft ngram on a model that repeats its input: drafts get accepted, the text is unchanged."""
+    echo = tiny_model_path("tiny-echo", "f32")
+    msgs = [{"role": "user", "content": "one two three four five six seven eight one two three four five"}]
+    with _server(echo, parallel=2) as plain:
+        c = openai.OpenAI(base_url=plain.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        want = _ask(c, msgs, max_tokens=40)
+    with _server(echo, parallel=2, draft="ngram", draft_max=3) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        h.worker.trace = trace = []
+        got = _ask(c, msgs, max_tokens=40)
+        h.worker.trace = None
+        sampled = _ask(c, msgs, max_tokens=30, temperature=0.8, seed=9)     # sampled drafts: min(1, p/q)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    verify = [t for t in trace if t[0] == "verify"]
+    assert verify and sum(t[3] for t in verify) > 0          # some drafts were accepted
+    assert len(verify) < got.usage.completion_tokens          # fewer target steps than tokens
+    assert 0 < sampled.usage.completion_tokens <= 30
 
 
 def test_disconnect_frees_the_slot(model_path):
