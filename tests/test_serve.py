@@ -263,9 +263,9 @@ def test_error_api_key(model_path):
 
 
 def test_error_queue_full(model_path):
-    with _server(model_path, parallel=1, max_queue=1) as h:
+    with _server(model_path, parallel=1, max_queue=1, n_ctx=8192) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        long = dict(max_tokens=400, ignore_eos=True, stream=True)
+        long = dict(max_tokens=8000, ignore_eos=True, stream=True)      # still running when the others come
         first = _ask(c, [{"role": "user", "content": "one"}], **long)
         next(iter(first))                                      # running: the slot is taken
         second = _ask(c, [{"role": "user", "content": "two"}], **long)   # waits in the queue
@@ -321,7 +321,7 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
     keep decoding in one ubatch, with the same greedy tokens as alone."""
     with _server(model_path, parallel=3) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        kw = dict(max_tokens=40, ignore_eos=True, stream=True)
+        kw = dict(max_tokens=300, ignore_eos=True, stream=True)
         streams = []
         for i in range(3):
             streams.append(_ask(c, [{"role": "user", "content": f"stream {i} here"}], **kw))
@@ -330,7 +330,7 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
         streams[1].close()                                  # the middle one goes away
         texts = {i: "".join(ch.choices[0].delta.content or "" for ch in streams[i] if ch.choices) for i in (0, 2)}
         h.worker.trace = None
-        alone = {i: _ask(c, [{"role": "user", "content": f"stream {i} here"}], max_tokens=40,
+        alone = {i: _ask(c, [{"role": "user", "content": f"stream {i} here"}], max_tokens=300,
                          ignore_eos=True) for i in (0, 2)}
     moves = [t for t in trace if t[0] == "move"]
     assert moves, trace
@@ -364,9 +364,10 @@ def test_ngram_drafts_keep_greedy_output(tiny_model_path):
 
 
 def test_disconnect_frees_the_slot(model_path):
-    with _server(model_path, parallel=1) as h:
+    LONG = 8192      # more tokens than a disconnect takes to notice, on any machine
+    with _server(model_path, parallel=1, n_ctx=LONG) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-        stream = _ask(c, [{"role": "user", "content": "go on forever"}], max_tokens=900, ignore_eos=True, stream=True)
+        stream = _ask(c, [{"role": "user", "content": "go on forever"}], max_tokens=LONG - 100, ignore_eos=True, stream=True)
         it = iter(stream)
         next(it), next(it)
         stream.close()
@@ -375,16 +376,16 @@ def test_disconnect_frees_the_slot(model_path):
             time.sleep(0.05)
         assert h.worker.counts == (0, 0)
         generated = h.worker.model.n_past(0)
-        assert generated < 300          # cancelled long before its 900 tokens
+        assert generated < LONG - 100          # cancelled before its tokens were all generated
         assert _ask(c, [{"role": "user", "content": "next"}], max_tokens=2).usage.completion_tokens <= 2
         # a non-streaming client that gives up is noticed too (the handler polls the connection)
         with pytest.raises(httpx.ReadTimeout):
             _post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "wait for me"}],
-                                              "max_tokens": 900, "ignore_eos": True}, timeout=1.5)
+                                              "max_tokens": LONG - 100, "ignore_eos": True}, timeout=1.5)
         deadline = time.monotonic() + 20
         while h.worker.counts[0] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert h.worker.counts == (0, 0) and h.worker.model.n_past(0) < 300
+        assert h.worker.counts == (0, 0) and h.worker.model.n_past(0) < LONG - 100
 
 
 def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
