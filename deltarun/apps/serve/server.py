@@ -6,7 +6,9 @@
 
 `serve_forever` is what the CLI runs: uvicorn in the main thread, where SIGTERM/SIGINT first make
 the worker end every stream (a final chunk with finish_reason, then `data: [DONE]`) and refuse
-queued requests, then let uvicorn close the connections.
+queued requests, then let uvicorn close the connections. The model loads while the server already
+answers (`/health` is 503 until it is ready); a model that fails to load stops the server and
+its error is raised.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class ServeSettings:
     checkpoint_every: int = 1024
     max_body_mib: int = 8
     model_name: str = "deltarun"
+    draft: str | None = None          # "ngram": prompt-lookup drafts for a lone decoding sequence
+    draft_max: int = 8
 
 
 def _eog_ids(model: Any) -> list[int]:
@@ -49,7 +53,8 @@ def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerS
     """The Starlette app and its state (the worker is not started yet)."""
     worker = Worker(open_model, s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
                     chunk=s.chunk, checkpoint_every=s.checkpoint_every, metrics=Metrics(),
-                    grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)))
+                    grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)),
+                    draft=s.draft, draft_max=s.draft_max)
 
     def make_builder(w: Worker) -> PromptBuilder:
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
@@ -79,14 +84,24 @@ def _config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
 def serve_forever(open_model: Callable[[], Any], s: ServeSettings, host: str, port: int,
                   log_level: str = "warning", on_ready: Callable[[], None] | None = None) -> None:
     app, state = build(open_model, s)
-    state.worker.start()
-    server = _Server(_config(app, host, port, log_level), state.worker)
-    if on_ready is not None:
-        threading.Thread(target=lambda: (state.worker.ready.wait(), on_ready()), daemon=True).start()
+    worker = state.worker
+    worker.start()
+    server = _Server(_config(app, host, port, log_level), worker)
+
+    def watch() -> None:            # a model that fails to load stops the server with its error
+        worker.ready.wait()
+        if worker.load_error is not None:
+            server.should_exit = True
+        elif on_ready is not None:
+            on_ready()
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
         server.run()
     finally:
-        state.worker.shutdown(wait=30)
+        worker.shutdown(wait=30)
+    if worker.load_error is not None:
+        raise worker.load_error
 
 
 def free_port(host: str = "127.0.0.1") -> int:

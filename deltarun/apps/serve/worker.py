@@ -10,9 +10,10 @@ the model. The worker loops over steps; each step
    graph shapes) is adjusted after each chunk so that it takes about STALL_FACTOR decode steps:
    the streams' inter-token latency stays within about (1 + STALL_FACTOR) x what it is without
    the prefill;
-3. decodes one token for every generating job: their last tokens go into one ubatch per run of
-   consecutive cells (`Model.eval_batch` evaluates equal-length token lists of consecutive cells
-   together), then each job samples its next token.
+3. decodes one token for every generating job: their last tokens go into one ubatch
+   (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when a
+   finished job left a hole, the highest running sequence is first moved into it with
+   `PromptCache.swap`), then each job samples its next token.
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import threading
 import time
@@ -102,7 +104,8 @@ class Job:
 class Worker:
     def __init__(self, open_model: Callable[[], Any], n_parallel: int, *, max_queue: int = 64,
                  cache_bytes: int = 2 << 30, chunk: int = 512, checkpoint_every: int = 1024,
-                 metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None):
+                 metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None,
+                 draft: str | None = None, draft_max: int = 8):
         self._open_model = open_model
         self.n_parallel = n_parallel
         self.max_queue = max_queue
@@ -113,6 +116,13 @@ class Worker:
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
         self._grammar_factory = grammar_factory
+        if draft not in (None, "ngram"):
+            raise ValueError(f"the server drafts with 'ngram' only, not {draft!r}")
+        from deltarun.apps.speculative import NgramDraft
+
+        self.draft = NgramDraft() if draft == "ngram" else None   # stateless: shared by every job
+        self.draft_max = draft_max
+        self.n_drafted = self.n_accepted = 0
         self.grammars: Any = None
         self.model: Any = None
         self.cache: PromptCache | None = None
@@ -124,6 +134,8 @@ class Worker:
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
+        #: called at the end of every step (the app delivers the step's events then, in one go)
+        self.after_step: Callable[[], None] | None = None
         #: set to a list to record each step's work: ("prefill", job id, tokens) / ("decode", job ids)
         self.trace: list[tuple[Any, ...]] | None = None
 
@@ -136,7 +148,8 @@ class Worker:
             if self._stopping:
                 raise ApiError("the server is shutting down", status=503, type="unavailable_error",
                                code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
+            free = max(0, self.n_parallel - len(self._active))     # jobs the next step admits at once
+            if len(self._waiting) >= self.max_queue + free:
                 raise ApiError(f"the server is busy: {len(self._active)} requests running and "
                                f"{len(self._waiting)} waiting", status=503, type="unavailable_error",
                                code="queue_full", headers={"Retry-After": "1"})
@@ -180,8 +193,12 @@ class Worker:
             return
         self.ready.set()
         try:
-            while self._step():
-                pass
+            while True:
+                go_on = self._step()
+                if self.after_step is not None:
+                    self.after_step()
+                if not go_on:
+                    break
         finally:
             self.model.close()
 
@@ -310,8 +327,30 @@ class Worker:
             self._shared_chunk *= 2
 
     # --- decoding ----------------------------------------------------------------------------------
+    def _compact(self) -> None:
+        """Move running jobs into the lowest cells, so the decoding ones form one run."""
+        n = len(self._active)
+        holes = sorted(set(range(n)) - {j.cell for j in self._active})
+        movers = sorted((j for j in self._active if j.cell >= n), key=lambda j: -j.cell)
+        for job, hole in zip(movers, holes):
+            self.cache.swap(job.cell, hole)
+            job.cell = hole
+            if self.trace is not None:
+                self.trace.append(("move", job.id, hole))
+
     def _decode(self, jobs: list[Job]) -> None:
-        jobs = sorted((j for j in jobs if j.pending is not None), key=lambda j: j.cell)
+        cells = sorted(j.cell for j in jobs if j.pending is not None)
+        if cells and cells[-1] - cells[0] + 1 != len(cells):
+            try:
+                self._compact()
+            except Exception as e:  # noqa: BLE001 - a failed move ends the jobs involved, not the server
+                for j in list(self._active):
+                    self._fail(j, _server_error(e))
+                return
+        jobs = sorted((j for j in jobs if j.pending is not None and j.state == "decode"), key=lambda j: j.cell)
+        if len(jobs) == 1 and self._can_speculate(jobs[0]):
+            self._guard(jobs[0], self._speculate)
+            return
         runs: list[list[Job]] = []
         for j in jobs:
             if runs and runs[-1][-1].cell + 1 == j.cell:
@@ -354,7 +393,7 @@ class Worker:
                 x[self._eog_ids()] = -np.inf
         if job.constraint is not None:
             x = job.constraint.mask(x)
-        t = job.sampler.sample(x, job.history)
+        t = sample_top_k(job.sampler, x, job.history)
         info = None
         if r.logprobs:
             lp = raw.astype(np.float64) - raw.max()
@@ -371,16 +410,20 @@ class Worker:
 
     def _advance(self, job: Job, logits: np.ndarray) -> None:
         """Sample the job's next token, stream it, and decide whether the job goes on."""
-        p, model = job.params, self.model
         if job.cancelled:
             self._release(job)
             return
         token, info = self._pick(job, logits)
+        self._take(job, token, info)
+
+    def _take(self, job: Job, token: int, info: dict[str, Any] | None) -> bool:
+        """Stream one sampled token; True when the job goes on (the token is then `pending`)."""
+        p, model = job.params, self.model
         if job.t_first == 0.0:
             job.t_first = time.perf_counter()
         if model.tokenizer.is_eog(token) and not p.req.ignore_eos:
             self._finish(job, "stop")
-            return
+            return False
         job.generated.append(token)
         job.history.append(token)
         job.counts[token] += 1
@@ -396,8 +439,48 @@ class Worker:
             job.emit(Event(delta=delta, logprobs=[info] if info is not None else None))
         if reason is not None:
             self._finish(job, reason)
-        else:
-            job.pending = token
+            return False
+        job.pending = token
+        return True
+
+    # --- speculative decoding ------------------------------------------------------------------------
+    def _can_speculate(self, job: Job) -> bool:
+        """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
+        r = job.params.req
+        return (self.draft is not None and job.constraint is None and not r.logprobs and not r.logit_bias
+                and not r.presence_penalty and not r.frequency_penalty and not r.ignore_eos)
+
+    def _speculate(self, job: Job) -> None:
+        """One verification ubatch for a lone decoding job: its pending token plus up to draft_max
+        prompt-lookup drafts; the longest agreeing prefix is kept, the rest rolled back (greedy
+        output is the same as without drafts)."""
+        from deltarun.apps.speculative import Draft, _accept
+
+        model = self.model
+        if job.cancelled:
+            self._release(job)
+            return
+        k_max = min(self.draft_max, model.rs_slots - 1)
+        room = model.n_ctx - model.n_past(job.cell) - 1
+        k = max(0, min(k_max, job.params.max_tokens - len(job.generated) - 1, room))
+        proposal = self.draft.propose(job.history, k, job.sampler) if k else Draft([], [])
+        t0 = time.perf_counter()
+        out = model.eval([job.pending] + proposal.tokens, job.cell, all_logits=True)
+        n_ok, nxt = _accept(job.sampler, out, proposal, job.history)
+        if len(proposal.tokens) > n_ok:
+            model.rollback(len(proposal.tokens) - n_ok, job.cell)
+        self.metrics.decode_step(n_ok + 1, time.perf_counter() - t0)
+        self.n_drafted += len(proposal.tokens)
+        self.n_accepted += n_ok
+        if self.trace is not None:
+            self.trace.append(("verify", job.id, len(proposal.tokens), n_ok))
+        job.pending = None
+        kept = proposal.tokens[:n_ok] + [nxt]
+        for i, t in enumerate(kept):
+            if not self._take(job, t, None):
+                return
+            if i < len(kept) - 1:
+                job.pending = None           # a kept draft: already evaluated
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
@@ -411,6 +494,27 @@ class Worker:
                   "text": job.output.text, "tokens": list(job.generated)}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
+
+
+def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int]) -> int:
+    """`sampler.sample`, but with top-k applied first by partition instead of a full sort.
+
+    Sampler.distribution sorts the whole vocabulary (151k entries on Qwen models: about 10 ms per
+    token and sequence); with top-k on, only the k best can be drawn, so the repetition penalty is
+    applied to the full row, the k best are picked with argpartition, and the same sampler (same
+    random generator) draws among them. The distribution is the same; which of several tokens
+    tied at the k-th place is kept may differ.
+    """
+    p = sampler.params
+    k = p.top_k
+    if p.greedy or not 0 < k < logits.shape[0] // 8:
+        return sampler.sample(logits, history)
+    x = sampler.penalized(np.asarray(logits, dtype=np.float32), history)
+    best = np.argpartition(-x, k - 1)[:k]
+    best = best[np.argsort(-x[best], kind="stable")]
+    reduced = Sampler.__new__(Sampler)
+    reduced.params, reduced.rng = dataclasses.replace(p, repeat_penalty=1.0), sampler.rng
+    return int(best[reduced.sample(x[best])])
 
 
 def _server_error(e: Exception) -> ApiError:
