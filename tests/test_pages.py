@@ -105,7 +105,8 @@ def test_graph_page_search_and_click_show_shape(driver, graph_files):
     click_canvas_at(driver, target["id"])
     wait_for(lambda: driver.find_elements("id", "details-name"), what="details after a click")
     assert driver.find_element("id", "details-name").text == "attn_norm-0"
-    assert driver.find_element("id", "canvas").get_attribute("title").startswith("attn_norm-0\nMUL f32")  # hover
+    assert driver.find_element("id", "canvas").get_attribute("title").startswith(
+        f"attn_norm-0\n{target['op']} {target['type']}")  # the hover tooltip
     fields = {r.get_attribute("data-field"): r.find_elements("css selector", "td")[1].text
               for r in driver.find_elements("css selector", "#details-table tr")}
     assert fields["ne"] == "[" + ", ".join(map(str, target["ne"])) + "]"
