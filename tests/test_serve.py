@@ -33,7 +33,8 @@ RS_SLOTS = 4
 
 def _server(path, parallel: int = 4, **settings) -> ServeHandle:
     ctx = settings.pop("n_ctx", N_CTX)
-    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS),
+    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS,
+                                       n_threads=1),
                        ServeSettings(parallel=parallel, **settings))
 
 
@@ -78,8 +79,8 @@ def _ask(client, messages, **kw):
     return client.chat.completions.create(model="tiny", messages=messages, **kw)
 
 
-def _post(server, path, body, **kw):
-    return httpx.post(server.base_url + path, json=body, timeout=60, **kw)
+def _post(server, path, body, timeout=60, **kw):
+    return httpx.post(server.base_url + path, json=body, timeout=timeout, **kw)
 
 
 def _error(resp, status):
@@ -115,6 +116,18 @@ def test_stream_matches_non_stream_and_ends_with_usage(client):
     assert text == whole.choices[0].message.content
     # the same prompt again is served from the prompt-end checkpoint: nothing evaluated
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens
+
+
+def test_immediate_end_of_generation(client, server):
+    """logit_bias forces <|im_end|> first: an empty answer, still with the role chunk first."""
+    eos = _post(server, "/tokenize", {"content": "<|im_end|>"}).json()["tokens"]
+    assert len(eos) == 1
+    bias = {str(eos[0]): 100}
+    r = _ask(client, [{"role": "user", "content": "say nothing"}], logit_bias=bias)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    assert r.usage.completion_tokens == 0
+    chunks = list(_ask(client, [{"role": "user", "content": "say nothing"}], logit_bias=bias, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_raw_sse_framing(server):
@@ -302,6 +315,32 @@ def test_eight_concurrent_streams(client, server):
         assert alone.choices[0].message.content == text
 
 
+def test_running_sequences_stay_in_one_ubatch(model_path):
+    """A stream that ends in the middle leaves a hole; the last one moves into it and the rest
+    keep decoding in one ubatch, with the same greedy tokens as alone."""
+    with _server(model_path, parallel=3) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = dict(max_tokens=40, ignore_eos=True, stream=True)
+        streams = []
+        for i in range(3):
+            streams.append(_ask(c, [{"role": "user", "content": f"stream {i} here"}], **kw))
+            next(iter(streams[-1]))
+        h.worker.trace = trace = []
+        streams[1].close()                                  # the middle one goes away
+        texts = {i: "".join(ch.choices[0].delta.content or "" for ch in streams[i] if ch.choices) for i in (0, 2)}
+        h.worker.trace = None
+        alone = {i: _ask(c, [{"role": "user", "content": f"stream {i} here"}], max_tokens=40,
+                         ignore_eos=True) for i in (0, 2)}
+    moves = [t for t in trace if t[0] == "move"]
+    assert moves, trace
+    after = trace[trace.index(moves[0]) + 1:]
+    decodes = [t[1] for t in after if t[0] == "decode"]
+    sizes = [len(ids) for ids in decodes]
+    assert sizes[0] == 2 and sizes == sorted(sizes, reverse=True)   # together in one ubatch until one ends
+    for i in (0, 2):
+        assert texts[i] and texts[i] in alone[i].choices[0].message.content
+
+
 def test_disconnect_frees_the_slot(model_path):
     with _server(model_path, parallel=1) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -316,13 +355,21 @@ def test_disconnect_frees_the_slot(model_path):
         generated = h.worker.model.n_past(0)
         assert generated < 300          # cancelled long before its 900 tokens
         assert _ask(c, [{"role": "user", "content": "next"}], max_tokens=2).usage.completion_tokens <= 2
+        # a non-streaming client that gives up is noticed too (the handler polls the connection)
+        with pytest.raises(httpx.ReadTimeout):
+            _post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "wait for me"}],
+                                              "max_tokens": 900, "ignore_eos": True}, timeout=1.5)
+        deadline = time.monotonic() + 20
+        while h.worker.counts[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.worker.counts == (0, 0) and h.worker.model.n_past(0) < 300
 
 
 def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port),
-                             "--parallel", "2", "--ctx", "2048"], stderr=subprocess.PIPE, env=env)
+                             "--parallel", "2", "--ctx", "2048", "--threads", "1"], stderr=subprocess.PIPE, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -351,6 +398,62 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_long_prompt_prefills_in_chunks_between_decode_steps(model_path):
+    """While a long prompt is evaluated, a running stream gets a token after every chunk."""
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        stream = iter(_ask(c, [{"role": "user", "content": "keep going"}], max_tokens=900, ignore_eos=True,
+                           stream=True))
+        next(stream), next(stream)
+        h.worker.trace = trace = []
+        long = _ask(c, [{"role": "user", "content": "long " * 400}], max_tokens=1)
+        h.worker.trace = None
+        stream.close()
+    steps = [t for t in trace if t[0] == "prefill"]
+    assert sum(n for _, _, n in steps) == long.usage.prompt_tokens and all(n <= 32 for _, _, n in steps)
+    first = trace.index(steps[0])
+    last = trace.index(steps[-1])
+    between = trace[first:last + 1]
+    # prefill, decode, prefill, decode, ...: the other stream never waits for more than one chunk
+    assert all(a[0] != b[0] for a, b in zip(between, between[1:]))
+
+
+def test_cli_bad_model_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    proc = subprocess.run([sys.executable, "-m", "deltarun", "serve", str(bad), "--port", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_health_is_503_while_loading(model_path):
+    import threading
+
+    gate = threading.Event()
+
+    def slow_open():
+        gate.wait(60)
+        return Model(model_path, n_ctx=256, n_threads=1)
+
+    h = ServeHandle(slow_open, ServeSettings(parallel=1))
+    h.worker.start()
+    h._thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not h.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.get(h.base_url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+        assert _error(_post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}), 503)
+        gate.set()
+        assert h.worker.ready.wait(60)
+        assert httpx.get(h.base_url + "/health").json() == {"status": "ok"}
+    finally:
+        gate.set()
+        h.stop()
 
 
 # --------------------------------------------------------------------------------------------- prompt cache
@@ -444,7 +547,7 @@ def test_json_schema_output_validates(client, temperature):
 
 
 def test_json_object_output_parses(client):
-    r = _ask(client, [{"role": "user", "content": "JSON please"}], max_tokens=300, temperature=0.7, seed=1,
+    r = _ask(client, [{"role": "user", "content": "JSON please"}], max_tokens=120, temperature=0.7, seed=1,
              response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -483,3 +586,47 @@ def test_tools_render_into_the_prompt(client):
     with_tools = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1, tools=[WEATHER])
     none = _ask(client, [{"role": "user", "content": "hi"}], max_tokens=1, tools=[WEATHER], tool_choice="none")
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens == none.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def qwen35_template_model(tmp_path_factory):
+    """The tiny model with a Qwen3.5-style chat template: the generation prompt opens <think>
+    unless thinking is off, and tool calls are written in the XML form."""
+    from deltarun.model_files import generate as gen
+
+    closing = "        {{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}"
+    source = gen.chat_template()
+    assert closing in source
+    source = source.replace(closing, closing.replace("{%- endif %}", "{%- else %}\n        {{- '<think>\\n' }}\n"
+                                                                      "    {%- endif %}"))
+    source += ("{#- tool calls: <tool_call>\\n<function=NAME>\\n<parameter=NAME>\\nVALUE\\n</parameter>\\n"
+               "</function>\\n</tool_call> -#}")
+    path = tmp_path_factory.mktemp("qwen35-template") / "tiny-qwen35-template.gguf"
+    original = gen.chat_template
+    gen.chat_template = lambda: source
+    try:
+        gen.write_model(path, "tiny", "f32")
+    finally:
+        gen.chat_template = original
+    return path
+
+
+def test_reasoning_content_and_xml_tool_calls(qwen35_template_model):
+    with _server(qwen35_template_model, parallel=1) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Think first"}]
+        # the prompt opened <think>: with random weights </think> never comes, so all is reasoning
+        r = _ask(c, msgs, max_tokens=12, ignore_eos=True)
+        assert r.choices[0].message.model_extra["reasoning_content"] and not r.choices[0].message.content
+        chunks = list(_ask(c, msgs, max_tokens=12, ignore_eos=True, stream=True))
+        streamed = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                           for ch in chunks if ch.choices)
+        assert streamed == r.choices[0].message.model_extra["reasoning_content"]
+        off = _ask(c, msgs, max_tokens=12, ignore_eos=True, chat_template_kwargs={"enable_thinking": False})
+        assert off.choices[0].message.content and "reasoning_content" not in (off.choices[0].message.model_extra or {})
+        forced = _ask(c, [{"role": "user", "content": "Weather?"}], max_tokens=400, tools=[WEATHER],
+                      tool_choice="required", chat_template_kwargs={"enable_thinking": False})
+        assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0].message
+        call = forced.choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("c", "f")

@@ -96,6 +96,21 @@ def test_request_checks():
     assert parse_completion({"prompt": [1, 2, 3], "logprobs": 2}).top_logprobs == 2
 
 
+def test_top_k_by_partition_draws_from_the_same_distribution():
+    from deltarun.apps.serve.worker import sample_top_k
+    from deltarun.runner.sampling import Sampler, SamplingParams
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=5000).astype(np.float32) * 3
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repeat_penalty=1.3, seed=5)
+    history = [int(i) for i in np.argsort(-logits)[:5]]        # penalise some of the best
+    want = Sampler(params).distribution(logits, history)
+    sampler = Sampler(params)
+    draws = np.bincount([sample_top_k(sampler, logits, history) for _ in range(4000)], minlength=5000) / 4000
+    assert set(np.flatnonzero(draws)) <= set(np.flatnonzero(want))
+    assert np.abs(draws - want).max() < 0.03
+
+
 def test_loopback_detection():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.10")
@@ -103,7 +118,7 @@ def test_loopback_detection():
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_batch=32) as m:
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_batch=32, n_threads=1) as m:
         yield m
 
 
@@ -159,7 +174,11 @@ def test_prompt_cache_lookup_and_budget(model):
     assert back.how == "host" and back.pos == len(prompt)
     cache.apply(back, 1)
     assert model.tokens(1) == prompt and not cache.host
-    # a budget smaller than one entry keeps nothing in host RAM
+    # a budget smaller than one entry keeps nothing in host RAM, and only two checkpoints per cell
     small = PromptCache(model, 3, budget_bytes=1)
     small.apply(small.lookup([1, 2, 3], [1]), 1)
-    assert not small.host and small.nbytes() <= 1
+    assert not small.host
+    for n in range(4):
+        model.eval([5 + n], seq=2)
+        small.checkpoint(2)
+    assert sorted(small.cells[2].checkpoints) == [model.n_past(2) - 1, model.n_past(2)]

@@ -28,8 +28,8 @@ def is_loopback(host: str) -> bool:
 @click.option("--parallel", "-np", type=click.IntRange(min=1, max=64), default=4, show_default=True,
               help="Sequences decoded together (slots); more requests wait in the queue.")
 @click.option("--cache-ram", type=click.IntRange(min=0), default=2048, show_default=True, metavar="MiB",
-              help="Host RAM for the prompt cache (state checkpoints and evicted conversations); 0 keeps only "
-                   "the newest checkpoint of each running request.")
+              help="Host RAM for the prompt cache: conversations moved out of their slot, and state checkpoints "
+                   "beyond the two newest of each slot (those are always kept).")
 @click.option("--api-key", default=None, envvar="DELTARUN_API_KEY",
               help="Require 'Authorization: Bearer KEY' [env DELTARUN_API_KEY].")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import secrets
+import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -47,6 +48,15 @@ class ServerState:
         self.max_body = max_body
         self.n_parallel = n_parallel
         self.created = int(time.time())
+        self._mailbox: _Mailbox | None = None
+
+    def mailbox(self) -> "_Mailbox":
+        """The event carrier of the running loop (made on the first request)."""
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = _Mailbox(loop)
+            self.worker.after_step = self._mailbox.wake
+        return self._mailbox
 
     @property
     def builder(self) -> Any:
@@ -81,35 +91,71 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
+class _Mailbox:
+    """Carries worker events to the event loop, waking it once per worker step.
+
+    Every `call_soon_threadsafe` writes to the loop's self-pipe and then waits for the GIL the
+    woken loop holds: measured at about 3-5 ms per event with 8 streams on 2 busy cores, a third
+    of the worker's time when done per token. The worker posts during a step and calls `wake`
+    once at its end (`Worker.after_step`).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, ev: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, ev))
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._scheduled or not self._pending:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:       # the loop is gone (server stopped)
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending, self._scheduled = self._pending, [], False
+        for queue, ev in batch:
+            queue.put_nowait(ev)
+
+
 class _Relay:
     """A job plus the asyncio queue its events arrive on (put there from the worker thread)."""
 
     def __init__(self, state: ServerState, params: GenParams):
-        loop = asyncio.get_running_loop()
+        mailbox = state.mailbox()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-
-        def emit(ev: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-            except RuntimeError:   # the loop is gone (server stopped)
-                pass
-
-        self.job = Job(params, emit)
+        queue = self.queue
+        self.job = Job(params, lambda ev: mailbox.post(queue, ev))
         state.worker.submit(self.job)
         self.finished = False
 
     async def events(self, request: Request | None = None) -> AsyncIterator[Event]:
         """Events until the job ends; with `request`, a client disconnect cancels the job."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 if request is None:
                     ev = await self.queue.get()
-                else:
+                else:                # events may keep coming: check the connection every so often
                     try:
                         ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
                     except asyncio.TimeoutError:
+                        ev = None
+                    if loop.time() - checked >= DISCONNECT_POLL_S:
+                        checked = loop.time()
                         if await request.is_disconnected():
                             return
+                    if ev is None:
                         continue
                 yield ev
                 if ev.finish_reason is not None or ev.error is not None:
@@ -140,8 +186,7 @@ def create_app(state: ServerState) -> Starlette:
         w = state.worker
         if w.ready.is_set() and w.model is not None:
             m = w.model
-            meta = {"n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_embd": m.hp.n_embd, "n_params": None,
-                    "size": m.path.stat().st_size}
+            meta = {"n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_embd": m.hp.n_embd, "size": m.path.stat().st_size}
         return JSONResponse({"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "deltarun",
              "meta": meta}]})
@@ -192,8 +237,7 @@ def create_app(state: ServerState) -> Starlette:
                 if ev.logprobs:
                     choice["logprobs"] = {"content": ev.logprobs}
                 first = False
-                if ev.finish_reason is None or delta or ev.logprobs:
-                    yield {"data": json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk"))}
+                yield {"data": json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk"))}
             if ev.finish_reason is not None:
                 r = ev.result
                 last = _chunk(cid, model, created, {"index": 0, "delta": {}, "logprobs": None,

@@ -69,21 +69,28 @@ class GrammarFactory:
         return self._checked(grammar, param)
 
     def tool_call(self, tools: list[dict[str, Any]], xml: bool, param: str = "tool_choice") -> str:
-        """A grammar that forces one call of one of `tools` in the model's tool-call format."""
+        """A grammar that forces one call of one of `tools` in the model's tool-call format.
+
+        JSON form: the arguments follow the function's parameter schema. XML form: the parameters
+        in the schema's order, the required ones always, each at most once; a value is one of a string `enum`, else text without `<` (at most
+        `maxLength` characters when the schema says so), since XML values carry no JSON types.
+        """
         alternatives = []
         for i, tool in enumerate(tools):
             fn = tool["function"]
             params = fn.get("parameters") or {"type": "object"}
-            if xml:   # free-form values: only the function name is constrained
-                alternatives.append(f'"<function={fn["name"]}>\\n" XMLBODY "</function>"')
+            if xml:
+                props = params.get("properties") or {}
+                required = set(params.get("required") or [])
+                body = "".join(f' ("<parameter={n}>\\n" {_xml_value(v)} "\\n</parameter>\\n")'
+                               + ("" if n in required else "?") for n, v in props.items())
+                alternatives.append(f'"<function={fn["name"]}>\\n"{body} "</function>"')
             else:
                 schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                           "required": ["name", "arguments"], "additionalProperties": False,
                           "x-guidance": _JSON_OPTIONS}
                 alternatives.append(f"%json {json.dumps(schema)}")
-        lines = ["start: <tool_call> \"\\n\" call \"\\n\" </tool_call>", "call: " + " | ".join(alternatives)]
-        if xml:
-            lines.append('XMLBODY: /(<parameter=[a-zA-Z0-9_]+>\\n[^<]*\\n<\\/parameter>\\n)*/')
+        lines = ['start: <tool_call> "\\n" call "\\n" </tool_call>', "call: " + " | ".join(alternatives)]
         grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
         return self._checked(grammar, param)
 
@@ -95,6 +102,18 @@ class GrammarFactory:
 
     def matcher(self, grammar: str) -> "Constraint":
         return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self.n_vocab)
+
+
+def _xml_value(schema: Any) -> str:
+    """The Lark expression of one XML parameter value."""
+    if isinstance(schema, dict):
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) and "<" not in v for v in enum):
+            return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+        n = schema.get("maxLength")
+        if isinstance(n, int) and n >= 1:
+            return f"/[^<]{{1,{n}}}/"
+    return "/[^<]+/"
 
 
 class Constraint:

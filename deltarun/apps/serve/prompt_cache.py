@@ -85,6 +85,7 @@ class Resume:
     logits: np.ndarray | None = None
 
 
+KEEP_PER_CELL = 2
 _PREFERENCE = {"live": 4, "rollback": 3, "checkpoint": 2, "host": 1, "fresh": 0}
 
 
@@ -193,6 +194,24 @@ class PromptCache:
         info.answer_start = min(answer_start, self.model.n_past(cell))
         info.last_used = time.monotonic()
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the contents of cells a and b (KV rows, recurrent state, tokens, checkpoints).
+
+        The worker keeps running sequences in consecutive cells this way, so that one ubatch decodes
+        all of them; rollback slots do not survive the move (nothing needs them between requests).
+        """
+        m = self.model
+        ta, tb = m.tokens(a), m.tokens(b)
+        kva, kvb = read_kv(m, a, len(ta)), read_kv(m, b, len(tb))
+        ra, rb = read_recurrent(m, a), read_recurrent(m, b)
+        write_kv(m, a, kvb)
+        write_recurrent(m, a, rb)
+        set_tokens(m, a, tb)
+        write_kv(m, b, kva)
+        write_recurrent(m, b, ra)
+        set_tokens(m, b, ta)
+        self.cells[a], self.cells[b] = self.cells[b], self.cells[a]
+
     # --- host RAM ------------------------------------------------------------------------------
     def _evict(self, cell: int, keep_cell: bool = False) -> None:
         """Copy the conversation in `cell` to host RAM (when the budget allows it)."""
@@ -231,16 +250,17 @@ class PromptCache:
         return total + sum(seen.values())
 
     def _enforce_budget(self, protect: int | None = None) -> None:
-        """Drop least recently used host entries, then the oldest checkpoints of other cells."""
+        """Drop least recently used host entries, then the oldest checkpoints of the least recently
+        used cells. The two newest checkpoints of every cell stay whatever the budget: usually the
+        start of the last answer and the end of the last prompt, which the next turn and a
+        regeneration resume from."""
         while self.nbytes() > self.budget and self.host:
             self.host.remove(min(self.host, key=lambda e: e.last_used))
         if self.nbytes() <= self.budget:
             return
         for c in sorted(range(len(self.cells)), key=lambda c: (c == protect, self.cells[c].last_used)):
             cps = self.cells[c].checkpoints
-            for pos in sorted(cps):
+            for pos in sorted(cps)[:-KEEP_PER_CELL]:
                 if self.nbytes() <= self.budget:
                     return
-                if c == protect and pos == max(cps):
-                    break
                 del cps[pos]

@@ -47,10 +47,10 @@ class PromptBuilder:
         return self.template.render(messages, add_generation_prompt=gen, enable_thinking=thinking, tools=tools,
                                     **kwargs)
 
-    def _check_length(self, prompt: list[int]) -> None:
+    def _check_length(self, prompt: list[int], param: str) -> None:
         if len(prompt) >= self.n_ctx:
             raise ApiError(f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx} (and at least "
-                           f"one token must be generated)", param="messages", code="context_length_exceeded",
+                           f"one token must be generated)", param=param, code="context_length_exceeded",
                            type="exceed_context_size_error", extra={"n_prompt_tokens": len(prompt), "n_ctx": self.n_ctx})
 
     def _max_tokens(self, requested: int | None, n_prompt: int) -> int:
@@ -76,7 +76,7 @@ class PromptBuilder:
         except TokenizerError as e:
             raise ApiError(str(e), param="messages", code="template_error") from e
         prompt = self.tokenize(text)
-        self._check_length(prompt)
+        self._check_length(prompt, "messages")
         boundaries = []
         msgs = req.messages
         for i in range(max(1, len(msgs) - BOUNDARY_MESSAGES), len(msgs)):
@@ -112,6 +112,6 @@ class PromptBuilder:
                                code="invalid_value")
         if not prompt:
             raise ApiError("the prompt has no tokens", param="prompt", code="invalid_value")
-        self._check_length(prompt)
+        self._check_length(prompt, "prompt")
         return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens or 16, len(prompt)), req=req,
                          checkpoints=self._checkpoints(len(prompt), []), answer_start=len(prompt))

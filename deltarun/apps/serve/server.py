@@ -6,7 +6,9 @@
 
 `serve_forever` is what the CLI runs: uvicorn in the main thread, where SIGTERM/SIGINT first make
 the worker end every stream (a final chunk with finish_reason, then `data: [DONE]`) and refuse
-queued requests, then let uvicorn close the connections.
+queued requests, then let uvicorn close the connections. The model loads while the server already
+answers (`/health` is 503 until it is ready); a model that fails to load stops the server and
+its error is raised.
 """
 
 from __future__ import annotations
@@ -79,14 +81,24 @@ def _config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
 def serve_forever(open_model: Callable[[], Any], s: ServeSettings, host: str, port: int,
                   log_level: str = "warning", on_ready: Callable[[], None] | None = None) -> None:
     app, state = build(open_model, s)
-    state.worker.start()
-    server = _Server(_config(app, host, port, log_level), state.worker)
-    if on_ready is not None:
-        threading.Thread(target=lambda: (state.worker.ready.wait(), on_ready()), daemon=True).start()
+    worker = state.worker
+    worker.start()
+    server = _Server(_config(app, host, port, log_level), worker)
+
+    def watch() -> None:            # a model that fails to load stops the server with its error
+        worker.ready.wait()
+        if worker.load_error is not None:
+            server.should_exit = True
+        elif on_ready is not None:
+            on_ready()
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
         server.run()
     finally:
-        state.worker.shutdown(wait=30)
+        worker.shutdown(wait=30)
+    if worker.load_error is not None:
+        raise worker.load_error
 
 
 def free_port(host: str = "127.0.0.1") -> int:

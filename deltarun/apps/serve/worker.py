@@ -4,11 +4,16 @@ Request handlers (on the event loop) submit a `Job` and read `Event`s back; noth
 the model. The worker loops over steps; each step
 
 1. admits waiting jobs into idle cells (sequence slots), resuming each from the prompt cache;
-2. evaluates one prompt chunk (at most `chunk` tokens, ending at the next checkpoint position) of
-   the oldest job still prefilling, so a long prompt delays the running streams by one chunk;
-3. decodes one token for every generating job: their last tokens go into one ubatch per run of
-   consecutive cells (`Model.eval_batch` evaluates equal-length token lists of consecutive cells
-   together), then each job samples its next token.
+2. evaluates one prompt chunk (ending at the next checkpoint position) of the oldest job still
+   prefilling, so a long prompt delays the running streams by one chunk. With nobody decoding a
+   chunk is `chunk` tokens; while others decode, its size (a power of two, >= MIN_CHUNK, so few
+   graph shapes) is adjusted after each chunk so that it takes about STALL_FACTOR decode steps:
+   the streams' inter-token latency stays within about (1 + STALL_FACTOR) x what it is without
+   the prefill;
+3. decodes one token for every generating job: their last tokens go into one ubatch
+   (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when a
+   finished job left a hole, the highest running sequence is first moved into it with
+   `PromptCache.swap`), then each job samples its next token.
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import threading
 import time
@@ -35,6 +41,8 @@ from deltarun.runner.errors import DeltarunError
 from deltarun.runner.sampling import Sampler
 
 _ids = itertools.count(1)
+MIN_CHUNK = 16
+STALL_FACTOR = 0.8
 
 
 @dataclass
@@ -102,6 +110,8 @@ class Worker:
         self.max_queue = max_queue
         self.cache_bytes = cache_bytes
         self.chunk = chunk
+        self._shared_chunk = min(chunk, MIN_CHUNK)   # chunk size while others decode: grows as it can
+        self._decode_s = 0.0              # moving average of one decode step's wall time
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
         self._grammar_factory = grammar_factory
@@ -116,6 +126,10 @@ class Worker:
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
+        #: called at the end of every step (the app delivers the step's events then, in one go)
+        self.after_step: Callable[[], None] | None = None
+        #: set to a list to record each step's work: ("prefill", job id, tokens) / ("decode", job ids)
+        self.trace: list[tuple[Any, ...]] | None = None
 
     # --- handler side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,7 +140,8 @@ class Worker:
             if self._stopping:
                 raise ApiError("the server is shutting down", status=503, type="unavailable_error",
                                code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
+            free = max(0, self.n_parallel - len(self._active))     # jobs the next step admits at once
+            if len(self._waiting) >= self.max_queue + free:
                 raise ApiError(f"the server is busy: {len(self._active)} requests running and "
                                f"{len(self._waiting)} waiting", status=503, type="unavailable_error",
                                code="queue_full", headers={"Retry-After": "1"})
@@ -170,8 +185,12 @@ class Worker:
             return
         self.ready.set()
         try:
-            while self._step():
-                pass
+            while True:
+                go_on = self._step()
+                if self.after_step is not None:
+                    self.after_step()
+                if not go_on:
+                    break
         finally:
             self.model.close()
 
@@ -273,9 +292,14 @@ class Worker:
         p = job.params
         n = len(p.prompt)
         nxt = min((c for c in p.checkpoints if c > job.pos), default=n)
-        end = min(job.pos + self.chunk, nxt, n)
+        others = any(j.state == "decode" for j in self._active)
+        end = min(job.pos + (self._shared_chunk if others else self.chunk), nxt, n)
         t0 = time.perf_counter()
         logits = self.model.eval(p.prompt[job.pos:end], job.cell)
+        if others and self._decode_s > 0:
+            self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
+        if self.trace is not None:
+            self.trace.append(("prefill", job.id, end - job.pos))
         self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0)
         job.n_evaluated += end - job.pos
         job.pos = end
@@ -286,15 +310,43 @@ class Worker:
             job.state = "decode"
             self._advance(job, logits)
 
+    def _adapt_chunk(self, n: int, seconds: float) -> None:
+        """Halve or double the shared chunk so that one takes about STALL_FACTOR decode steps."""
+        target = STALL_FACTOR * self._decode_s
+        if n == self._shared_chunk and seconds > target and n > MIN_CHUNK:
+            self._shared_chunk //= 2
+        elif n == self._shared_chunk and seconds * 2.2 < target and 2 * n <= self.chunk:
+            self._shared_chunk *= 2
+
     # --- decoding ----------------------------------------------------------------------------------
+    def _compact(self) -> None:
+        """Move running jobs into the lowest cells, so the decoding ones form one run."""
+        n = len(self._active)
+        holes = sorted(set(range(n)) - {j.cell for j in self._active})
+        movers = sorted((j for j in self._active if j.cell >= n), key=lambda j: -j.cell)
+        for job, hole in zip(movers, holes):
+            self.cache.swap(job.cell, hole)
+            job.cell = hole
+            if self.trace is not None:
+                self.trace.append(("move", job.id, hole))
+
     def _decode(self, jobs: list[Job]) -> None:
-        jobs = sorted((j for j in jobs if j.pending is not None), key=lambda j: j.cell)
+        cells = sorted(j.cell for j in jobs if j.pending is not None)
+        if cells and cells[-1] - cells[0] + 1 != len(cells):
+            try:
+                self._compact()
+            except Exception as e:  # noqa: BLE001 - a failed move ends the jobs involved, not the server
+                for j in list(self._active):
+                    self._fail(j, _server_error(e))
+                return
+        jobs = sorted((j for j in jobs if j.pending is not None and j.state == "decode"), key=lambda j: j.cell)
         runs: list[list[Job]] = []
         for j in jobs:
             if runs and runs[-1][-1].cell + 1 == j.cell:
                 runs[-1].append(j)
             else:
                 runs.append([j])
+        t_step = time.perf_counter()
         for run in runs:
             t0 = time.perf_counter()
             try:
@@ -304,9 +356,13 @@ class Worker:
                     self._fail(j, _server_error(e))
                 continue
             self.metrics.decode_step(len(run), time.perf_counter() - t0)
+            if self.trace is not None:
+                self.trace.append(("decode", tuple(j.id for j in run)))
             for j in run:
                 j.pending = None
                 self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
+        step = time.perf_counter() - t_step
+        self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
 
     def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
         """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
@@ -326,7 +382,7 @@ class Worker:
                 x[self._eog_ids()] = -np.inf
         if job.constraint is not None:
             x = job.constraint.mask(x)
-        t = job.sampler.sample(x, job.history)
+        t = sample_top_k(job.sampler, x, job.history)
         info = None
         if r.logprobs:
             lp = raw.astype(np.float64) - raw.max()
@@ -383,6 +439,27 @@ class Worker:
                   "text": job.output.text, "tokens": list(job.generated)}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
+
+
+def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int]) -> int:
+    """`sampler.sample`, but with top-k applied first by partition instead of a full sort.
+
+    Sampler.distribution sorts the whole vocabulary (151k entries on Qwen models: about 10 ms per
+    token and sequence); with top-k on, only the k best can be drawn, so the repetition penalty is
+    applied to the full row, the k best are picked with argpartition, and the same sampler (same
+    random generator) draws among them. The distribution is the same; which of several tokens
+    tied at the k-th place is kept may differ.
+    """
+    p = sampler.params
+    k = p.top_k
+    if p.greedy or not 0 < k < logits.shape[0] // 8:
+        return sampler.sample(logits, history)
+    x = sampler.penalized(np.asarray(logits, dtype=np.float32), history)
+    best = np.argpartition(-x, k - 1)[:k]
+    best = best[np.argsort(-x[best], kind="stable")]
+    reduced = Sampler.__new__(Sampler)
+    reduced.params, reduced.rng = dataclasses.replace(p, repeat_penalty=1.0), sampler.rng
+    return int(best[reduced.sample(x[best])])
 
 
 def _server_error(e: Exception) -> ApiError:

@@ -1,0 +1,314 @@
+"""Load test of an OpenAI-compatible server: deltarun serve, or llama-server, on the same workloads.
+
+    python bench/serve_load.py --start model.gguf --parallel 8          # starts `deltarun serve` itself
+    python bench/serve_load.py --url http://127.0.0.1:8080 --name llama-server   # any running server
+
+Every request streams (`stream_options.include_usage`) over plain HTTP (httpx), so the client
+times each event itself: TTFT is from sending the request to the first event with text, the
+inter-token latency (ITL) is the gap between text events (one token each on both servers), and
+aggregate tokens/s is generated tokens over the wall time of the whole run. Evaluated prompt tokens
+come from llama-server-style `timings.prompt_n` (both servers send it), cached ones from
+`usage.prompt_tokens_details.cached_tokens`.
+
+Workloads (`--workloads`, default all), each bounded in requests and by `--time-limit` seconds:
+
+- `throughput`: concurrency 1/2/4/8 (`--concurrency`), `--requests` requests per level, each a
+  distinct short prompt and `--max-tokens` tokens (`ignore_eos`).
+- `multiturn`: one conversation, `--turns` turns, history re-sent each turn with thinking off;
+  per turn: new tokens (not in the previous request), evaluated tokens, TTFT.
+- `branching`: a 3-turn conversation, then regenerate the last answer, then edit the first user
+  message; evaluated tokens of each.
+- `interleave`: 2 x `--parallel` conversations taking turns round-robin (more than the slots);
+  cached-token ratio of turns 2+.
+- `prefill-stall`: `--parallel - 1` streams run; their ITL p99 alone, then while another request
+  prefills a prompt of about `--long-prompt` tokens; the ratio. The client closes the streams afterwards.
+
+Output: markdown tables (or `--json`). Numbers depend on the machine and its load: say both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+@dataclass
+class Result:
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    n_generated: int = 0
+    n_prompt: int = 0
+    n_cached: int = 0
+    n_evaluated: int = 0
+    text: str = ""
+    t_start: float = 0.0
+    t_end: float = 0.0
+    error: str = ""
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def text(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n))
+
+
+class Client:
+    def __init__(self, url: str, model: str, api_key: str | None, timeout: float):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        self.model = model
+
+    def text_of_tokens(self, seed: int, n_tokens: int) -> str:
+        """About n_tokens tokens of text, measured with the server's /tokenize."""
+        words = text(seed, n_tokens)
+        n = len(self.http.post("/tokenize", json={"content": words}).json()["tokens"])
+        return text(seed, max(1, int(n_tokens * n_tokens / max(n, 1))))
+
+    def chat(self, messages: list[dict], max_tokens: int, **extra) -> Result:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True,
+                "chat_template_kwargs": {"enable_thinking": False}, **extra}
+        r = Result(t_start=time.perf_counter())
+        last = None
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    r.error = f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
+                    return r
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    now = time.perf_counter()
+                    for ch in ev.get("choices") or []:
+                        piece = (ch.get("delta") or {}).get("content") or ""
+                        if piece:
+                            if r.ttft == 0.0:
+                                r.ttft = now - r.t_start
+                            elif last is not None:
+                                r.itl.append(now - last)
+                            last = now
+                            r.text += piece
+                    if ev.get("usage"):
+                        u = ev["usage"]
+                        r.n_generated, r.n_prompt = u["completion_tokens"], u["prompt_tokens"]
+                        r.n_cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+                    if ev.get("timings"):
+                        r.n_evaluated = ev["timings"].get("prompt_n", 0)
+        except httpx.HTTPError as e:
+            r.error = f"{type(e).__name__}: {e}"
+        r.t_end = time.perf_counter()
+        return r
+
+
+def throughput(c: Client, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for conc in args.concurrency:
+        deadline = time.monotonic() + args.time_limit
+        t0 = time.perf_counter()
+
+        def one(i: int, conc=conc, deadline=deadline) -> Result | None:
+            if time.monotonic() > deadline:
+                return None
+            return c.chat([{"role": "user", "content": text(i + 100 * conc, 12)}], args.max_tokens, ignore_eos=True)
+
+        with cf.ThreadPoolExecutor(conc) as pool:
+            results = [r for r in pool.map(one, range(args.requests)) if r is not None]
+        wall = time.perf_counter() - t0
+        ok = [r for r in results if not r.error]
+        itl = [x for r in ok for x in r.itl]
+        rows.append({"concurrency": conc, "requests": len(ok), "errors": len(results) - len(ok),
+                     "ttft_p50_ms": 1e3 * pct([r.ttft for r in ok], 50), "ttft_p99_ms": 1e3 * pct([r.ttft for r in ok], 99),
+                     "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+                     "tokens_per_s": sum(r.n_generated for r in ok) / wall if wall else 0.0})
+    return rows
+
+
+def _turns(c: Client, args: argparse.Namespace, conversations: int, turns: int, tag: str) -> list[dict]:
+    rows, convs, prev = [], [[] for _ in range(conversations)], [0] * conversations
+    deadline = time.monotonic() + args.time_limit
+    for t in range(turns):
+        for k in range(conversations):
+            if time.monotonic() > deadline:
+                return rows
+            msgs = convs[k]
+            msgs.append({"role": "user", "content": f"{tag} {k} turn {t}: " + text(k * 31 + t, 30)})
+            r = c.chat(msgs, args.max_tokens)
+            if r.error:
+                rows.append({"conversation": k, "turn": t + 1, "error": r.error})
+                return rows
+            evaluated = r.n_evaluated or r.n_prompt - r.n_cached
+            rows.append({"conversation": k, "turn": t + 1, "prompt_tokens": r.n_prompt,
+                         "growth": r.n_prompt - prev[k], "cached": r.n_cached, "evaluated": evaluated,
+                         "ttft_ms": 1e3 * r.ttft})
+            prev[k] = r.n_prompt + r.n_generated
+            msgs.append({"role": "assistant", "content": r.text})
+    return rows
+
+
+def multiturn(c: Client, args: argparse.Namespace) -> list[dict]:
+    return _turns(c, args, 1, args.turns, "conversation")
+
+
+def interleave(c: Client, args: argparse.Namespace) -> list[dict]:
+    rows = _turns(c, args, 2 * args.parallel, 3, "chat")
+    later = [r for r in rows if r.get("turn", 1) > 1 and "error" not in r]
+    ratio = sum(r["cached"] for r in later) / max(1, sum(r["prompt_tokens"] for r in later))
+    return rows + [{"summary": "turns 2+", "cached_ratio": ratio}]
+
+
+def branching(c: Client, args: argparse.Namespace) -> list[dict]:
+    msgs: list[dict] = []
+    for t in range(3):
+        msgs.append({"role": "user", "content": f"branch turn {t}: " + text(t + 50, 30)})
+        r = c.chat(msgs, args.max_tokens)
+        msgs.append({"role": "assistant", "content": r.text})
+    rows = []
+    last = msgs[:-1]
+    r = c.chat(last, args.max_tokens)
+    rows.append({"case": "regenerate last answer", "prompt_tokens": r.n_prompt, "cached": r.n_cached,
+                 "evaluated": r.n_evaluated or r.n_prompt - r.n_cached, "ttft_ms": 1e3 * r.ttft})
+    edited = [dict(m) for m in last]
+    edited[2]["content"] = "edited: " + edited[2]["content"]
+    r = c.chat(edited, args.max_tokens)
+    rows.append({"case": "edit second user message", "prompt_tokens": r.n_prompt, "cached": r.n_cached,
+                 "evaluated": r.n_evaluated or r.n_prompt - r.n_cached, "ttft_ms": 1e3 * r.ttft})
+    return rows
+
+
+def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
+    n = max(1, args.parallel - 1)
+    long_msgs = [{"role": "user", "content": c.text_of_tokens(999, args.long_prompt)}]
+    stamps: list[list[float]] = [[] for _ in range(n)]
+    done = threading.Event()
+
+    def stream(i: int) -> None:
+        body = {"model": c.model, "messages": [{"role": "user", "content": text(i + 500, 10)}],
+                "max_tokens": args.stall_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        with c.http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    stamps[i].append(time.perf_counter())
+                if done.is_set():
+                    break          # closing the stream cancels the request
+
+    with cf.ThreadPoolExecutor(n + 1) as pool:
+        futs = [pool.submit(stream, i) for i in range(n)]
+        time.sleep(args.stall_idle)
+        t_long = time.perf_counter()
+        long_result = pool.submit(c.chat, long_msgs, 1).result()
+        t_long_end = time.perf_counter()
+        time.sleep(0.5)
+        done.set()
+        for f in futs:
+            f.result()
+    idle, busy = [], []
+    for s in stamps:
+        for a, b in zip(s, s[1:]):
+            (busy if t_long <= b <= t_long_end else idle if b < t_long else []).append(b - a)
+    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt, "idle_itl_p99_ms": 1e3 * pct(idle, 99),
+             "during_prefill_itl_p99_ms": 1e3 * pct(busy, 99),
+             "ratio": pct(busy, 99) / pct(idle, 99) if idle and busy else float("nan"),
+             "prefill_s": t_long_end - t_long, **({"error": long_result.error} if long_result.error else {})}]
+
+
+WORKLOADS = {"throughput": throughput, "multiturn": multiturn, "branching": branching, "interleave": interleave,
+             "prefill-stall": prefill_stall}
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def start_deltarun(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = args.port or 8089
+    cmd = [sys.executable, "-m", "deltarun", "serve", args.start, "--port", str(port), "--parallel", str(args.parallel),
+           "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram)] + args.serve_args
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"deltarun serve exited with {proc.returncode}")
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("deltarun serve did not come up in 300 s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="a running server (e.g. llama-server)")
+    ap.add_argument("--start", metavar="MODEL.gguf", help="start `deltarun serve MODEL` on --port")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--name", default="deltarun", help="label in the output")
+    ap.add_argument("--model", default="model")
+    ap.add_argument("--api-key")
+    ap.add_argument("--parallel", type=int, default=4, help="slots of the server (for interleave and prefill-stall)")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--cache-ram", type=int, default=2048)
+    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `deltarun serve` options")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--long-prompt", type=int, default=2000, help="tokens of the prefill-stall prompt")
+    ap.add_argument("--stall-tokens", type=int, default=4000, help="token limit of the streams (they are closed once the long prompt is done)")
+    ap.add_argument("--stall-idle", type=float, default=3.0, help="seconds of idle streaming before the long prompt")
+    ap.add_argument("--time-limit", type=float, default=300, help="seconds per workload (bounds every loop)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    proc = None
+    if args.start:
+        proc, url = start_deltarun(args)
+    elif args.url:
+        url = args.url
+    else:
+        ap.error("give --url or --start")
+    try:
+        c = Client(url, args.model, args.api_key, args.timeout)
+        out = {"server": args.name, "load_avg": os.getloadavg(), "workloads": {}}
+        for name in args.workloads.split(","):
+            out["workloads"][name] = WORKLOADS[name](c, args)
+            if not args.json:
+                print(f"\n### {args.name}: {name}\n\n{table(out['workloads'][name])}", flush=True)
+        out["load_avg_after"] = os.getloadavg()
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"\nload average before/after: {out['load_avg']} / {out['load_avg_after']}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
