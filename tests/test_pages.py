@@ -289,6 +289,8 @@ def test_served_graph_page(driver, server, tiny_model_path):
     assert status == 400 and "tokens" in json.loads(body)["error"]["message"]
     status, body = get(server.base_url + "/graph?tokens=1000")
     assert status == 400 and "batch size" in json.loads(body)["error"]["message"]
+    status, body = get(server.base_url + f"/graph?past={SERVE_CTX}")
+    assert status == 400 and "context size" in json.loads(body)["error"]["message"]
     dump = json.loads(invoke("graph", tiny_model_path("tiny", "f32"), "--tokens", "8", "--rs-slots", "2",
                              "--ctx", str(SERVE_CTX), "--format", "json"))
     driver.get(server.base_url + "/graph")
