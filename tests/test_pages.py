@@ -293,7 +293,12 @@ def test_served_graph_page(driver, server, tiny_model_path):
     assert status == 400 and "context size" in json.loads(body)["error"]["message"]
     dump = json.loads(invoke("graph", tiny_model_path("tiny", "f32"), "--tokens", "8", "--rs-slots", "2",
                              "--ctx", str(SERVE_CTX), "--format", "json"))
-    driver.get(server.base_url + "/graph")
+    driver.get(server.base_url + "/")
+    driver.find_element("id", "graph-link").click()  # opens /graph in a new tab
+    wait_for(lambda: len(driver.window_handles) == 2, what="the graph tab")
+    driver.close()
+    driver.switch_to.window(driver.window_handles[0])
+    assert driver.current_url == server.base_url + "/graph"
     wait_for(lambda: driver.execute_script("return !!(window.graphPage && window.graphPage.ready)"),
              what="the served graph page")
     names = driver.execute_script("return window.graphPage.tensorIds().map(i => window.graphPage.tensor(i).name)")
