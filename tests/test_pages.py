@@ -105,6 +105,8 @@ def test_graph_page_search_and_click_show_shape(driver, graph_files):
     click_canvas_at(driver, target["id"])
     wait_for(lambda: driver.find_elements("id", "details-name"), what="details after a click")
     assert driver.find_element("id", "details-name").text == "attn_norm-0"
+    assert driver.find_element("id", "canvas").get_attribute("title").startswith(
+        f"attn_norm-0\n{target['op']} {target['type']}")  # the hover tooltip
     fields = {r.get_attribute("data-field"): r.find_elements("css selector", "td")[1].text
               for r in driver.find_elements("css selector", "#details-table tr")}
     assert fields["ne"] == "[" + ", ".join(map(str, target["ne"])) + "]"
@@ -270,6 +272,7 @@ def test_chat_page_stop_button(driver, server):
     wait_for(lambda: driver.find_element("id", "model-name").text, what="the model name")
     set_setting(driver, "sampling", "max_tokens", str(SERVE_CTX // 2))
     set_setting(driver, "sampling", "temperature", "1")
+    set_setting(driver, "sampling", "seed", "1")  # the same tokens on every run: no early end by chance
     driver.find_element("id", "new-chat").click()
     send_message(driver, "Count to a thousand")
     # the answer is re-rendered on every chunk: read it in the page rather than through stale elements
@@ -286,9 +289,16 @@ def test_served_graph_page(driver, server, tiny_model_path):
     assert status == 400 and "tokens" in json.loads(body)["error"]["message"]
     status, body = get(server.base_url + "/graph?tokens=1000")
     assert status == 400 and "batch size" in json.loads(body)["error"]["message"]
+    status, body = get(server.base_url + f"/graph?past={SERVE_CTX}")
+    assert status == 400 and "context size" in json.loads(body)["error"]["message"]
     dump = json.loads(invoke("graph", tiny_model_path("tiny", "f32"), "--tokens", "8", "--rs-slots", "2",
                              "--ctx", str(SERVE_CTX), "--format", "json"))
-    driver.get(server.base_url + "/graph")
+    driver.get(server.base_url + "/")
+    driver.find_element("id", "graph-link").click()  # opens /graph in a new tab
+    wait_for(lambda: len(driver.window_handles) == 2, what="the graph tab")
+    driver.close()
+    driver.switch_to.window(driver.window_handles[0])
+    assert driver.current_url == server.base_url + "/graph"
     wait_for(lambda: driver.execute_script("return !!(window.graphPage && window.graphPage.ready)"),
              what="the served graph page")
     names = driver.execute_script("return window.graphPage.tensorIds().map(i => window.graphPage.tensor(i).name)")

@@ -382,6 +382,14 @@
     drag = { x: e.clientX, y: e.clientY, vx: view.x, vy: view.y, moved: false };
     canvas.classList.add("dragging");
   });
+  canvas.addEventListener("mousemove", (e) => {  // hover: a tooltip with what the box is
+    if (drag) return;
+    const r = canvas.getBoundingClientRect();
+    const h = hit(e.clientX - r.left, e.clientY - r.top);
+    const tip = !h ? "" : h.t ? `${h.t.name}\n${h.t.op} ${h.t.type || ""} ${dims(h.t.ne)}` + (h.t.backend ? `\non ${h.t.backend}` : "")
+      : h.band !== undefined ? `${G.bands[h.band].label}: click to expand` : h.header !== undefined ? "click to collapse or expand" : "";
+    if (canvas.title !== tip) canvas.title = tip;
+  });
   window.addEventListener("mousemove", (e) => {
     if (!drag) return;
     const dx = e.clientX - drag.x, dy = e.clientY - drag.y;

@@ -4,13 +4,14 @@
 itself). `/graph` draws the graph the runner computes for one ubatch shape of the loaded model:
 `?tokens=N` (default 8) prompt tokens, or `?decode=1` for the one-token decode graph after
 `?past=P` (default 32) tokens. The dump is made on the model thread between two steps
-(`Worker.call`), since building and allocating a graph uses the model's scheduler, and each shape's
-page is kept after its first request.
+(`Worker.call`), since building and allocating a graph uses the model's scheduler; the pages of the
+last few shapes asked for are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from typing import Any
 
 from starlette.requests import Request
@@ -22,6 +23,7 @@ from deltarun.runner.errors import DeltarunError
 
 DEFAULT_TOKENS = 8
 DEFAULT_DECODE_PAST = 32
+PAGES_KEPT = 8      # graph pages kept, newest first (a 48-layer model's page is ~2 MB)
 
 
 def _int_param(request: Request, name: str, default: int, lo: int) -> int:
@@ -50,7 +52,7 @@ def page_routes(state: Any) -> list[Route]:
     from deltarun.apps.graph_page import read_asset
 
     chat_html = read_asset("chat.html")
-    pages: dict[tuple[int, int], str] = {}
+    pages: OrderedDict[tuple[int, int], str] = OrderedDict()
 
     async def chat(request: Request) -> Response:
         return HTMLResponse(chat_html, headers={"Cache-Control": "no-cache"})
@@ -65,11 +67,16 @@ def page_routes(state: Any) -> list[Route]:
             raise ApiError(f"tokens must be at most the batch size {model.n_batch}", param="tokens",
                            code="invalid_value")
         key = (n_tokens, n_past)
-        if key not in pages:
+        html = pages.get(key)
+        if html is None:
             try:
-                pages[key] = await asyncio.wrap_future(state.worker.call(lambda m: graph_page(m, n_tokens, n_past)))
+                html = await asyncio.wrap_future(state.worker.call(lambda m: graph_page(m, n_tokens, n_past)))
             except DeltarunError as e:
                 raise ApiError(str(e), code="invalid_value") from None
-        return HTMLResponse(pages[key])
+            pages[key] = html
+            while len(pages) > PAGES_KEPT:
+                pages.popitem(last=False)
+        pages.move_to_end(key)
+        return HTMLResponse(html)
 
     return [Route("/", chat), Route("/graph", graph)]
