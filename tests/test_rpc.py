@@ -294,7 +294,7 @@ def test_protocol_version_mismatch_is_refused():
 
 
 def test_server_killed_mid_generation(model8):
-    """Kill -9 one of two servers while `generate` streams: one line naming it, exit 8, within 30 s."""
+    """Kill -9 one of two servers while `generate` streams: one line naming it, exit 9, within 30 s."""
     a, b = Server(), Server()
     proc = None
     try:

@@ -68,7 +68,7 @@ USER_TIMEOUT_MS = 20000
 class RpcError(BackendError):
     """An RPC server is unreachable, speaks another protocol, or was lost during a run."""
 
-    exit_code = 8
+    exit_code = 9
 
 
 def available() -> bool:
