@@ -81,6 +81,11 @@ class Qwen35Config:
             kinds = tuple("linear_attention" if (i + 1) % self.full_attention_interval else "full_attention"
                           for i in range(self.num_hidden_layers))
             object.__setattr__(self, "layer_types", kinds)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers "
+                             "(use config_with to change the depth)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
 
     @property
     def arch(self) -> str:

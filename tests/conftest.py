@@ -45,7 +45,10 @@ def tiny_model_path(tiny_model_dir: Path) -> TinyModelPath:
         key = (preset, wtype, seed, tuple(sorted(changes.items())))
         path = cache.get(key)
         if path is None:
-            cfg = dataclasses.replace(family.PRESETS[preset], **changes) if changes else family.PRESETS[preset]
+            if family is qwen35:
+                cfg = qwen35.config_with(preset, **changes)
+            else:
+                cfg = dataclasses.replace(gen.PRESETS[preset], **changes) if changes else gen.PRESETS[preset]
             suffix = "".join(f"-{k}={v}" for k, v in sorted(changes.items()))
             path = family.write_model(tiny_model_dir / f"{preset}-{wtype}-s{seed}{suffix}.gguf", cfg, wtype, seed)
             cache[key] = path

@@ -115,3 +115,34 @@ def test_image_and_video_parts_are_refused_in_one_line(template, part):
 def test_template_errors_stay_one_line(template):
     with pytest.raises(TokenizerError, match="No user query found"):
         template.render([{"role": "system", "content": "only a system message"}])
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_chat_on_a_qwen35_file_uses_its_template_and_keeps_in_step(tiny_model_path, think):
+    """A two-turn chat on tiny-qwen35 (its own Qwen3.5 template, thinking switched by --think /
+    --no-think) gives the answers of fresh sessions that render the same history, in-process and
+    through the CLI."""
+    import copy
+
+    from click.testing import CliRunner
+
+    from deltarun.apps.chat import ChatSession
+    from deltarun.cli.main import cli
+    from deltarun.runner.model import Model
+
+    path = tiny_model_path("tiny-qwen35", "f32")
+    with Model(path, n_ctx=256, n_threads=1, kv_type="f32") as m:
+        session = ChatSession(m, n_predict=6, enable_thinking=think)
+        assert session.template.source == q35.chat_template()
+        opened = session.render([{"role": "user", "content": "x"}])
+        assert opened.endswith("<think>\n" if think else "<think>\n\n</think>\n\n")
+        a, b = session.ask("Hello"), session.ask("How are you?")
+        m.reset()
+        fresh = ChatSession(m, n_predict=6, enable_thinking=think)
+        fresh.messages = copy.deepcopy(session.messages[:-2])
+        assert fresh.ask("How are you?") == b
+    flag = "--think" if think else "--no-think"
+    r = CliRunner().invoke(cli, ["chat", str(path), "-n", "6", flag, "--ctx", "256", "--threads", "1",
+                                 "--kv-type", "f32", "--temp", "0"], input="Hello\n\nHow are you?\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == f"{a}\n{b}\n"

@@ -240,6 +240,52 @@ def test_zero_centred_norms_stored_plus_one_and_mtp_renamed(tiny_model_path, pre
                                       hf["model.layers.0.mlp.experts.down_proj"])
 
 
+@pytest.mark.parametrize("preset", TINY)
+def test_hf_weights_have_the_transformers_shapes(preset):
+    """Names and torch shapes as the modules of modeling_qwen3_5(_moe).py define them (nn.Linear
+    weights are (out, in); conv1d is depthwise (conv_dim, 1, kernel); experts are 3-D parameters),
+    plus the MTP tensors under mtp.* that the published checkpoints carry."""
+    cfg = q35.PRESETS[preset]
+    E, V, hd, nh, nkv = cfg.hidden_size, 100, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    kd, vd, nv = cfg.key_dim, cfg.value_dim, cfg.linear_num_value_heads
+    want = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    blocks = [(f"model.layers.{i}.", rec) for i, rec in enumerate(cfg.recurrent)] + [("mtp.layers.0.", False)]
+    for p, rec in blocks:
+        want.update({p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,)})
+        if rec:
+            a = p + "linear_attn."
+            want.update({a + "in_proj_qkv.weight": (2 * kd + vd, E), a + "in_proj_z.weight": (vd, E),
+                         a + "in_proj_b.weight": (nv, E), a + "in_proj_a.weight": (nv, E),
+                         a + "conv1d.weight": (2 * kd + vd, 1, cfg.linear_conv_kernel_dim), a + "dt_bias": (nv,),
+                         a + "A_log": (nv,), a + "norm.weight": (cfg.linear_value_head_dim,),
+                         a + "out_proj.weight": (E, vd)})
+        else:
+            a = p + "self_attn."
+            want.update({a + "q_proj.weight": (2 * nh * hd, E), a + "k_proj.weight": (nkv * hd, E),
+                         a + "v_proj.weight": (nkv * hd, E), a + "o_proj.weight": (E, nh * hd),
+                         a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+        if cfg.moe:
+            ne, ff, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            want.update({p + "mlp.gate.weight": (ne, E), p + "mlp.experts.gate_up_proj": (ne, 2 * ff, E),
+                         p + "mlp.experts.down_proj": (ne, E, ff), p + "mlp.shared_expert.gate_proj.weight": (fs, E),
+                         p + "mlp.shared_expert.up_proj.weight": (fs, E),
+                         p + "mlp.shared_expert.down_proj.weight": (E, fs), p + "mlp.shared_expert_gate.weight": (1, E)})
+        else:
+            ff = cfg.intermediate_size
+            want.update({p + "mlp.gate_proj.weight": (ff, E), p + "mlp.up_proj.weight": (ff, E),
+                         p + "mlp.down_proj.weight": (E, ff)})
+    want.update({"mtp.fc.weight": (E, 2 * E), "mtp.pre_fc_norm_embedding.weight": (E,),
+                 "mtp.pre_fc_norm_hidden.weight": (E,), "mtp.norm.weight": (E,)})
+    got = {k: v.shape for k, v in q35.hf_weights(cfg, V, 0).items()}
+    assert got == want
+
+
+def test_config_checks_its_layer_pattern():
+    with pytest.raises(ValueError, match="layer_types"):
+        q35.Qwen35Config(num_hidden_layers=8, layer_types=("linear_attention",) * 4)
+    assert q35.config_with("tiny-qwen35", num_hidden_layers=8).recurrent == [True, True, True, False] * 2
+
+
 def test_generation_is_deterministic():
     cfg = q35.PRESETS["tiny-qwen35moe"]
     a, b, c = (q35.model_tensors(cfg, 64, s) for s in (3, 3, 4))

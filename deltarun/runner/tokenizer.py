@@ -1,13 +1,14 @@
 """GPT-2 style byte-level BPE tokenizer built from GGUF tokenizer metadata.
 
-Qwen3-Next GGUF files carry a ``gpt2`` vocabulary with the ``qwen2`` pre-tokenizer. This module
+Qwen3-Next GGUF files carry a ``gpt2`` vocabulary with the ``qwen2`` pre-tokenizer, Qwen3.5 files
+one with the ``qwen35`` pre-tokenizer (up to 248,320 entries). This module
 reproduces llama.cpp's tokenization of such a vocabulary in pure Python so that prompts encode to
 exactly the ids the model was trained on (checked against llama.cpp's own test vectors).
 
 Pipeline of :meth:`Tokenizer.encode`:
 
 1. split out special tokens (CONTROL / USER_DEFINED types) so they map to single ids;
-2. split the remaining text with the qwen2 pre-tokenizer regex into "words";
+2. split the remaining text with the file's pre-tokenizer regex (qwen2 or qwen35) into "words";
 3. map each word's UTF-8 bytes to the printable byte-level alphabet and apply BPE merges by rank.
 """
 
