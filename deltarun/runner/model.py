@@ -15,7 +15,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from deltarun.graphs.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape, graph_family_for
+from deltarun.graphs.interface import (DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape,
+                                      graph_family_for)
 from deltarun.runner.backend import Backend, Placement, Scheduler, init_backend
 from deltarun.runner.errors import ContextFullError, DeltarunError
 from deltarun.runner.gguf_file import GGUFFile
