@@ -158,48 +158,9 @@ def test_mtp_block_with_missing_tensors(family, request, tmp_path):
         assert "the MTP block" in msg and name in msg
 
 
-# --- the qwen35 families in the runtime: rollback, speculative decoding, inspect ------------------
-def _prompt(n: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 2300, n)]
-
-
-@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
-@pytest.mark.parametrize("preset", ["tiny-qwen35", "tiny-qwen35moe"])
-def test_qwen35_rollback_equals_recomputation(tiny_model_path, preset, delta_net):
-    """A ubatch of 5 tokens rolled back by 3 continues exactly as a run that never saw those 3.
-    Both runs are ggml F32 with an F32 KV cache; the rolled-back run's KV rows beyond the new
-    length are masked, so only summation order may differ (measured: 0 on x86-64; bound 1e-6)."""
-    path = tiny_model_path(preset)
-    head, ubatch, nxt = _prompt(6, 1), _prompt(5, 2), _prompt(3, 3)
-    with Model(path, n_ctx=64, kv_type="f32", rs_slots=4, delta_net=delta_net) as m:
-        m.eval(head)
-        m.eval(ubatch)
-        m.rollback(3)
-        got = m.eval(nxt, all_logits=True)
-        m.reset()
-        m.eval(head)
-        m.eval(ubatch[:2])
-        want = m.eval(nxt, all_logits=True)
-    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
-
-
-@pytest.mark.parametrize("preset", ["tiny-qwen35", "tiny-qwen35moe"])
-def test_qwen35_drafts_keep_greedy_output(tiny_model_path, preset):
-    from deltarun.apps.speculative import MtpDraft, NgramDraft, speculative_tokens
-    from deltarun.runner.generation import generate_tokens
-    from deltarun.runner.sampling import GREEDY, Sampler
-
-    path = tiny_model_path(preset)
-    toks = _prompt(10, 8)
-    with Model(path, n_ctx=128, kv_type="f32") as m:
-        base = list(generate_tokens(m, toks, 16, Sampler(GREEDY)))
-    for make in (lambda m: NgramDraft(), lambda m: MtpDraft(m)):
-        with Model(path, n_ctx=128, kv_type="f32", rs_slots=5, mtp=True) as m:
-            draft = make(m)
-            assert list(speculative_tokens(m, toks, 16, Sampler(GREEDY), draft, 4)) == base
-            draft.close()
-
-
+# --- inspect ------------------------------------------------------------------------------------
+# (rollback = recomputation and speculative decoding on qwen35 files: tests/test_qwen35_forward.py,
+# tests/test_qwen35_cli.py)
 def test_inspect_shows_the_mtp_block(tiny_model_path):
     from click.testing import CliRunner
 

@@ -22,6 +22,6 @@ class Qwen35Graph(Qwen3NextGraph):
     """Graph builder for `general.architecture = qwen35`."""
 
     arch = "qwen35"
-    delta_net = DeltaNet(beta_alpha="split", broadcast="tiled", legacy_ssm_in=False)
+    delta_net_layout = DeltaNet(beta_alpha="split", broadcast="tiled", legacy_ssm_in=False)
     moe = False
     rope_sections = True

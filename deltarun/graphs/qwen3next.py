@@ -34,7 +34,7 @@ class Qwen3NextGraph(HybridFamily):
     """Graph builder for `general.architecture = qwen3next`."""
 
     arch = "qwen3next"
-    delta_net = DeltaNet(beta_alpha="fused", broadcast="grouped", legacy_ssm_in=True)
+    delta_net_layout = DeltaNet(beta_alpha="fused", broadcast="grouped", legacy_ssm_in=True)
     moe = True              # MoE + shared expert in every block (else a dense SwiGLU FFN)
     rope_sections = False   # NEOX rope (else IMRoPE with rope.dimension_sections)
 
@@ -52,7 +52,7 @@ class Qwen3NextGraph(HybridFamily):
             t[p + "attn_norm.weight"] = ((E,), True)
             t[p + "post_attention_norm.weight"] = ((E,), True)
             if il < hp.n_layer and hp.recurrent[il]:
-                t.update(delta_net.tensors(hp, p, cls.delta_net, present))
+                t.update(delta_net.tensors(hp, p, cls.delta_net_layout, present))
             else:
                 t.update(attention.tensors(hp, p))
             if cls.moe:
@@ -88,7 +88,7 @@ class Qwen3NextGraph(HybridFamily):
         # the whole state across and back on every ubatch).
         g.expand(cur)
         if il < hp.n_layer and hp.recurrent[il]:
-            cur = linear_attention(g, cur, il, self.delta_net)
+            cur = linear_attention(g, cur, il, self.delta_net_layout)
         else:
             cur = full_attention(g, cur, il)
         rows = output_ids(g) if last else None
@@ -97,7 +97,7 @@ class Qwen3NextGraph(HybridFamily):
             residual = ggml.ggml_get_rows(c, residual, rows.out_ids)
         cur = g.cb(ggml.ggml_add(c, cur, residual), "attn_residual", il)
         ffn_in = g.rms_norm(cur, g.w[f"blk.{il}.post_attention_norm.weight"], "attn_post_norm", il)
-        return g.cb(ggml.ggml_add(c, self.ffn(g, ffn_in, il), cur), "l_out", il)
+        return g.cb(ggml.ggml_add(c, self.feed_forward(g, ffn_in, il), cur), "l_out", il)
 
-    def ffn(self, g: GraphContext, x: Tensor, il: int) -> Tensor:
+    def feed_forward(self, g: GraphContext, x: Tensor, il: int) -> Tensor:
         return ffn.moe(g, x, il) if self.moe else ffn.dense_ffn(g, x, il)

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from deltarun.graphs.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape, graph_family_for
+from deltarun.graphs.interface import (DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape,
+                                      graph_family_for)
 from deltarun.runner import layer_split
 from deltarun.runner.backend import Backend, Scheduler, init_backend
 from deltarun.runner.errors import ContextFullError, DeltarunError
