@@ -170,3 +170,15 @@ def test_inspect_shows_the_mtp_block(tiny_model_path):
     assert out.exit_code == 0, out.output
     rep = json.loads(out.stdout)
     assert rep["runnable"] and rep["layers"]["pattern"] == "LLLAM" and rep["layers"]["mtp"] == [4]
+
+
+def test_imrope_positions_are_laid_out_as_llama_cpp_does(q35):
+    """4 blocks of n_tokens: the text position in blocks 0-2, 0 in block 3 (llm_graph_input_pos)."""
+    from deltarun.graphs.inputs import PositionsInput
+
+    with Model(q35, n_ctx=64, kv_type="f32") as m:
+        m.eval(list(range(3, 9)))
+        m.eval(list(range(20, 25)))          # positions 6..10
+        g = next(g for s, g in m._graphs.items() if s.n_seq_tokens == 5)
+        pos = next(i for i in g.built.inputs if isinstance(i, PositionsInput)).host["inp_pos"].reshape(4, 5)
+    assert pos[:3].tolist() == [list(range(6, 11))] * 3 and pos[3].tolist() == [0] * 5

@@ -1,6 +1,6 @@
 """Former home of the qwen3next spec, kept so existing imports work: the hyper-parameters are
 `deltarun.graphs.interface.HParams`, the readers and checks `deltarun.graphs.spec`, the expected
-tensors `Qwen3NextGraph.expected_tensors` (deltarun/graphs/qwen3next.py)."""
+tensors `Qwen3NextGraph.tensor_spec` (deltarun/graphs/qwen3next.py)."""
 
 from __future__ import annotations
 
