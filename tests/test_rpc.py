@@ -344,6 +344,17 @@ def test_server_killed_mid_generation(model8):
         b.stop()
 
 
+def test_rpc_server_port_in_use_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == rpc.RpcError.exit_code
+    assert "cannot listen" in _one_line_error(r, r.stderr, f"127.0.0.1:{port}")
+
+
 def test_endpoint_parsing():
     assert rpc.parse_endpoints("a:1, b.example:50052") == ["a:1", "b.example:50052"]
     for bad in ("nohost", "h:0", "h:70000", "::1:5", "h:p"):
