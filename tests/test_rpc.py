@@ -232,6 +232,26 @@ def test_cli_generate_and_devices(servers, model8):
     assert "placement: layers split: RPC" in g.stdout and f"[{servers[1]}]" in g.stdout
 
 
+def test_cli_compare_and_bench(servers, model8):
+    """compare --backends cpu,rpc:HOST:PORT passes node by node; bench --rpc names the split."""
+    base = [sys.executable, "-m", "deltarun"]
+    c = subprocess.run(base + ["compare", str(model8), "--backends", f"cpu,rpc:{servers[0]}", "-t", "1", "-q",
+                               "--decode-steps", "4", "--json"], capture_output=True, text=True, timeout=180,
+                       env=_env())
+    assert c.returncode == 0, c.stderr
+    import json
+
+    report = json.loads(c.stdout)
+    assert report["passed"] and "RPC0" in json.dumps(report)
+    b = subprocess.run(base + ["bench", str(model8), "-p", "8", "-n", "4", "-r", "1", "-t", "1", "--rpc",
+                               ",".join(servers), "--tensor-split", "1,1,0", "-o", "json"],
+                       capture_output=True, text=True, timeout=180, env=_env())
+    assert b.returncode == 0, b.stderr
+    rows = json.loads(b.stdout)["results"]
+    assert {r["test"] for r in rows} == {"pp8", "tg4"}
+    assert all(r["backend"].startswith(f"rpc:{servers[0]}+rpc:{servers[1]}+cpu (5/3/0") for r in rows)
+
+
 # ----------------------------------------------------------------------------------------------
 # Faults
 # ----------------------------------------------------------------------------------------------
@@ -322,6 +342,17 @@ def test_server_killed_mid_generation(model8):
             proc.wait(10)
         a.stop()
         b.stop()
+
+
+def test_rpc_server_port_in_use_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == rpc.RpcError.exit_code
+    assert "cannot listen" in _one_line_error(r, r.stderr, f"127.0.0.1:{port}")
 
 
 def test_endpoint_parsing():
