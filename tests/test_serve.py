@@ -460,6 +460,18 @@ def test_cli_bad_model_is_one_line_error(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+def test_cli_port_in_use_is_one_line_error(model_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
 def test_health_is_503_while_loading(model_path):
     import threading
 
