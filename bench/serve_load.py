@@ -13,7 +13,8 @@ come from llama-server-style `timings.prompt_n` (both servers send it), cached o
 Workloads (`--workloads`, default all), each bounded in requests and by `--time-limit` seconds:
 
 - `throughput`: concurrency 1/2/4/8 (`--concurrency`), `--requests` requests per level, each a
-  distinct short prompt and `--max-tokens` tokens (`ignore_eos`).
+  distinct short prompt and `--max-tokens` tokens (`ignore_eos`), after one untimed round at that
+  concurrency (deltarun builds a graph per batch shape on first use).
 - `multiturn`: one conversation, `--turns` turns, history re-sent each turn with thinking off;
   per turn: new tokens (not in the previous request), evaluated tokens, TTFT.
 - `branching`: a 3-turn conversation, then regenerate the last answer, then edit the first user
@@ -122,6 +123,9 @@ def throughput(c: Client, args: argparse.Namespace) -> list[dict]:
     rows = []
     for conc in args.concurrency:
         deadline = time.monotonic() + args.time_limit
+        with cf.ThreadPoolExecutor(conc) as pool:      # warm-up: the server builds its graphs for this batch shape
+            list(pool.map(lambda i: c.chat([{"role": "user", "content": text(i + 7, 12)}], args.max_tokens,
+                                           ignore_eos=True), range(conc)))
         t0 = time.perf_counter()
 
         def one(i: int, conc=conc, deadline=deadline) -> Result | None:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -292,9 +293,16 @@ def test_greedy_same_alone_and_among_others(model_path):
         for info in h.worker.cache.cells:
             info.checkpoints.clear()
         calls_before = h.worker.model.stats.n_eval_calls
+        gate, admit = threading.Event(), h.worker._admit
+        h.worker._admit = lambda job: (gate.wait(60), admit(job))   # hold admissions until all 8 wait
         with cf.ThreadPoolExecutor(8) as pool:
-            together = list(pool.map(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
-                                     prompts))
+            futures = [pool.submit(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
+                                   p) for p in prompts]
+            deadline = time.monotonic() + 60
+            while sum(h.worker.counts) < 7 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            together = [f.result() for f in futures]
         n_calls = h.worker.model.stats.n_eval_calls - calls_before
     assert together == alone
     # 8 x 12 tokens: decoding shares ubatches (one per step when the cells are consecutive)
@@ -392,7 +400,7 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port),
-                             "--parallel", "2", "--ctx", "2048", "--threads", "1"], stderr=subprocess.PIPE, env=env)
+                             "--parallel", "2", "--ctx", "8192", "--threads", "1"], stderr=subprocess.PIPE, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -407,7 +415,7 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
             pytest.fail("server did not come up")
         lines = []
         with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000, "ignore_eos": True,
                 "stream": True}) as r:
             for ln in r.iter_lines():
                 if ln:
@@ -450,6 +458,18 @@ def test_cli_bad_model_is_one_line_error(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_cli_port_in_use_is_one_line_error(model_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
 def test_health_is_503_while_loading(model_path):

@@ -182,3 +182,25 @@ def test_prompt_cache_lookup_and_budget(model):
         model.eval([5 + n], seq=2)
         small.checkpoint(2)
     assert sorted(small.cells[2].checkpoints) == [model.n_past(2) - 1, model.n_past(2)]
+
+
+def test_worker_compaction_puts_generating_jobs_side_by_side(model):
+    """Jobs generating in cells 0 and 2 with one reading its prompt in cell 1: after compaction the
+    generating ones are in cells 0-1, each with its own tokens, the reader in cell 2."""
+    from deltarun.apps.serve.worker import GenParams, Job, Worker
+    from deltarun.apps.serve.protocol import SamplingRequest
+
+    model.reset()
+    w = Worker(lambda: model, 3)
+    w.model, w.cache = model, PromptCache(model, 3, 1 << 30)
+    jobs = []
+    for cell, state in ((0, "decode"), (1, "prefill"), (2, "decode")):
+        model.eval(list(range(10 + cell, 30 + 2 * cell)), seq=cell)
+        j = Job(GenParams(prompt=[], max_tokens=1, req=SamplingRequest()), lambda ev: None)
+        j.cell, j.state = cell, state
+        jobs.append(j)
+    held = {j.id: model.tokens(j.cell) for j in jobs}
+    w._active = list(jobs)
+    w._compact()
+    assert [j.cell for j in jobs] == [0, 2, 1]
+    assert all(model.tokens(j.cell) == held[j.id] for j in jobs)

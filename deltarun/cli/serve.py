@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from pathlib import Path
 
 import click
@@ -18,6 +19,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail early, in one line, when the address cannot be listened on (uvicorn would say it later)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise DeltarunError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise DeltarunError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
 @click.command()
@@ -61,6 +77,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     path = resolve_model(model)
     if not path.is_file():
         raise DeltarunError(f"{path}: no such model file")
+    check_port(host, port)
     if not is_loopback(host):
         click.secho(f"warning: listening on {host}: anyone who can reach this address can use the model"
                     + ("" if api_key else " (no --api-key set)"), fg="yellow", err=True)

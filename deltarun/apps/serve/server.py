@@ -92,7 +92,10 @@ def serve_forever(open_model: Callable[[], Any], s: ServeSettings, host: str, po
         worker.ready.wait()
         if worker.load_error is not None:
             server.should_exit = True
-        elif on_ready is not None:
+            return
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started and on_ready is not None:
             on_ready()
 
     threading.Thread(target=watch, daemon=True).start()

@@ -11,9 +11,10 @@ the model. The worker loops over steps; each step
    the streams' inter-token latency stays within about (1 + STALL_FACTOR) x what it is without
    the prefill;
 3. decodes one token for every generating job: their last tokens go into one ubatch
-   (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when a
-   finished job left a hole, the highest running sequence is first moved into it with
-   `PromptCache.swap`), then each job samples its next token.
+   (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when
+   they are not consecutive, because a finished job left a hole or a job reading its prompt sits
+   between them, the running sequences are first rearranged with `PromptCache.swap`), then each
+   job samples its next token.
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
@@ -328,15 +329,22 @@ class Worker:
 
     # --- decoding ----------------------------------------------------------------------------------
     def _compact(self) -> None:
-        """Move running jobs into the lowest cells, so the decoding ones form one run."""
-        n = len(self._active)
-        holes = sorted(set(range(n)) - {j.cell for j in self._active})
-        movers = sorted((j for j in self._active if j.cell >= n), key=lambda j: -j.cell)
-        for job, hole in zip(movers, holes):
-            self.cache.swap(job.cell, hole)
-            job.cell = hole
+        """Move the running jobs into the lowest cells, generating ones first (by cell), then the
+        ones still reading their prompt (in admission order), so the generating ones form one run
+        and the next to finish its prompt joins its end."""
+        order = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.cell) + \
+            [j for j in self._active if j.state != "decode"]
+        for target, job in enumerate(order):
+            if job.cell == target:
+                continue
+            src = job.cell
+            other = next((j for j in self._active if j.cell == target), None)
+            self.cache.swap(src, target)
+            job.cell = target
+            if other is not None:
+                other.cell = src
             if self.trace is not None:
-                self.trace.append(("move", job.id, hole))
+                self.trace.append(("move", job.id, target))
 
     def _decode(self, jobs: list[Job]) -> None:
         cells = sorted(j.cell for j in jobs if j.pending is not None)
