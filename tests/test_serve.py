@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -33,7 +34,8 @@ RS_SLOTS = 4
 
 def _server(path, parallel: int = 4, **settings) -> ServeHandle:
     ctx = settings.pop("n_ctx", N_CTX)
-    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=RS_SLOTS,
+    rs = max(RS_SLOTS, settings.get("draft_max", 0) + 1)
+    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=rs,
                                        n_threads=1),
                        ServeSettings(parallel=parallel, **settings))
 
@@ -262,9 +264,9 @@ def test_error_api_key(model_path):
 
 
 def test_error_queue_full(model_path):
-    with _server(model_path, parallel=1, max_queue=1) as h:
+    with _server(model_path, parallel=1, max_queue=1, n_ctx=8192) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        long = dict(max_tokens=400, ignore_eos=True, stream=True)
+        long = dict(max_tokens=8000, ignore_eos=True, stream=True)      # still running when the others come
         first = _ask(c, [{"role": "user", "content": "one"}], **long)
         next(iter(first))                                      # running: the slot is taken
         second = _ask(c, [{"role": "user", "content": "two"}], **long)   # waits in the queue
@@ -291,9 +293,16 @@ def test_greedy_same_alone_and_among_others(model_path):
         for info in h.worker.cache.cells:
             info.checkpoints.clear()
         calls_before = h.worker.model.stats.n_eval_calls
+        gate, admit = threading.Event(), h.worker._admit
+        h.worker._admit = lambda job: (gate.wait(60), admit(job))   # hold admissions until all 8 wait
         with cf.ThreadPoolExecutor(8) as pool:
-            together = list(pool.map(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
-                                     prompts))
+            futures = [pool.submit(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
+                                   p) for p in prompts]
+            deadline = time.monotonic() + 60
+            while sum(h.worker.counts) < 7 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            together = [f.result() for f in futures]
         n_calls = h.worker.model.stats.n_eval_calls - calls_before
     assert together == alone
     # 8 x 12 tokens: decoding shares ubatches (one per step when the cells are consecutive)
@@ -320,7 +329,7 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
     keep decoding in one ubatch, with the same greedy tokens as alone."""
     with _server(model_path, parallel=3) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        kw = dict(max_tokens=40, ignore_eos=True, stream=True)
+        kw = dict(max_tokens=300, ignore_eos=True, stream=True)
         streams = []
         for i in range(3):
             streams.append(_ask(c, [{"role": "user", "content": f"stream {i} here"}], **kw))
@@ -329,7 +338,7 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
         streams[1].close()                                  # the middle one goes away
         texts = {i: "".join(ch.choices[0].delta.content or "" for ch in streams[i] if ch.choices) for i in (0, 2)}
         h.worker.trace = None
-        alone = {i: _ask(c, [{"role": "user", "content": f"stream {i} here"}], max_tokens=40,
+        alone = {i: _ask(c, [{"role": "user", "content": f"stream {i} here"}], max_tokens=300,
                          ignore_eos=True) for i in (0, 2)}
     moves = [t for t in trace if t[0] == "move"]
     assert moves, trace
@@ -341,10 +350,32 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
         assert texts[i] and texts[i] in alone[i].choices[0].message.content
 
 
+def test_ngram_drafts_keep_greedy_output(tiny_model_path):
+    """--draft ngram on a model that repeats its input: drafts get accepted, the text is unchanged."""
+    echo = tiny_model_path("tiny-echo", "f32")
+    msgs = [{"role": "user", "content": "one two three four five six seven eight one two three four five"}]
+    with _server(echo, parallel=2) as plain:
+        c = openai.OpenAI(base_url=plain.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        want = _ask(c, msgs, max_tokens=40)
+    with _server(echo, parallel=2, draft="ngram", draft_max=3) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        h.worker.trace = trace = []
+        got = _ask(c, msgs, max_tokens=40)
+        h.worker.trace = None
+        sampled = _ask(c, msgs, max_tokens=30, temperature=0.8, seed=9)     # sampled drafts: min(1, p/q)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    verify = [t for t in trace if t[0] == "verify"]
+    assert verify and sum(t[3] for t in verify) > 0          # some drafts were accepted
+    assert len(verify) < got.usage.completion_tokens          # fewer target steps than tokens
+    assert 0 < sampled.usage.completion_tokens <= 30
+
+
 def test_disconnect_frees_the_slot(model_path):
-    with _server(model_path, parallel=1) as h:
+    LONG = 8192      # more tokens than a disconnect takes to notice, on any machine
+    with _server(model_path, parallel=1, n_ctx=LONG) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-        stream = _ask(c, [{"role": "user", "content": "go on forever"}], max_tokens=900, ignore_eos=True, stream=True)
+        stream = _ask(c, [{"role": "user", "content": "go on forever"}], max_tokens=LONG - 100, ignore_eos=True, stream=True)
         it = iter(stream)
         next(it), next(it)
         stream.close()
@@ -353,23 +384,23 @@ def test_disconnect_frees_the_slot(model_path):
             time.sleep(0.05)
         assert h.worker.counts == (0, 0)
         generated = h.worker.model.n_past(0)
-        assert generated < 300          # cancelled long before its 900 tokens
+        assert generated < LONG - 100          # cancelled before its tokens were all generated
         assert _ask(c, [{"role": "user", "content": "next"}], max_tokens=2).usage.completion_tokens <= 2
         # a non-streaming client that gives up is noticed too (the handler polls the connection)
         with pytest.raises(httpx.ReadTimeout):
             _post(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "wait for me"}],
-                                              "max_tokens": 900, "ignore_eos": True}, timeout=1.5)
+                                              "max_tokens": LONG - 100, "ignore_eos": True}, timeout=1.5)
         deadline = time.monotonic() + 20
         while h.worker.counts[0] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert h.worker.counts == (0, 0) and h.worker.model.n_past(0) < 300
+        assert h.worker.counts == (0, 0) and h.worker.model.n_past(0) < LONG - 100
 
 
 def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port),
-                             "--parallel", "2", "--ctx", "2048", "--threads", "1"], stderr=subprocess.PIPE, env=env)
+                             "--parallel", "2", "--ctx", "8192", "--threads", "1"], stderr=subprocess.PIPE, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -384,7 +415,7 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
             pytest.fail("server did not come up")
         lines = []
         with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000, "ignore_eos": True,
                 "stream": True}) as r:
             for ln in r.iter_lines():
                 if ln:

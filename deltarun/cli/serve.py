@@ -42,12 +42,17 @@ def is_loopback(host: str) -> bool:
 @click.option("--max-body", type=click.IntRange(min=1), default=8, show_default=True, metavar="MiB",
               help="Largest request body accepted.")
 @click.option("--alias", default=None, help="Model id reported by /v1/models [default: the file name].")
+@click.option("--draft", type=click.Choice(["ngram"]), default=None,
+              help="Speculative decoding with prompt-lookup drafts while a single request is generating "
+                   "(several requests decode together instead); greedy output is unchanged.")
+@click.option("--draft-max", type=click.IntRange(min=1, max=64), default=8, show_default=True,
+              help="Most drafted tokens per verification (raises --rs-slots to N+1).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True)
 @model_options
 def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: int, api_key: str | None,
           max_queue: int, chunk: int | None, checkpoint_every: int, max_body: int, alias: str | None,
-          log_level: str, **opts: object) -> None:
+          draft: str | None, draft_max: int, log_level: str, **opts: object) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     try:
         from deltarun.apps.serve.server import ServeSettings, serve_forever
@@ -59,9 +64,12 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     if not is_loopback(host):
         click.secho(f"warning: listening on {host}: anyone who can reach this address can use the model"
                     + ("" if api_key else " (no --api-key set)"), fg="yellow", err=True)
+    if draft is not None:      # a rejected draft is rolled back within the recurrent-state slots
+        opts["rs_slots"] = max(int(opts["rs_slots"]), draft_max + 1)
+        opts["batch"] = max(int(opts["batch"]), draft_max + 1)
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
                              chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
-                             max_body_mib=max_body, model_name=alias or path.name)
+                             max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max)
 
     def load():
         return open_model(path, n_seq_max=parallel, quiet=True, **opts)

@@ -39,6 +39,8 @@ class ServeSettings:
     checkpoint_every: int = 1024
     max_body_mib: int = 8
     model_name: str = "deltarun"
+    draft: str | None = None          # "ngram": prompt-lookup drafts for a lone decoding sequence
+    draft_max: int = 8
 
 
 def _eog_ids(model: Any) -> list[int]:
@@ -51,7 +53,8 @@ def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerS
     """The Starlette app and its state (the worker is not started yet)."""
     worker = Worker(open_model, s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
                     chunk=s.chunk, checkpoint_every=s.checkpoint_every, metrics=Metrics(),
-                    grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)))
+                    grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)),
+                    draft=s.draft, draft_max=s.draft_max)
 
     def make_builder(w: Worker) -> PromptBuilder:
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)

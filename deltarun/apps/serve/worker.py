@@ -104,7 +104,8 @@ class Job:
 class Worker:
     def __init__(self, open_model: Callable[[], Any], n_parallel: int, *, max_queue: int = 64,
                  cache_bytes: int = 2 << 30, chunk: int = 512, checkpoint_every: int = 1024,
-                 metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None):
+                 metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None,
+                 draft: str | None = None, draft_max: int = 8):
         self._open_model = open_model
         self.n_parallel = n_parallel
         self.max_queue = max_queue
@@ -115,6 +116,13 @@ class Worker:
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
         self._grammar_factory = grammar_factory
+        if draft not in (None, "ngram"):
+            raise ValueError(f"the server drafts with 'ngram' only, not {draft!r}")
+        from deltarun.apps.speculative import NgramDraft
+
+        self.draft = NgramDraft() if draft == "ngram" else None   # stateless: shared by every job
+        self.draft_max = draft_max
+        self.n_drafted = self.n_accepted = 0
         self.grammars: Any = None
         self.model: Any = None
         self.cache: PromptCache | None = None
@@ -340,6 +348,9 @@ class Worker:
                     self._fail(j, _server_error(e))
                 return
         jobs = sorted((j for j in jobs if j.pending is not None and j.state == "decode"), key=lambda j: j.cell)
+        if len(jobs) == 1 and self._can_speculate(jobs[0]):
+            self._guard(jobs[0], self._speculate)
+            return
         runs: list[list[Job]] = []
         for j in jobs:
             if runs and runs[-1][-1].cell + 1 == j.cell:
@@ -399,16 +410,20 @@ class Worker:
 
     def _advance(self, job: Job, logits: np.ndarray) -> None:
         """Sample the job's next token, stream it, and decide whether the job goes on."""
-        p, model = job.params, self.model
         if job.cancelled:
             self._release(job)
             return
         token, info = self._pick(job, logits)
+        self._take(job, token, info)
+
+    def _take(self, job: Job, token: int, info: dict[str, Any] | None) -> bool:
+        """Stream one sampled token; True when the job goes on (the token is then `pending`)."""
+        p, model = job.params, self.model
         if job.t_first == 0.0:
             job.t_first = time.perf_counter()
         if model.tokenizer.is_eog(token) and not p.req.ignore_eos:
             self._finish(job, "stop")
-            return
+            return False
         job.generated.append(token)
         job.history.append(token)
         job.counts[token] += 1
@@ -424,8 +439,48 @@ class Worker:
             job.emit(Event(delta=delta, logprobs=[info] if info is not None else None))
         if reason is not None:
             self._finish(job, reason)
-        else:
-            job.pending = token
+            return False
+        job.pending = token
+        return True
+
+    # --- speculative decoding ------------------------------------------------------------------------
+    def _can_speculate(self, job: Job) -> bool:
+        """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
+        r = job.params.req
+        return (self.draft is not None and job.constraint is None and not r.logprobs and not r.logit_bias
+                and not r.presence_penalty and not r.frequency_penalty and not r.ignore_eos)
+
+    def _speculate(self, job: Job) -> None:
+        """One verification ubatch for a lone decoding job: its pending token plus up to draft_max
+        prompt-lookup drafts; the longest agreeing prefix is kept, the rest rolled back (greedy
+        output is the same as without drafts)."""
+        from deltarun.apps.speculative import Draft, _accept
+
+        model = self.model
+        if job.cancelled:
+            self._release(job)
+            return
+        k_max = min(self.draft_max, model.rs_slots - 1)
+        room = model.n_ctx - model.n_past(job.cell) - 1
+        k = max(0, min(k_max, job.params.max_tokens - len(job.generated) - 1, room))
+        proposal = self.draft.propose(job.history, k, job.sampler) if k else Draft([], [])
+        t0 = time.perf_counter()
+        out = model.eval([job.pending] + proposal.tokens, job.cell, all_logits=True)
+        n_ok, nxt = _accept(job.sampler, out, proposal, job.history)
+        if len(proposal.tokens) > n_ok:
+            model.rollback(len(proposal.tokens) - n_ok, job.cell)
+        self.metrics.decode_step(n_ok + 1, time.perf_counter() - t0)
+        self.n_drafted += len(proposal.tokens)
+        self.n_accepted += n_ok
+        if self.trace is not None:
+            self.trace.append(("verify", job.id, len(proposal.tokens), n_ok))
+        job.pending = None
+        kept = proposal.tokens[:n_ok] + [nxt]
+        for i, t in enumerate(kept):
+            if not self._take(job, t, None):
+                return
+            if i < len(kept) - 1:
+                job.pending = None           # a kept draft: already evaluated
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
