@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -290,12 +291,12 @@ class Qwen3NextLM(nn.Module):
         x, balance = self.mtp_block(x, torch.arange(x.shape[1]))
         return rms_norm(x, self.mtp_shared_head_norm, eps) @ self.output.T, balance
 
-    def gguf_tensors(self) -> dict[str, "numpy.ndarray"]:  # noqa: F821
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
         """Float32 numpy weights under their GGUF names, in the converter's stored conventions."""
         return {k: v.detach().to(torch.float32).numpy().copy() for k, v in self._gguf_parameters().items()}
 
     @torch.no_grad()
-    def load_gguf_tensors(self, tensors: dict) -> None:
+    def load_gguf_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """Set every parameter from GGUF-named arrays (e.g. a file's dequantised weights)."""
         params = self._gguf_parameters()
         if set(params) != set(tensors):
