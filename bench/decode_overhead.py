@@ -35,9 +35,9 @@ def main() -> None:
 
     path = args.model
     if path is None:
-        from deltarun.model_files.generate import ensure_default_model
+        from deltarun.model_files.generate import ensure_tiny_model
 
-        path = ensure_default_model()
+        path = ensure_tiny_model()
 
     compute_s: list[float] = []
     raw = ggml.ggml_backend_sched_graph_compute

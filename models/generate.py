@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.vocab import VOCABS, tiny_vocab
+from deltarun.model_files.vocab import VOCABS, TinyVocab, tiny_vocab
 
 ARCH = "qwen3next"
 
@@ -249,13 +249,22 @@ def write_model(path: str | Path, config: ModelConfig | str = "tiny", wtype: str
         raise ValueError(f"unknown vocabulary {cfg.vocab!r}; choose from {', '.join(VOCABS)}")
     vocab = tiny_vocab() if cfg.vocab == "tiny" else VOCABS[cfg.vocab]()
     tensors = model_tensors(cfg, len(vocab.tokens), seed)
+    return write_gguf(path, cfg, tensors, vocab, wtype, name or f"deltarun synthetic qwen3next {wtype}")
+
+
+def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], vocab: TinyVocab, wtype: str,
+               name: str, extra: dict[str, str] | None = None) -> Path:
+    """Write float32 `tensors` (GGUF names, numpy order) with `cfg`'s metadata and `vocab` as a
+    converted Qwen3-Next file of weight type `wtype`; `extra` adds string keys (general.*)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
 
     w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_name(name or f"deltarun synthetic qwen3next {wtype}")
+    w.add_name(name)
     w.add_file_type(_FILE_TYPES[wtype])
+    for key, value in (extra or {}).items():
+        w.add_string(key, value)
     w.add_block_count(cfg.n_layer + cfg.n_mtp)
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
@@ -306,8 +315,26 @@ def write_model(path: str | Path, config: ModelConfig | str = "tiny", wtype: str
     return path
 
 
+#: The built-in model: a small Qwen3-Next with an MTP block trained on Shakespeare by
+#: `models/train` (see `models/shakespeare-qwen3next.md`), shipped beside this module.
+BUILTIN_MODEL = "shakespeare-qwen3next-q8_0.gguf"
+
+
 def default_model_path() -> Path:
-    """Where the default tiny model lives: beside this module if writable, else the user cache."""
+    """The built-in trained model that commands use when given no model."""
+    return Path(__file__).resolve().parent / BUILTIN_MODEL
+
+
+def ensure_default_model() -> Path:
+    """The built-in trained model (shipped, never generated); FileNotFoundError if it is missing."""
+    path = default_model_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"the built-in model {path} is missing from this installation")
+    return path
+
+
+def tiny_model_path() -> Path:
+    """Where the random tiny Q8_0 model lives: beside this module if writable, else the user cache."""
     here = Path(__file__).resolve().parent
     import os
 
@@ -317,9 +344,10 @@ def default_model_path() -> Path:
     return cache / "tiny-q8_0.gguf"
 
 
-def ensure_default_model() -> Path:
-    """The default tiny model, generated on first use."""
-    path = default_model_path()
+def ensure_tiny_model() -> Path:
+    """The random tiny Q8_0 model (preset `tiny`), generated on first use: exact shapes for tests
+    and overhead benchmarks."""
+    path = tiny_model_path()
     if not path.exists():
         write_model(path, "tiny", "q8_0")
     return path

@@ -59,5 +59,5 @@ def tiny_model_path(tiny_model_dir: Path) -> TinyModelPath:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_path: TinyModelPath) -> Path:
-    """The default test model: preset tiny, Q8_0 (the same as the built-in default model)."""
+    """The default test model: preset tiny, Q8_0 (random weights, exact shapes; not the built-in trained model)."""
     return tiny_model_path("tiny", "q8_0")

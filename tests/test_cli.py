@@ -100,17 +100,17 @@ def test_generate_stops_when_the_context_is_full(tiny_model):
     assert "context full" in r.stderr
 
 
-def test_generate_without_a_model_uses_the_built_in_one(tmp_path, monkeypatch, tiny_model):
-    target = tmp_path / "default" / "tiny-q8_0.gguf"
-    monkeypatch.setattr(gen, "default_model_path", lambda: target)
+def test_generate_without_a_model_uses_the_built_in_one():
+    target = gen.default_model_path()
     first = ok("generate", "-p", PROMPT, "-n", "6", "--temp", "0", *FAST)
-    assert target.is_file()
-    assert "no model given" in first.stderr and "writing" in first.stderr and str(target) in first.stderr
-    second = ok("generate", "-p", PROMPT, "-n", "6", "--temp", "0", *FAST)
-    assert "using the built-in tiny test model" in second.stderr
-    assert first.stdout == second.stdout
-    # the built-in model is the tiny Q8_0 preset
-    assert target.read_bytes() == Path(tiny_model).read_bytes()
+    assert "no model given: using the built-in model" in first.stderr and str(target) in first.stderr
+    assert first.stdout == ok("generate", target, "-p", PROMPT, "-n", "6", "--temp", "0", *FAST).stdout
+
+
+def test_a_missing_built_in_model_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(gen, "default_model_path", lambda: tmp_path / "gone.gguf")
+    r = run("generate", "-p", PROMPT, "-n", "2", *FAST)
+    assert r.exit_code != 0 and "built-in model" in r.output and "missing" in r.output
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -272,8 +272,8 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
 
     On a terminal this is an interactive prompt with line editing and history. Otherwise stdin is
     read one message (or /command) per line, or as a single message with --single, and the
-    answers are printed one after the other. Without MODEL the built-in tiny test model (random
-    weights) is used.
+    answers are printed one after the other. Without MODEL the built-in model (a small Qwen3-Next
+    trained on Shakespeare) is used.
     """
     from deltarun.apps.chat import ChatSession
     from deltarun.runner.chat_template import ChatTemplate
@@ -294,7 +294,7 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
         lines = itertools.chain([first], stdin)
     params = sampling_params(**opts)
     if interactive:
-        _err(f"loading {model or 'the built-in tiny model'} ...")
+        _err(f"loading {model or 'the built-in model'} ...")
     t_load = time.perf_counter()
     m, source = open_with_draft(model, draft, draft_max, **opts)
     with m:

@@ -49,7 +49,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
              draft: str | None, draft_max: int, vs_plain: bool, **opts: object) -> None:
     """Continue a prompt with MODEL.gguf and stream the text to stdout.
 
-    Without MODEL the built-in tiny test model (random weights) is used: it is written on first use.
+    Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
     Timings go to stderr at the end, like llama.cpp's.
     """
     from deltarun.runner.generation import GenerationStats, generate_tokens

@@ -47,7 +47,7 @@ def _apply(f: F, decorators: list[Callable[[F], F]]) -> F:
 
 
 def model_argument(required: bool = False) -> Callable[[F], F]:
-    """The MODEL.gguf argument; when optional, a missing model means the built-in tiny one."""
+    """The MODEL.gguf argument; when optional, a missing model means the built-in trained one."""
     return click.argument("model", required=required, metavar="[MODEL]" if not required else "MODEL",
                           type=click.Path(dir_okay=False, path_type=Path))
 
@@ -130,7 +130,8 @@ def sampling_params(temp: float = _DEFAULTS.temperature, top_k: int = _DEFAULTS.
 
 
 def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
-    """The model path to open: the one given, or the built-in tiny model (written on first use).
+    """The model path to open: the one given, or the built-in model (a small Qwen3-Next trained on
+    Shakespeare, shipped with deltarun).
 
     Using the built-in model is announced on stderr unless `quiet`.
     """
@@ -140,15 +141,12 @@ def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
 
     path = gen.default_model_path()
     if not quiet:
-        if path.exists():
-            click.echo(f"no model given: using the built-in tiny test model {path} (random weights)", err=True)
-        else:
-            click.echo(f"no model given: writing the built-in tiny test model to {path} (random weights)",
-                       err=True)
+        click.echo(f"no model given: using the built-in model {path} (a small Qwen3-Next trained on Shakespeare)",
+                   err=True)
     try:
         return gen.ensure_default_model()
     except OSError as e:
-        raise DeltarunError(f"cannot write the built-in tiny model to {path}: {e}") from e
+        raise DeltarunError(f"cannot open the built-in model: {e}") from e
 
 
 def check_backends(names: list[str]) -> None:
@@ -176,7 +174,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
                mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, **_other: Any):
-    """Open `model` (or the built-in tiny model when None) with the model options' values."""
+    """Open `model` (or the built-in model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
     path = resolve_model(model, quiet=quiet)

@@ -20,7 +20,7 @@ def _fmt(x: float, digits: int = 4) -> str:
 
 
 @click.command("perplexity")
-@model_argument(required=True)
+@model_argument()
 @click.option("--file", "-f", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="UTF-8 text to score (optional when --kl-base names an existing file).")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Score at most this many windows.")
@@ -29,7 +29,7 @@ def _fmt(x: float, digits: int = 4) -> str:
 @click.option("--output", "-o", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="Report format on stdout.")
 @model_options
-def perplexity(model: Path, file: Path | None, chunks: int | None, kl_base: Path | None, output: str,
+def perplexity(model: Path | None, file: Path | None, chunks: int | None, kl_base: Path | None, output: str,
                **opts: Any) -> None:
     """Perplexity of MODEL.gguf over a text, in windows of --ctx tokens (like llama.cpp's).
 
@@ -37,6 +37,7 @@ def perplexity(model: Path, file: Path | None, chunks: int | None, kl_base: Path
     values and the final estimate (with its error) go to stdout, a progress bar to stderr.
     --kl-base compares against saved log-probs of a reference run (another quantisation,
     backend or build): mean/max KL divergence, top-1 agreement and the PPL ratio.
+    Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
     """
     from deltarun.apps.perplexity import PerplexityResult, iter_perplexity, prepare_windows, tokenize_text
 

@@ -1,0 +1,88 @@
+"""Speculative decoding on the built-in trained model: acceptance and tokens/s per draft setting.
+
+    python bench/speculative_trained.py [--model PATH] [--threads 2] [-n 128] [--repeats 2]
+
+For each prompt, greedy decoding of n tokens plain, then with `--draft mtp` and `--draft ngram` at
+draft-max 1..6 (rollback slots = draft-max + 1, as the CLI opens them). Every speculative run must
+give the plain run's tokens (checked). Reports generated tokens/s (median over prompts and repeats), the share
+of drafted tokens accepted, tokens per verification step, and the speed-up over plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from deltarun.apps.speculative import MtpDraft, NgramDraft, SpeculativeStats, speculative_tokens
+from deltarun.runner.generation import GenerationStats, generate_tokens
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import GREEDY, Sampler
+
+PROMPTS = [
+    "HAMLET.\nTo be, or not to be, that is the question:\n",
+    "<|im_start|>user\nWhat news from the court, my lord?<|im_end|>\n<|im_start|>assistant\n",
+    "KING.\nNow, good my lords, what say you to this war?\n\n",
+]
+
+
+def run(path: Path, prompt: str, n: int, threads: int, draft: str | None, draft_max: int) -> tuple[list[int], object]:
+    with Model(path, n_ctx=1024, n_threads=threads, rs_slots=draft_max + 1 if draft else 1,
+               n_batch=512, mtp=draft == "mtp") as m:
+        toks = m.tokenizer.encode(prompt)
+        if draft is None:
+            stats = GenerationStats()
+            out = list(generate_tokens(m, toks, n, Sampler(GREEDY), stats=stats, stop_at_eog=False))
+        else:
+            source = MtpDraft(m) if draft == "mtp" else NgramDraft()
+            stats = SpeculativeStats()
+            out = list(speculative_tokens(m, toks, n, Sampler(GREEDY), source, draft_max, stats=stats,
+                                          stop_at_eog=False))
+            source.close()
+    return out, stats
+
+
+def main() -> None:
+    from deltarun.model_files.generate import ensure_default_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-draft", type=int, default=6)
+    args = ap.parse_args()
+    path = args.model or ensure_default_model()
+    settings = [(None, 0)] + [(d, k) for d in ("mtp", "ngram") for k in range(1, args.max_draft + 1)]
+    plain_tokens: dict[int, list[int]] = {}
+    results: dict[tuple, dict[str, list[float]]] = {s: {"tps": [], "acc": [], "per_step": []} for s in settings}
+    for _ in range(args.repeats):      # settings interleaved, so load changes hit them alike
+        for draft, k in settings:
+            for i, prompt in enumerate(PROMPTS):
+                out, st = run(path, prompt, args.n, args.threads, draft, k)
+                if draft is None:
+                    plain_tokens[i] = out
+                elif out != plain_tokens[i]:
+                    sys.exit(f"{draft} draft-max {k}: greedy output differs from plain decoding on prompt {i}")
+                r = results[(draft, k)]
+                r["tps"].append(st.generate_tps)
+                if draft:
+                    r["acc"].append(st.acceptance)
+                    r["per_step"].append(st.tokens_per_step)
+    rows = []
+    for (draft, k), r in results.items():
+        rows.append((draft or "plain", k, statistics.median(r["tps"]), statistics.mean(r["acc"]) if r["acc"] else None,
+                     statistics.mean(r["per_step"]) if r["per_step"] else 1.0))
+        print(f"{rows[-1][0]:6} {k}  {rows[-1][2]:7.1f} tok/s  "
+              f"accept {'-' if rows[-1][3] is None else f'{rows[-1][3]:.2f}'}  tokens/step {rows[-1][4]:.2f}",
+              file=sys.stderr, flush=True)
+    plain = rows[0][2]
+    print("| draft | draft-max | tg tokens/s | acceptance | tokens / step | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for name, k, t, a, s in rows:
+        print(f"| {name} | {k or '-'} | {t:.1f} | {'-' if a is None else f'{a:.0%}'} | {s:.2f} | {t / plain:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

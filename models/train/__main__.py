@@ -1,0 +1,3 @@
+from deltarun.model_files.train.run import main
+
+main()
