@@ -12,7 +12,6 @@ from deltarun.apps.serve.output import OutputStream, ToolCallStream, parse_tool_
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, parse_chat, parse_completion
 from deltarun.cli.serve import is_loopback
-from deltarun.runner import seq_state
 from deltarun.runner.model import Model
 
 
@@ -122,33 +121,33 @@ def model(tiny_model_path):
         yield m
 
 
-def test_seq_state_copies_move_a_sequence_between_cells(model):
+def test_memory_cell_copies_move_a_sequence_between_cells(model):
     """KV rows + recurrent state copied from cell 0 into cell 2 continue exactly like cell 0."""
     model.reset()
     prompt = list(range(40, 80))
     model.eval(prompt, seq=0)
-    kv = seq_state.read_kv(model, 0, len(prompt))
-    rec = seq_state.read_recurrent(model, 0)
-    seq_state.write_kv(model, 2, kv)
-    seq_state.write_recurrent(model, 2, rec)
-    seq_state.set_tokens(model, 2, prompt)
+    kv = model.memory.read_kv(0, len(prompt))
+    rec = model.memory.read_recurrent(0)
+    model.memory.write_kv(2, kv)
+    model.memory.write_recurrent(2, rec)
+    model.memory.set_tokens(2, prompt)
     a = model.eval([7, 8, 9], seq=0, all_logits=True)
     b = model.eval([7, 8, 9], seq=2, all_logits=True)
     np.testing.assert_array_equal(a, b)
     # a shorter prefix from the same KV copy: positions 0..19 plus the state saved at 20
     model.reset()
     model.eval(prompt[:20], seq=1)
-    rec20 = seq_state.read_recurrent(model, 1)
+    rec20 = model.memory.read_recurrent(1)
     model.eval(prompt[20:], seq=1)
-    seq_state.write_kv(model, 2, kv, 20)
-    seq_state.write_recurrent(model, 2, rec20)
-    seq_state.set_tokens(model, 2, prompt[:20])
+    model.memory.write_kv(2, kv, 20)
+    model.memory.write_recurrent(2, rec20)
+    model.memory.set_tokens(2, prompt[:20])
     fresh = Model.logits_for(model, prompt[:20] + [5, 6])[-1]
-    seq_state.write_kv(model, 2, kv, 20)
-    seq_state.write_recurrent(model, 2, rec20)
-    seq_state.set_tokens(model, 2, prompt[:20])
+    model.memory.write_kv(2, kv, 20)
+    model.memory.write_recurrent(2, rec20)
+    model.memory.set_tokens(2, prompt[:20])
     np.testing.assert_allclose(model.eval([5, 6], seq=2), fresh, rtol=1e-5, atol=1e-5)
-    seq_state.clear_seq(model, 2)
+    model.memory.clear_seq(2)
     assert model.n_past(2) == 0
 
 

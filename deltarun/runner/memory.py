@@ -32,6 +32,32 @@ from deltarun.runner.ggml_util import (Tensor, ctypes, ggml, name_of, new_contex
 KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
 
 
+@dataclass(frozen=True)
+class RecurrentState:
+    """The live recurrent state of a sequence after `n_past` tokens: host bytes per layer (slot 0 of
+    the conv window and of the SSM matrix)."""
+
+    n_past: int
+    conv: dict[int, np.ndarray]
+    ssm: dict[int, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.conv.values()) + sum(a.nbytes for a in self.ssm.values())
+
+
+@dataclass(frozen=True)
+class KVRows:
+    """The KV rows of positions 0..n-1 of a sequence, per attention layer: (K rows, V channels x n)."""
+
+    n: int
+    rows: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.rows.values())
+
+
 @dataclass
 class StateCheckpoint:
     """A sequence's length, tokens and live recurrent state (host copies), see `Memory.checkpoint`."""
@@ -150,10 +176,9 @@ class Memory:
         rows need no copy: rows before the checkpoint stay untouched unless the sequence is cut
         shorter than it, which `restore` detects.
         """
-        conv = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.conv.items()}
-        ssm = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.ssm.items()}
+        state = self.read_recurrent(seq)
         st = self.seqs[seq]
-        return StateCheckpoint(seq, st.n_past, list(st.tokens), len(self.truncations), conv, ssm)
+        return StateCheckpoint(seq, st.n_past, list(st.tokens), len(self.truncations), state.conv, state.ssm)
 
     def can_restore(self, cp: StateCheckpoint) -> bool:
         """True while no rollback, restore or reset has cut the sequence below the checkpoint."""
@@ -163,12 +188,8 @@ class Memory:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
         if not self.can_restore(cp):
             raise RollbackError("the checkpoint is stale: the sequence was cut below it since it was taken")
-        for il in self.conv:
-            for t, saved in ((self.conv[il], cp.conv[il]), (self.ssm[il], cp.ssm[il])):
-                ggml.ggml_backend_tensor_set(t, saved.ctypes.data, cp.seq * t.contents.nb[1], saved.nbytes)
-        st = self.seqs[cp.seq]
-        st.n_past, st.tokens, st.last_ubatch, st.rolled_back = cp.n_past, list(cp.tokens), 0, 0
-        self.truncations.append((cp.seq, cp.n_past))
+        self.write_recurrent(cp.seq, RecurrentState(cp.n_past, cp.conv, cp.ssm))
+        self.set_tokens(cp.seq, cp.tokens)
 
     def rollback(self, n_tokens: int, seq: int = 0) -> None:
         """Drop the last n_tokens of a sequence: the KV rows are forgotten (masked, then
@@ -211,6 +232,71 @@ class Memory:
         d.n_past, d.tokens, d.last_ubatch, d.rolled_back = s.n_past, list(s.tokens), 0, 0
         self.truncations.append((dst, 0))
 
+    # --- one cell's state on the host (a server moves conversations between cells and host RAM) ---
+    # Layout: K holds one row per (cell, position) at row cell * n_ctx + position; V is stored
+    # transposed, one row of n_ctx positions per (cell, channel); a cell's conv state is one row of
+    # the conv tensor; slot 0 of a cell's SSM state is nb[1] bytes at cell * nb[1]. Everything goes
+    # through ggml_backend_tensor_get/set, so it works on any backend.
+    def read_recurrent(self, seq: int) -> RecurrentState:
+        """Host copy of the live recurrent state of `seq`."""
+        conv = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.conv.items()}
+        ssm = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.ssm.items()}
+        return RecurrentState(self.seqs[seq].n_past, conv, ssm)
+
+    def write_recurrent(self, seq: int, state: RecurrentState) -> None:
+        """Make `state` the live recurrent state of `seq` (any cell of the same model)."""
+        for il in self.conv:
+            for t, saved in ((self.conv[il], state.conv[il]), (self.ssm[il], state.ssm[il])):
+                self._write_bytes(t, saved, seq * t.contents.nb[1])
+
+    def read_kv(self, seq: int, n: int) -> KVRows:
+        """Host copy of the KV rows of positions 0..n-1 of `seq`."""
+        rows = {}
+        for il in self.k:
+            k, v = self.k[il], self.v[il]
+            k_row, v_row = k.contents.nb[1], v.contents.nb[1]       # V row: one channel, n_ctx positions
+            width = int(v.contents.ne[1]) // self.n_cells
+            block = self._read_bytes(v, seq * width * v_row, width * v_row).reshape(width, v_row)
+            elem = v_row // self.n_ctx
+            rows[il] = (self._read_bytes(k, seq * self.n_ctx * k_row, n * k_row), block[:, :n * elem].copy())
+        return KVRows(n, rows)
+
+    def write_kv(self, seq: int, kv: KVRows, n: int | None = None) -> None:
+        """Write the first n (default all) saved positions of `kv` into cell `seq`."""
+        n = kv.n if n is None else n
+        if n > kv.n:
+            raise ValueError(f"only {kv.n} positions saved, {n} asked")
+        for il, (k_part, v_part) in kv.rows.items():
+            k, v = self.k[il], self.v[il]
+            k_row, v_row = k.contents.nb[1], v.contents.nb[1]
+            self._write_bytes(k, k_part[:n * k_row], seq * self.n_ctx * k_row)
+            width = int(v.contents.ne[1]) // self.n_cells
+            elem = v_row // self.n_ctx
+            for ch in range(width):                    # the first n positions of each channel's row
+                self._write_bytes(v, v_part[ch, :n * elem], (seq * width + ch) * v_row)
+
+    def set_tokens(self, seq: int, tokens: list[int]) -> None:
+        """Set the bookkeeping of `seq` to hold `tokens` (its state must already match them).
+
+        Nothing can be rolled back afterwards; checkpoints of the cell taken at a greater length
+        become stale (the truncation log says so).
+        """
+        st = self.seqs[seq]
+        st.n_past, st.tokens, st.last_ubatch, st.rolled_back = len(tokens), list(tokens), 0, 0
+        self.truncations.append((seq, len(tokens)))
+
+    def clear_seq(self, seq: int) -> None:
+        """Forget sequence `seq` only: zero recurrent state (every slot) and no tokens."""
+        for il in self.conv:
+            row = self.conv[il].contents.nb[1]
+            self._write_bytes(self.conv[il], np.zeros(row, dtype=np.uint8), seq * row)
+            ssm = self.ssm[il]
+            cell, slot = ssm.contents.nb[1], ssm.contents.nb[2]
+            zeros = np.zeros(cell, dtype=np.uint8)
+            for r in range(self.rs_slots):
+                self._write_bytes(ssm, zeros, r * slot + seq * cell)
+        self.set_tokens(seq, [])
+
     def _restore_slot(self, r: int, seq: int) -> None:
         """Make slot r the live state of `seq`: copy slot r into slot 0 for every linear layer.
 
@@ -230,8 +316,15 @@ class Memory:
     @staticmethod
     def _read_bytes(t: Tensor, offset: int, size: int) -> np.ndarray:
         buf = np.empty(size, dtype=np.uint8)
-        ggml.ggml_backend_tensor_get(t, buf.ctypes.data, offset, size)
+        if size:
+            ggml.ggml_backend_tensor_get(t, buf.ctypes.data, offset, size)
         return buf
+
+    @staticmethod
+    def _write_bytes(t: Tensor, data: np.ndarray, offset: int) -> None:
+        if data.nbytes:
+            data = np.ascontiguousarray(data)
+            ggml.ggml_backend_tensor_set(t, data.ctypes.data, offset, data.nbytes)
 
     @classmethod
     def _copy_bytes(cls, t: Tensor, src: int, dst: int, size: int) -> None:

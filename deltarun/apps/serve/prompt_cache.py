@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 
 from deltarun.apps.chat import common_prefix_length
-from deltarun.runner.seq_state import (KVRows, RecurrentState, clear_seq, read_kv, read_recurrent,
-                                       set_tokens, write_kv, write_recurrent)
+from deltarun.runner.memory import KVRows, RecurrentState
 
 
 @dataclass
@@ -159,7 +158,7 @@ class PromptCache:
         if r.how in ("fresh", "host") and model.n_past(cell) > 0:
             self._evict(cell)
         if r.how == "fresh":
-            clear_seq(model, cell)
+            model.memory.clear_seq(cell)
             self.cells[cell] = CellInfo()
         elif r.how == "live":
             pass
@@ -170,14 +169,14 @@ class PromptCache:
             if r.pos < info.answer_start:          # a branch or another conversation: keep the old one too
                 self._evict(cell, keep_cell=True)
             tokens = model.tokens(cell)[:r.pos]
-            write_recurrent(model, cell, r.checkpoint.state)
-            set_tokens(model, cell, tokens)
+            model.memory.write_recurrent(cell, r.checkpoint.state)
+            model.memory.set_tokens(cell, tokens)
             info.truncate(r.pos)
         elif r.how == "host":
             e = r.entry
-            write_kv(model, cell, e.kv, r.pos)
-            write_recurrent(model, cell, r.checkpoint.state)
-            set_tokens(model, cell, e.tokens[:r.pos])
+            model.memory.write_kv(cell, e.kv, r.pos)
+            model.memory.write_recurrent(cell, r.checkpoint.state)
+            model.memory.set_tokens(cell, e.tokens[:r.pos])
             self.cells[cell] = CellInfo({p: c for p, c in e.checkpoints.items() if p <= r.pos},
                                         min(e.answer_start, r.pos))
             self.host.remove(e)
@@ -185,7 +184,7 @@ class PromptCache:
 
     def checkpoint(self, cell: int, logits: np.ndarray | None = None) -> None:
         """Save the live recurrent state of `cell` at its current length."""
-        cp = Checkpoint(read_recurrent(self.model, cell), None if logits is None else np.array(logits))
+        cp = Checkpoint(self.model.memory.read_recurrent(cell), None if logits is None else np.array(logits))
         self.cells[cell].checkpoints[cp.pos] = cp
         self._enforce_budget(protect=cell)
 
@@ -202,14 +201,14 @@ class PromptCache:
         """
         m = self.model
         ta, tb = m.tokens(a), m.tokens(b)
-        kva, kvb = read_kv(m, a, len(ta)), read_kv(m, b, len(tb))
-        ra, rb = read_recurrent(m, a), read_recurrent(m, b)
-        write_kv(m, a, kvb)
-        write_recurrent(m, a, rb)
-        set_tokens(m, a, tb)
-        write_kv(m, b, kva)
-        write_recurrent(m, b, ra)
-        set_tokens(m, b, ta)
+        kva, kvb = m.memory.read_kv(a, len(ta)), m.memory.read_kv(b, len(tb))
+        ra, rb = m.memory.read_recurrent(a), m.memory.read_recurrent(b)
+        m.memory.write_kv(a, kvb)
+        m.memory.write_recurrent(a, rb)
+        m.memory.set_tokens(a, tb)
+        m.memory.write_kv(b, kva)
+        m.memory.write_recurrent(b, ra)
+        m.memory.set_tokens(b, ta)
         self.cells[a], self.cells[b] = self.cells[b], self.cells[a]
 
     # --- host RAM ------------------------------------------------------------------------------
@@ -221,8 +220,8 @@ class PromptCache:
             return
         cps = dict(info.checkpoints)
         if n not in cps:
-            cps[n] = Checkpoint(read_recurrent(model, cell))
-        kv = read_kv(model, cell, n)
+            cps[n] = Checkpoint(model.memory.read_recurrent(cell))
+        kv = model.memory.read_kv(cell, n)
         entry = HostEntry(model.tokens(cell), kv, cps, info.answer_start, info.last_used)
         if self._entry_bytes(entry) > self.budget:
             return
