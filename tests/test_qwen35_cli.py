@@ -88,7 +88,7 @@ def test_perplexity_graph_and_bench_run_on_qwen35(tiny_model_path, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     for args in (["perplexity", path, "-f", text, "-c", "64", "--chunks", "1"],
-                 ["graph", path, "-n", "4"],
+                 ["graph", path, "--tokens", "4"],
                  ["bench", path, "-p", "8", "-n", "2", "-r", "1"]):
         r = run(*args)
         assert r.exit_code == 0, (args[0], r.output)

@@ -237,7 +237,15 @@ def _find_device(kind: str, index: int | None) -> DeviceInfo:
 
 def check_backend(name: str) -> str:
     """Raise the BackendError `init_backend(name)` would, without starting anything; returns the
-    kind ("cpu", "cpu-ref", "auto", "vulkan", "cuda"). Commands call it before any work."""
+    kind ("cpu", "cpu-ref", "auto", "vulkan", "cuda", "rpc"). Commands call it before any work.
+    An `rpc:HOST:PORT[,...]` name is checked for its syntax and for RPC in this build; the server
+    itself is probed when the model opens."""
+    if name.strip().lower().startswith("rpc:"):
+        from deltarun.runner import rpc
+
+        rpc.require()
+        rpc.parse_endpoints(name.strip()[4:])
+        return "rpc"
     kind, index = parse_backend_name(name)
     if kind in DEVICE_KINDS:
         _find_device(kind, index)
