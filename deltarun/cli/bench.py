@@ -116,8 +116,8 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
 
         for i in range(0, len(profiles), 2):   # pp and tg of one backend / batch / threads
             p = profiles[i]
-            click.echo(f"\nprofile: {results[0].backend if results else ''} threads {p.threads}, "
-                       "seconds per ggml op and node group (eval callback, node by node)")
+            click.echo(f"\nprofile ({p.threads} threads): seconds per ggml op and node group "
+                       "(eval callback, node by node)")
             click.echo(format_profiles(profiles[i:i + 2]))
     if output == "json":
         click.echo(to_json(report))
