@@ -290,8 +290,16 @@ def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray
         w.add_array(f"{ARCH}.attention.recurrent_layers", cfg.recurrent + [False] * cfg.n_mtp)
     if cfg.n_mtp:
         w.add_nextn_predict_layers(cfg.n_mtp)
+    return finish_gguf(w, tmp, path, vocab, "qwen2", chat_template(), tensors, wtype)
+
+
+def finish_gguf(w: gguf.GGUFWriter, tmp: Path, path: Path, vocab: TinyVocab, pre: str, template: str,
+                tensors: dict[str, np.ndarray], wtype: str) -> Path:
+    """What every synthetic writer ends with, as the converter writes it: the vocabulary under
+    llama.cpp's tokenizer keys (pre-tokenizer `pre`), the chat template, the tensors at their
+    storage types; then the finished file replaces `path` (never left half-written)."""
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.token_types)
     w.add_token_merges(vocab.merges)
@@ -299,7 +307,7 @@ def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray
     w.add_eos_token_id(vocab.eos_id)
     w.add_pad_token_id(vocab.pad_id)
     w.add_add_bos_token(False)
-    w.add_chat_template(chat_template())
+    w.add_chat_template(template)
 
     for tname, arr in tensors.items():
         qtype = storage_type(tname, arr, wtype)

@@ -38,7 +38,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, quantize, storage_type
+from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, finish_gguf
 from deltarun.model_files.vocab import tiny_vocab
 
 CHAT_TEMPLATE_RESOURCE = "data/qwen35-chat-template.jinja"
@@ -418,29 +418,7 @@ def write_model(path: str | Path, config: Qwen35Config | str = "tiny-qwen35", wt
     w = gguf.GGUFWriter(str(tmp), cfg.arch)
     w.add_name(name or f"deltarun synthetic {cfg.arch} {wtype}")
     _add_metadata(w, cfg, wtype)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.token_types)
-    w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(vocab.bos_id)
-    w.add_eos_token_id(vocab.eos_id)
-    w.add_pad_token_id(vocab.pad_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(chat_template())
-
-    for tname, arr in tensors.items():
-        qtype = storage_type(tname, arr, wtype)
-        if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(tname, arr)
-        else:
-            w.add_tensor(tname, quantize(arr, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return finish_gguf(w, tmp, path, vocab, "qwen35", chat_template(), tensors, wtype)
 
 
 def config_with(preset: str = "tiny-qwen35", **changes: object) -> Qwen35Config:
