@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from deltarun.runner.errors import BackendError
-from deltarun.runner.ggml_util import c_array, ctypes, ggml
+from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml
 
 GRAPH_SIZE = 16384
 
@@ -610,3 +610,22 @@ class Scheduler:
             ggml.ggml_backend_sched_free(self.handle)
             self.handle = 0
         self._c_callback = None
+
+
+def alloc_tensors(backend: Backend, tensors: list[Tensor], what: str) -> Any:
+    """One buffer of `backend`'s type holding exactly `tensors` (laid out in order, aligned)."""
+    buft = backend.buffer_type
+    align = int(ggml.ggml_backend_buft_get_alignment(buft))
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size += -(-int(ggml.ggml_backend_buft_get_alloc_size(buft, t)) // align) * align
+    buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
+    if not buffer:
+        raise BackendError(f"backend {backend.name} could not allocate {size} bytes for {what}")
+    base = int(ggml.ggml_backend_buffer_get_base(buffer) or 0)
+    for t, off in zip(tensors, offsets):
+        if ggml.ggml_backend_tensor_alloc(buffer, t, ctypes.c_void_p(base + off)) != 0:
+            ggml.ggml_backend_buffer_free(buffer)
+            raise BackendError(f"backend {backend.name} could not place a tensor of {what}")
+    return buffer

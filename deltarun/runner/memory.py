@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from deltarun.graphs.interface import HParams
-from deltarun.runner.backend import Backend, Placement
+from deltarun.runner.backend import Backend, Placement, alloc_tensors
 from deltarun.runner.errors import BackendError, RollbackError
-from deltarun.runner.ggml_util import (Tensor, ctypes, ggml, name_of, new_context, numpy_to_tensor, set_name,
+from deltarun.runner.ggml_util import (Tensor, ggml, new_context, numpy_to_tensor, set_name,
                                       tensor_to_numpy)
 
 KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
@@ -132,24 +132,13 @@ class Memory:
         if not groups:
             groups[backend.handle] = (backend, [])
         buffers = []
-        for be, tensors in groups.values():
-            buft = be.buffer_type
-            align = int(ggml.ggml_backend_buft_get_alignment(buft))
-            offsets, size = [], 0
-            for t in tensors:
-                offsets.append(size)
-                size += -(-int(ggml.ggml_backend_buft_get_alloc_size(buft, t)) // align) * align
-            buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
-            if not buffer:
-                for b in buffers:
-                    ggml.ggml_backend_buffer_free(b)
-                raise BackendError(f"backend {be.name} could not allocate {size} bytes "
-                                   f"for the KV cache and recurrent state")
-            base = int(ggml.ggml_backend_buffer_get_base(buffer) or 0)
-            for t, off in zip(tensors, offsets):
-                if ggml.ggml_backend_tensor_alloc(buffer, t, ctypes.c_void_p(base + off)) != 0:
-                    raise BackendError(f"backend {be.name} could not place {name_of(t)}")
-            buffers.append(buffer)
+        try:
+            for be, tensors in groups.values():
+                buffers.append(alloc_tensors(be, tensors, "the KV cache and recurrent state"))
+        except BackendError:
+            for b in buffers:
+                ggml.ggml_backend_buffer_free(b)
+            raise
         return buffers
 
     def nbytes_expected(self) -> int:

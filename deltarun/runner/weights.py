@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltarun.runner.backend import Backend, Placement
+from deltarun.runner.backend import Backend, Placement, alloc_tensors
 from deltarun.runner.errors import BackendError, ModelFileError
 from deltarun.runner.gguf_file import GGUFFile, TensorInfo
 from deltarun.runner.ggml_util import Tensor, ctypes, ggml, new_context, set_name
@@ -98,25 +98,6 @@ class Weights:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
-
-
-def alloc_tensors(backend: Backend, tensors: list[Tensor], what: str) -> Any:
-    """One buffer of `backend`'s type holding exactly `tensors` (laid out in order, aligned)."""
-    buft = backend.buffer_type
-    align = int(ggml.ggml_backend_buft_get_alignment(buft))
-    offsets, size = [], 0
-    for t in tensors:
-        offsets.append(size)
-        size += -(-int(ggml.ggml_backend_buft_get_alloc_size(buft, t)) // align) * align
-    buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
-    if not buffer:
-        raise BackendError(f"backend {backend.name} could not allocate {size} bytes for {what}")
-    base = int(ggml.ggml_backend_buffer_get_base(buffer) or 0)
-    for t, off in zip(tensors, offsets):
-        if ggml.ggml_backend_tensor_alloc(buffer, t, ctypes.c_void_p(base + off)) != 0:
-            ggml.ggml_backend_buffer_free(buffer)
-            raise BackendError(f"backend {backend.name} could not place a tensor of {what}")
-    return buffer
 
 
 PROGRESS_MIN_BYTES = 256 << 20
