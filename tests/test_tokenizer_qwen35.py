@@ -3,8 +3,8 @@
 `tests/data/vocab/ggml-vocab-qwen35.gguf.{inp,out}` are llama.cpp's test-tokenizer-0 files for
 `models/ggml-vocab-qwen35.gguf` (MIT, unchanged; see tests/data/vocab/NOTICE.md). That GGUF is
 llama.cpp's Qwen2 vocabulary GGUF with `tokenizer.ggml.pre = qwen35` (same tokens, types and
-merges: checked when this file was written), so the tests build it from the shared Qwen2 vocabulary
-with the qwen35 pre-tokenizer.
+merges: checked when this file was written), so the tests build it from the Qwen2 vocabulary
+shipped in tests/data, with the qwen35 pre-tokenizer.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import regex
 
 from deltarun.runner.errors import TokenizerError
+from shipped_data import qwen2_vocab_gguf
 from deltarun.runner.tokenizer import (
     BYTE_TO_UNICODE,
     PRE_TOKENIZER_PATTERNS,
@@ -29,10 +30,6 @@ from deltarun.runner.tokenizer import (
 
 HERE = Path(__file__).resolve().parent
 VECTORS_BASE = HERE / "data" / "vocab" / "ggml-vocab-qwen35.gguf"
-# The shared reference folder beside the project root (../shared), or beside the folder of git
-# worktrees the project may be checked out in (../../shared).
-QWEN2_VOCAB = next((d / "shared" / "data" / "vocab" / "ggml-vocab-qwen2.gguf" for d in HERE.parents[1:3]
-                    if (d / "shared" / "data").is_dir()), HERE.parents[1] / "shared" / "data" / "vocab" / "ggml-vocab-qwen2.gguf")
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -51,11 +48,9 @@ VECTORS = load_vectors()
 @pytest.fixture(scope="module")
 def qwen35() -> Tokenizer:
     """llama.cpp's qwen35 vocabulary test file: the Qwen2 vocabulary with pre-tokenizer qwen35."""
-    if not QWEN2_VOCAB.is_file():
-        pytest.skip(f"shared vocabulary {QWEN2_VOCAB} is absent")
     from deltarun.runner.fast_gguf import array_values
 
-    fields = gguf.GGUFReader(QWEN2_VOCAB).fields
+    fields = gguf.GGUFReader(qwen2_vocab_gguf()).fields
     value = {k: array_values(fields[f"tokenizer.ggml.{k}"]) for k in ("tokens", "token_type", "merges",
                                                                       "bos_token_id", "eos_token_id")}
     return Tokenizer(value["tokens"], value["token_type"], value["merges"], bos_id=value["bos_token_id"],
