@@ -64,13 +64,16 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 import deltarun
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.units import format_bytes, format_count
+
+if TYPE_CHECKING:  # annotations only: the applications open models lazily
+    from deltarun.runner.model import Model
 
 SCHEMA = "deltarun-bench"
 SCHEMA_VERSION = 1
@@ -100,7 +103,7 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def model_info(model: Any) -> dict[str, Any]:
+def model_info(model: Model) -> dict[str, Any]:
     """Size and parameter count of every tensor in the file, as llama-bench reports them."""
     f = model.file
     return {
@@ -183,14 +186,14 @@ class BenchReport:
         return d
 
 
-def _time_pp(model: Any, tokens: list[int]) -> float:
+def _time_pp(model: Model, tokens: list[int]) -> float:
     model.reset()
     t0 = CLOCK()
     model.eval(tokens)
     return CLOCK() - t0
 
 
-def _time_tg(model: Any, prompt: list[int], n: int) -> float:
+def _time_tg(model: Model, prompt: list[int], n: int) -> float:
     model.reset()
     logits = model.eval(prompt)
     t0 = CLOCK()
@@ -199,7 +202,7 @@ def _time_tg(model: Any, prompt: list[int], n: int) -> float:
     return CLOCK() - t0
 
 
-def _time_tg_depth(model: Any, start: Any, first_logits: np.ndarray, n: int) -> float:
+def _time_tg_depth(model: Model, start: Any, first_logits: np.ndarray, n: int) -> float:
     """N decode steps from a checkpoint taken after the depth prompt (`start`)."""
     model.restore(start)
     logits = first_logits
@@ -214,7 +217,7 @@ def parallel_prompts(tokens: list[int], n_seqs: int) -> dict[int, list[int]]:
     return {s: [tokens[(s * TG_PROMPT + i) % len(tokens)] for i in range(TG_PROMPT)] for s in range(n_seqs)}
 
 
-def _time_tg_parallel(model: Any, prompts: dict[int, list[int]], n: int) -> float:
+def _time_tg_parallel(model: Model, prompts: dict[int, list[int]], n: int) -> float:
     """N steps of P sequences decoding together (one eval_batch per step)."""
     model.reset()
     logits = model.eval_batch(prompts)
@@ -272,7 +275,7 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
                      kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, n_seq_max=n_seq_max,
                      rpc=cfg.rpc, tensor_split=cfg.tensor_split)
 
-    def measure(m: Any, ngl: int | None, batch: int, t: int, kind: str, p: int, n: int,
+    def measure(m: Model, ngl: int | None, batch: int, t: int, kind: str, p: int, n: int,
                 run: Callable[[], float], test: str, depth: int = 0, n_par: int = 1) -> BenchResult:
         run()  # warm-up: builds every graph shape the test uses
         r = BenchResult(test=test, kind=kind, n_prompt=p, n_gen=n, backend=backend_label(m), gpu_layers=ngl,
@@ -327,7 +330,7 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
                                           f"tg{n}x{n_par}", n_par=n_par)
 
 
-def _profiles(m: Any, tokens: list[int], n_pp: int, threads: int, repetitions: int) -> list[Any]:
+def _profiles(m: Model, tokens: list[int], n_pp: int, threads: int, repetitions: int) -> list[Any]:
     """Per-op profiles of a pp ubatch of n_pp tokens and of a one-token decode after TG_PROMPT."""
     from deltarun.apps.op_profile import profile_ubatch
 
@@ -338,7 +341,7 @@ def _profiles(m: Any, tokens: list[int], n_pp: int, threads: int, repetitions: i
     return [pp, tg]
 
 
-def backend_label(m: Any) -> str:
+def backend_label(m: Model) -> str:
     """The backend column: the local backend, plus the RPC devices and layers per device when split."""
     split = getattr(m.placement, "slots", None)
     if split is None:

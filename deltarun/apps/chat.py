@@ -40,7 +40,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jinja2
 import numpy as np
@@ -51,6 +51,9 @@ from deltarun.runner.files import write_atomically
 from deltarun.runner.generation import GenerationStats, PlainStep, decode_tokens
 from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:  # annotations only: the applications open models lazily
+    from deltarun.runner.model import Model
 
 FILE_FORMAT = "deltarun-chat"
 FILE_VERSION = 1
@@ -268,7 +271,7 @@ def _check_messages(data: Any, where: str) -> list[dict[str, Any]]:
 class ChatSession:
     """A conversation with a model; see the module docstring."""
 
-    def __init__(self, model: Any, template: ChatTemplate | None = None, sampler: Sampler | None = None, *,
+    def __init__(self, model: Model, template: ChatTemplate | None = None, sampler: Sampler | None = None, *,
                  system: str | None = None, enable_thinking: bool | None = None, n_predict: int = -1,
                  stop: Sequence[str] = (), context_shift: bool = False, seq: int = 0,
                  draft: Any = None, draft_max: int = 8):

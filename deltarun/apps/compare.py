@@ -98,13 +98,16 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.sampling import log_softmax
 from deltarun.runner.units import format_table
+
+if TYPE_CHECKING:  # annotations only: the applications open models lazily
+    from deltarun.runner.model import Model
 
 SCHEMA_VERSION = 1
 DEFAULT_LIMIT = 1e-7
@@ -229,7 +232,7 @@ class SideRun:
     n_vocab: int = 0
 
 
-def _weight_types(model: Any) -> dict[str, int]:
+def _weight_types(model: Model) -> dict[str, int]:
     from deltarun.runner.ggml_util import ggml
 
     counts: Counter[str] = Counter()
@@ -238,7 +241,7 @@ def _weight_types(model: Any) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-def _capture(model: Any, tokens: list[int], name: str, decode: bool) -> GraphCapture:
+def _capture(model: Model, tokens: list[int], name: str, decode: bool) -> GraphCapture:
     from deltarun.apps import graph_dump as gd
 
     dump, arrays = gd.capture_values(model, tokens, decode=decode, all_outputs=not decode, keep_arrays=True,

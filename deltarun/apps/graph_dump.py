@@ -99,7 +99,7 @@ import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -109,6 +109,9 @@ from deltarun.runner.files import write_atomically
 from deltarun.runner.ggml_util import NP_TYPES, ggml, name_of
 from deltarun.runner.model import padded_n_kv
 from deltarun.runner.units import format_bytes, format_table
+
+if TYPE_CHECKING:  # annotations only: the applications open models lazily
+    from deltarun.runner.model import Model
 
 SCHEMA_VERSION = 1
 N_FIRST = 8
@@ -323,7 +326,7 @@ def render_svg(dot_source: str) -> bytes:
 # ----------------------------------------------------------------------------------------------
 # Building a dump
 # ----------------------------------------------------------------------------------------------
-def ubatch_shape(model: Any, n_seq_tokens: int, n_seqs: int = 1, n_past: int = 0, all_outputs: bool = False,
+def ubatch_shape(model: Model, n_seq_tokens: int, n_seqs: int = 1, n_past: int = 0, all_outputs: bool = False,
                  seq_head: int = 0) -> UbatchShape:
     """The shape `Model._eval_ubatch` uses for such a ubatch (same n_kv padding, same outputs rule)."""
     if n_seq_tokens <= 0 or n_seqs <= 0 or n_past < 0:
@@ -350,7 +353,7 @@ def _str(b: bytes | None) -> str | None:
 class _Walker:
     """Collects every node and referenced tensor of a graph, with ids."""
 
-    def __init__(self, model: Any, gf: Any):
+    def __init__(self, model: Model, gf: Any):
         self.model = model
         self.gf = gf
         self.sched = model.sched.handle
@@ -443,7 +446,7 @@ def _assign_layers(nodes: list[TensorRecord], leafs: list[TensorRecord]) -> None
                 r.layer = layers.pop()
 
 
-def _summary(model: Any, walker: _Walker, nodes: list[TensorRecord], leafs: list[TensorRecord]) -> dict[str, Any]:
+def _summary(model: Model, walker: _Walker, nodes: list[TensorRecord], leafs: list[TensorRecord]) -> dict[str, Any]:
     ops = Counter(r.op for r in nodes)
     compute: dict[str, int] = {}
     for b in model.sched.backends:
@@ -468,14 +471,14 @@ def _summary(model: Any, walker: _Walker, nodes: list[TensorRecord], leafs: list
     }
 
 
-def _shape_dict(model: Any, shape: UbatchShape, n_past: int) -> dict[str, Any]:
+def _shape_dict(model: Model, shape: UbatchShape, n_past: int) -> dict[str, Any]:
     return {"n_seq_tokens": shape.n_seq_tokens, "n_seqs": shape.n_seqs, "n_tokens": shape.n_tokens,
             "n_outputs": shape.n_outputs, "n_kv": shape.n_kv, "seq_head": shape.seq_head,
             "delta_net": shape.delta_net, "n_past": n_past, "rs_slots": model.memory.rs_slots,
             "decode": shape.n_seq_tokens == 1 and n_past > 0}
 
 
-def dump_graph(model: Any, shape: UbatchShape, *, layer: int | None = None, n_past: int = 0,
+def dump_graph(model: Model, shape: UbatchShape, *, layer: int | None = None, n_past: int = 0,
                allocate: bool = True) -> GraphDump:
     """Describe the graph `model` computes for `shape` (built and cached by `Model.graph`)."""
     g = model.graph(shape)
@@ -586,7 +589,7 @@ def _json_number(e: Any) -> Any:
     return e
 
 
-def capture_values(model: Any, tokens: list[int], *, n_seqs: int = 1, decode: bool = False,
+def capture_values(model: Model, tokens: list[int], *, n_seqs: int = 1, decode: bool = False,
                    all_outputs: bool = False, layer: int | None = None, patterns: Iterable[str] | None = None,
                    keep_arrays: bool = False, n_first: int = N_FIRST, prompt: str | None = None
                    ) -> tuple[GraphDump, dict[str, np.ndarray]]:

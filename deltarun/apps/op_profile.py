@@ -45,7 +45,10 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:  # annotations only: the applications open models lazily
+    from deltarun.runner.model import Model
 
 GROUPS = ("attention", "delta_net", "moe_ffn", "lm_head", "other")
 #: ggml ops that compute nothing on the CPU (views and shape changes).
@@ -241,7 +244,7 @@ class NodeClock:
 class _ComputeTimer:
     """Wraps `model.sched.compute` for a while: times each call, optionally with a NodeClock."""
 
-    def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, model: Model, clock: Callable[[], float] = time.perf_counter):
         self.model = model
         self.clock = clock
         self.node_clock: NodeClock | None = None
@@ -284,7 +287,7 @@ def _graph_nodes(gf: Any) -> list[tuple[int, str, str]]:
     return out
 
 
-def profile_ubatch(model: Any, tokens: Sequence[int], *, n_past_tokens: Sequence[int] = (), n_seqs: int = 1,
+def profile_ubatch(model: Model, tokens: Sequence[int], *, n_past_tokens: Sequence[int] = (), n_seqs: int = 1,
                    repetitions: int = 3, test: str | None = None, threads: int = 0,
                    cpu_clock: bool = False) -> OpProfile:
     """Profile one ubatch of `tokens` (per sequence; at most n_batch of them) after `n_past_tokens`

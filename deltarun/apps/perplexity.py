@@ -29,13 +29,16 @@ import time
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
 from deltarun.runner.errors import DeltarunError
 from deltarun.runner.files import temporary_beside
 from deltarun.runner.sampling import log_softmax
+
+if TYPE_CHECKING:  # annotations only: the applications open models lazily
+    from deltarun.runner.model import Model
 
 FORMAT_VERSION = 1
 ROW_BLOCK = 64          # scored positions processed at once (bounds float64 memory to 64 x n_vocab)
@@ -248,7 +251,7 @@ def _close_quietly(*handles: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- the run
-def window_logits(model: Any, window: list[int]) -> np.ndarray:
+def window_logits(model: Model, window: list[int]) -> np.ndarray:
     """Logits at positions n_ctx/2 .. n_ctx-1 of a window evaluated from an empty state."""
     first = len(window) // 2
     model.reset()
@@ -257,7 +260,7 @@ def window_logits(model: Any, window: list[int]) -> np.ndarray:
     return model.eval(window[first:], all_logits=True)
 
 
-def iter_perplexity(model: Any, windows: list[list[int]], kl_base: str | Path | None = None,
+def iter_perplexity(model: Model, windows: list[list[int]], kl_base: str | Path | None = None,
                     progress: Callable[[WindowResult], None] | None = None,
                     result: PerplexityResult | None = None) -> Iterator[WindowResult]:
     """Score the windows one by one (yielding each); fills `result` (totals, KL) at the end.
@@ -341,17 +344,17 @@ def iter_perplexity(model: Any, windows: list[list[int]], kl_base: str | Path | 
             result.kl_base_written = str(kl_base)
 
 
-def tokenize_text(model: Any, text: str) -> list[int]:
+def tokenize_text(model: Model, text: str) -> list[int]:
     """Tokens of a plain text (special-token texts are not parsed), with BOS when the vocab adds one."""
     return model.tokenizer.encode(text, add_special=True, parse_special=False)
 
 
-def bos_for_windows(model: Any) -> int | None:
+def bos_for_windows(model: Model) -> int | None:
     tok = model.tokenizer
     return tok.bos_id if tok.add_bos and tok.bos_id is not None else None
 
 
-def run_perplexity(model: Any, tokens: list[int] | None = None, *, n_ctx: int | None = None,
+def run_perplexity(model: Model, tokens: list[int] | None = None, *, n_ctx: int | None = None,
                    max_windows: int | None = None, kl_base: str | Path | None = None,
                    progress: Callable[[WindowResult], None] | None = None) -> PerplexityResult:
     """Perplexity of `tokens` in windows of `n_ctx` (default: the model's context).
@@ -366,7 +369,7 @@ def run_perplexity(model: Any, tokens: list[int] | None = None, *, n_ctx: int | 
     return result
 
 
-def prepare_windows(model: Any, tokens: list[int] | None, *, n_ctx: int | None = None,
+def prepare_windows(model: Model, tokens: list[int] | None, *, n_ctx: int | None = None,
                     max_windows: int | None = None, kl_base: str | Path | None = None) -> list[list[int]]:
     if tokens is None:
         if kl_base is None or not Path(kl_base).exists():
