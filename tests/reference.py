@@ -409,18 +409,10 @@ def moe(w, prefix, hp: RefHParams, h2):
 # --------------------------------------------------------------------------------------------
 
 
-class ReferenceModel:
-    def __init__(self, weights: dict[str, np.ndarray], hp: RefHParams):
-        self.w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
-        self.hp = hp
-        self.reset()
-
-    @classmethod
-    def from_gguf(cls, path) -> "ReferenceModel":
-        weights, hp = load_gguf_weights(path)
-        return cls(weights, hp)
-
-    # ---- state ----------------------------------------------------------------------------
+class ReferenceState:
+    """The state a float64 reference keeps between calls, the same for every family: per linear
+    layer the conv window, the SSM matrix and its history, per attention layer the K/V lists, the
+    MTP block's K/V, and the last hidden states. Subclasses set `self.hp` and call `reset()`."""
 
     def reset(self) -> None:
         hp = self.hp
@@ -438,13 +430,27 @@ class ReferenceModel:
                 self._layers.append({"k": [], "v": []})
         self._mtp_kv: dict[str, list] = {"k": [], "v": []}
 
-    def clone(self) -> "ReferenceModel":
+    def clone(self) -> "ReferenceState":
         """A copy with its own state (weights are shared, read-only)."""
         new = copy.copy(self)
         new._layers = copy.deepcopy(self._layers)
         new._mtp_kv = copy.deepcopy(self._mtp_kv)
         new._last_hidden = self._last_hidden.copy()
         return new
+
+
+class ReferenceModel(ReferenceState):
+    def __init__(self, weights: dict[str, np.ndarray], hp: RefHParams):
+        self.w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+        self.hp = hp
+        self.reset()
+
+    @classmethod
+    def from_gguf(cls, path) -> "ReferenceModel":
+        weights, hp = load_gguf_weights(path)
+        return cls(weights, hp)
+
+    # ---- state ----------------------------------------------------------------------------
 
     def _rec(self, layer: int) -> dict:
         if not self.hp.recurrent[layer]:

@@ -22,11 +22,9 @@ difference is below 1e-7 for the vectors here.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 
-from reference import RefHParams, delta_net_scan, full_attention, moe, rmsnorm, rotate_neox, sigmoid, softplus
+from reference import ReferenceState, RefHParams, delta_net_scan, full_attention, moe, rmsnorm, rotate_neox, sigmoid, softplus
 
 __all__ = ["Qwen35Reference", "rope_imrope", "hparams_of"]
 
@@ -68,7 +66,7 @@ def _zc(w):
     return 1.0 + w
 
 
-class Qwen35Reference:
+class Qwen35Reference(ReferenceState):
     """Float64 Qwen3.5 from HF weights. API as tests/reference.py's ReferenceModel: reset, forward,
     clone, hidden, mtp_forward, conv_state / ssm_state / history (HF head order), kv_cache."""
 
@@ -114,26 +112,6 @@ class Qwen35Reference:
         return v
 
     # ---- state ----------------------------------------------------------------------------------
-
-    def reset(self) -> None:
-        hp = self.hp
-        self.n_past = 0
-        self._last_hidden = np.zeros((0, hp.n_embd))
-        self._layers: list[dict] = []
-        for il in range(hp.n_layer):
-            if hp.recurrent[il]:
-                self._layers.append({"conv": np.zeros((hp.d_conv - 1, hp.conv_dim)),
-                                     "ssm": np.zeros((hp.n_v_heads, hp.ssm_state, hp.ssm_state)), "history": []})
-            else:
-                self._layers.append({"k": [], "v": []})
-        self._mtp_kv: dict[str, list] = {"k": [], "v": []}
-
-    def clone(self) -> "Qwen35Reference":
-        new = copy.copy(self)
-        new._layers = copy.deepcopy(self._layers)
-        new._mtp_kv = copy.deepcopy(self._mtp_kv)
-        new._last_hidden = self._last_hidden.copy()
-        return new
 
     def conv_state(self, layer: int) -> np.ndarray:
         """(d_conv-1, conv_dim), oldest first; channels in HF order (value heads grouped)."""
