@@ -33,8 +33,8 @@ has_llamafile() {
   "$PY" -c "import ggml, sys; sys.exit(0 if ggml.ggml_cpu_has_llamafile() and ggml.GGML_USE_RPC else 1)" 2>/dev/null
 }
 # ggml-python first, so that installing deltarun finds the pinned version there and builds nothing.
-if has_llamafile && "$PY" -m pip show ggml-python 2>/dev/null | grep -qx "Version: $GGML_PYTHON_VERSION"; then
-  log "ggml-python $GGML_PYTHON_VERSION with llamafile and RPC is already installed"
+if has_llamafile && "$PY" -m pip show ggml-python 2>/dev/null | grep -qx "Version: $GGML_PYTHON_BUILD"; then
+  log "ggml-python $GGML_PYTHON_BUILD with llamafile and RPC is already installed"
 else
   install_ggml_wheel cpu-llamafile-rpc "-DGGML_LLAMAFILE=ON;-DGGML_RPC=ON"
 fi

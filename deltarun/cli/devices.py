@@ -33,6 +33,7 @@ def devices(as_json: bool, rpc: str | None) -> None:
         click.echo(json.dumps({"devices": [d.to_dict() for d in devs], "built_with": built,
                                "auto": best.backend_name if best else "cpu",
                                "cpu_features": be.cpu_features(),
+                               "ggml_python": getattr(be.ggml, "__version__", ""),
                                "rpc": {"built_in": rpc_mod.available(),
                                        "servers": [{"endpoint": s.endpoint, "protocol": s.version_text,
                                                     "devices": len(s.devices)} for s in servers]}}, indent=1))
@@ -48,9 +49,10 @@ def devices(as_json: bool, rpc: str | None) -> None:
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
     features = be.cpu_features()
     click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {be.physical_cores()}")
-    note = be.llamafile_note(features)
-    if note:
-        click.echo(note)
+    click.echo(f"ggml-python {getattr(be.ggml, '__version__', '?')}")
+    for note in (be.llamafile_note(features), be.patches_note()):
+        if note:
+            click.echo(note)
     for s in servers:
         click.echo(f"rpc: {s.endpoint} speaks protocol {s.version_text}, {len(s.devices)} device(s)")
     click.echo("rpc: built in (`--rpc HOST:PORT`, `deltarun rpc-server`)" if rpc_mod.available()

@@ -107,6 +107,15 @@ def llamafile_note(features: list[str]) -> str | None:
             "is slower than llama.cpp's; scripts/install.sh builds it with them (see the README)")
 
 
+def patches_note() -> str | None:
+    """What to tell a user whose ggml-python was not built with scripts/ggml-patches (None when it
+    was: scripts/ggml-wheel.sh labels such builds `0.0.45+deltarun.<patches' hash>`)."""
+    if "+deltarun." in getattr(ggml, "__version__", ""):
+        return None
+    return ("note: this ggml-python lacks deltarun's kernel patches (scripts/ggml-patches: SET_ROWS on "
+            "every thread), so decoding is a few percent slower; scripts/install.sh builds it with them")
+
+
 def install_hint(kind: str) -> str:
     """How to get a ggml-python build with the `kind` backend."""
     flag = DEVICE_KINDS[kind][1]
