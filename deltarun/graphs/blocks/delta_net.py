@@ -155,9 +155,12 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
         q, k = repeat_grouped(g, q, k)
     g.cb(q, "q_conv_predelta", il)      # qwen35: still H_k heads, as in llama.cpp's fused path
     g.cb(k, "k_conv_predelta", il)
-    v = g.cb(ggml.ggml_cont(c, v), "v_conv_predelta", il)
-    if kind.broadcast == "tiled" and ub.delta_net == "primitive":
-        q, k = repeat_tiled(g, q, k, il)
+    if ub.delta_net == "fused":
+        g.cb(v, "v_conv_predelta", il)  # a view: the fused op reads rows by stride (CPU, Vulkan, CUDA)
+    else:
+        v = g.cb(ggml.ggml_cont(c, v), "v_conv_predelta", il)   # the primitive ops reshape it
+        if kind.broadcast == "tiled":
+            q, k = repeat_tiled(g, q, k, il)
 
     ssm_all = g.mem.ssm[il]                                     # [D, n_cells, K]
     D = hp.ssm_state_size
