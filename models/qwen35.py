@@ -39,7 +39,7 @@ import gguf
 import numpy as np
 
 from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, finish_gguf
-from deltarun.model_files.vocab import tiny_vocab
+from deltarun.model_files.vocab import VOCABS
 
 CHAT_TEMPLATE_RESOURCE = "data/qwen35-chat-template.jinja"
 
@@ -50,6 +50,8 @@ class Qwen35Config:
     `Qwen3_5MoeTextConfig` (configuration_qwen3_5*.py)."""
 
     moe: bool = False
+    #: the vocabulary the file carries (models/vocab.py VOCABS)
+    vocab: str = "tiny"
     hidden_size: int = 256
     num_hidden_layers: int = 4
     full_attention_interval: int = 4
@@ -137,6 +139,9 @@ PRESETS: dict[str, Qwen35Config] = {
         tie_word_embeddings=True, max_position_embeddings=262144,
     ),
 }
+# bench-qwen35 with the published 248,320-row embedding and LM head (tied), which dominate
+# decoding a 0.8B model: llama.cpp's Qwen2 vocabulary padded as the converter pads (models/vocab.py).
+PRESETS["bench-qwen35-vocab248k"] = dataclasses.replace(PRESETS["bench-qwen35"], vocab="qwen2-248k")
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,7 +414,7 @@ def write_model(path: str | Path, config: Qwen35Config | str = "tiny-qwen35", wt
     cfg = PRESETS[config] if isinstance(config, str) else config
     if wtype not in WEIGHT_TYPES:
         raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = tiny_vocab()
+    vocab = VOCABS[cfg.vocab]()
     tensors = model_tensors(cfg, vocab.n_vocab, seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,13 @@ installed copies never need the shared reference folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+
+import gguf
 
 from deltarun.runner.tokenizer import Tokenizer
 
@@ -105,5 +108,24 @@ def qwen2_vocab() -> TinyVocab:
                      bos_id=int(array_values(f["tokenizer.ggml.bos_token_id"])), eos_id=eos, pad_id=eos)
 
 
-#: Vocabularies a generator preset can name (ModelConfig.vocab).
-VOCABS = {"tiny": tiny_vocab, "qwen2": qwen2_vocab}
+#: The vocabulary size of the published Qwen3.5 models (config.json `vocab_size`).
+QWEN35_VOCAB_SIZE = 248_320
+
+
+def padded(vocab: TinyVocab, n_vocab: int) -> TinyVocab:
+    """`vocab` padded to `n_vocab` entries as convert_hf_to_gguf.py pads a tokenizer smaller than
+    the model's `vocab_size`: `[PAD{i}]` tokens of type UNUSED."""
+    extra = range(vocab.n_vocab, n_vocab)
+    return dataclasses.replace(vocab, tokens=vocab.tokens + tuple(f"[PAD{i}]" for i in extra),
+                               token_types=vocab.token_types + (gguf.TokenType.UNUSED,) * len(extra))
+
+
+@lru_cache(maxsize=1)
+def qwen2_vocab_qwen35_size() -> TinyVocab:
+    """llama.cpp's Qwen2 vocabulary padded to Qwen3.5's 248,320 rows: the embedding and LM head of
+    a published Qwen3.5 (whose own 248k-token vocabulary is not available here) for benchmarks."""
+    return padded(qwen2_vocab(), QWEN35_VOCAB_SIZE)
+
+
+#: Vocabularies a generator preset can name (ModelConfig.vocab, Qwen35Config.vocab).
+VOCABS = {"tiny": tiny_vocab, "qwen2": qwen2_vocab, "qwen2-248k": qwen2_vocab_qwen35_size}
