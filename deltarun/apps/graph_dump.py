@@ -328,7 +328,7 @@ def render_svg(dot_source: str) -> bytes:
 # ----------------------------------------------------------------------------------------------
 def ubatch_shape(model: Model, n_seq_tokens: int, n_seqs: int = 1, n_past: int = 0, all_outputs: bool = False,
                  seq_head: int = 0) -> UbatchShape:
-    """The shape `Model._eval_ubatch` uses for such a ubatch (same n_kv padding, same outputs rule)."""
+    """The shape `Model.eval` / `Model.eval_batch` use for such a ubatch (same n_kv padding, same outputs rule)."""
     if n_seq_tokens <= 0 or n_seqs <= 0 or n_past < 0:
         raise DeltarunError("tokens and seqs must be positive and past non-negative")
     if seq_head + n_seqs > model.memory.n_cells:
@@ -651,7 +651,7 @@ def capture_values(model: Model, tokens: list[int], *, n_seqs: int = 1, decode: 
     builds = model.stats.n_graph_builds
     model.sched.set_eval_callback(observe)  # the scheduler owns the ggml callback (backend.Scheduler)
     try:
-        model._eval_ubatch([list(last) for _ in range(n_seqs)], 0, all_outputs)
+        model.eval_batch({seq: list(last) for seq in range(n_seqs)}, all_logits=all_outputs)
     finally:
         model.sched.clear_eval_callback()
     if errors:
