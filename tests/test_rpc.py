@@ -56,14 +56,15 @@ def _die_with_parent() -> None:
 class Server:
     """A `deltarun rpc-server` subprocess on 127.0.0.1."""
 
-    def __init__(self) -> None:
-        self.port = _free_port()
+    def __init__(self, port: int | None = None, wait: bool = True) -> None:
+        """On a free port (or `port`); `wait`: until it answers a probe (not while a client holds it)."""
+        self.port = port or _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(self.port),
                                       "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=_env(), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
+        while wait:
             try:
                 rpc.probe(self.endpoint, timeout=2)
                 return
