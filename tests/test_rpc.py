@@ -364,6 +364,19 @@ def test_endpoint_parsing():
     with pytest.raises(rpc.RpcError, match="twice"):
         rpc.parse_endpoints("a:1,a:1")
     assert rpc.is_loopback("127.0.0.1") and not rpc.is_loopback("0.0.0.0")
+    # ggml 0.15.3's transport is AF_INET only (and splits the endpoint at its first ':')
+    for v6 in ("[::1]:50052", "::1:50052", "[fe80::1%eth0]:1"):
+        with pytest.raises(rpc.RpcError, match="IPv6.*IPv4 only"):
+            rpc.parse_endpoints(v6)
+    assert rpc.ipv4_address("localhost", "x") == "127.0.0.1"
+
+
+def test_ipv6_host_is_one_line():
+    for args in (["rpc-server", "--host", "::1"], ["generate", "-p", "hi", "--rpc", "[::1]:50052"]):
+        r = subprocess.run([sys.executable, "-m", "deltarun", *args], capture_output=True, text=True, timeout=60,
+                           env=_env())
+        assert r.returncode == rpc.RpcError.exit_code, r.stderr
+        assert "IPv4 only" in _one_line_error(r, r.stderr, "::1"), r.stderr
 
 
 def test_assign_layers_follows_llama_cpp():
