@@ -7,15 +7,18 @@ With `--rpc` (or `ServeSettings(supervise=True)`) the model runs in a child proc
   one, relays streams, `Worker.call` (/graph), metrics and cancellation; a child killed mid-stream
   ends that stream with a 503 error object and `[DONE]`, and a new child serves the same text;
 - with two loopback `deltarun rpc-server`s and `deltarun serve --rpc` (skipped without RPC): one
-  server killed mid-stream ends the stream with an `rpc_server_lost` error naming it; while it is
-  down `/health` and new requests answer 503 with Retry-After; restarted on the same port, the
-  server serves the same greedy text again, without restarting `serve`.
+  server killed mid-stream ends the stream with an `rpc_server_lost` error naming it, and a
+  non-streaming request running next to it with a 503 JSON error, within 30 s; while it is down
+  `/health` and new requests answer 503 with Retry-After; restarted on the same port, the server
+  serves the same greedy text again, without restarting `serve`; a server killed while nothing
+  runs turns `/health` 503 within seconds.
 
 Every wait is bounded in time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 import json
 import os
@@ -154,10 +157,16 @@ def test_serve_rpc_server_lost_then_back(tiny_model_path):
         _wait_health(base, 200, UP_TIMEOUT_S)
         expected = _text(httpx.post(base + "/v1/chat/completions", json=ASK, timeout=60))
 
-        t_kill = []
-        lines = _stream_until_error(base, lambda: t_kill.append(time.monotonic()) or b.proc.kill(),
-                                    LOST_DEADLINE_S + 30)
-        assert time.monotonic() - t_kill[0] < LOST_DEADLINE_S
+        # a non-streaming request runs next to the stream when b dies: it gets a 503 JSON error
+        with cf.ThreadPoolExecutor(1) as ex:
+            plain = ex.submit(httpx.post, base + "/v1/chat/completions", json={**LONG, "stream": False},
+                              timeout=LOST_DEADLINE_S + 60)
+            t_kill = []
+            lines = _stream_until_error(base, lambda: t_kill.append(time.monotonic()) or b.proc.kill(),
+                                        LOST_DEADLINE_S + 30)
+            assert time.monotonic() - t_kill[0] < LOST_DEADLINE_S
+            lost = _assert_unavailable(plain.result(), "rpc_server_lost")
+            assert b.endpoint in lost["message"]
         assert lines[-1] == "[DONE]"
         err = json.loads(lines[-2])["error"]
         assert err["type"] == "unavailable_error" and err["code"] == "rpc_server_lost", err
@@ -177,6 +186,11 @@ def test_serve_rpc_server_lost_then_back(tiny_model_path):
         restarted = Server(port=b.port, wait=False)      # the same endpoint comes back
         _wait_health(base, 200, RECOVER_TIMEOUT_S)
         assert _text(httpx.post(base + "/v1/chat/completions", json=ASK, timeout=60)) == expected
+
+        # a server lost while nothing runs is noticed too (the child's watchdog), within seconds
+        a.proc.kill()
+        health = _wait_health(base, 503, 10)
+        assert a.endpoint in health.json()["error"]["message"], health.text
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -192,3 +206,5 @@ def test_serve_rpc_server_lost_then_back(tiny_model_path):
                 s.stop()
     assert "Traceback" not in stderr and "GGML_ASSERT" not in stderr, stderr
     assert f"error: lost the RPC server {b.endpoint}" in stderr, stderr
+    assert f"error: lost the RPC server {a.endpoint}: the server closed the connection" in stderr, stderr
+    assert "leaked semaphore" not in stderr, stderr

@@ -160,8 +160,13 @@ def _watch_rpc(stop: threading.Event) -> None:
 
 def _child_main(conn: Any, open_model: Callable[[], Any], worker_kwargs: dict[str, Any]) -> None:
     """The child process: a `Worker` driven by messages from the parent until shutdown or EOF."""
+    from tqdm import tqdm
+
     from deltarun.runner import rpc
 
+    # tqdm (the weight-upload bar) would make a multiprocessing semaphore, which a child that ends by
+    # os._exit leaves to the resource tracker's "leaked semaphore" warning: a thread lock does here
+    tqdm.set_lock(threading.RLock())
     worker: Worker | None = None
     outbox = _Outbox(conn, lambda: worker.counts if worker is not None else (0, 0))
     rpc.on_lost(lambda line: outbox.send(("lost", line), timeout=1.0))
