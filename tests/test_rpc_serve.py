@@ -132,6 +132,14 @@ def test_supervised_worker_matches_in_process_and_recovers(model_path):
         metrics = httpx.get(base + "/metrics").text
         assert any(ln.startswith("deltarun_requests_total 5.0") for ln in metrics.splitlines()), metrics
 
+        # shutting down (what SIGTERM does first) ends a running stream with finish_reason "stop", no restart
+        lines = _stream_until_error(base, h.worker.shutdown, 60)
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "stop"
+        r = httpx.post(base + "/v1/chat/completions", json=ASK, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        h.worker._thread.join(30)
+        assert not h.worker._thread.is_alive() and h.worker.n_started == 2
+
 
 def test_supervised_load_failure_is_reported(tmp_path):
     bad = tmp_path / "bad.gguf"
