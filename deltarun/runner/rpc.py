@@ -30,11 +30,19 @@ adds what that client lacks:
   Why not a supervised worker process for every command: the hook gives the same one-line error
   and exit status without moving each command's model, terminal, stdin, signals and progress
   output into a child; it costs nothing per token; and the `Model` API behaves the same for
-  library users. What it cannot do is *survive* the loss: a process that must keep running (the
-  OpenAI server) has to hold its `Model` in a worker process of its own and treat that worker's
-  exit with `RpcError.exit_code` as "RPC server lost" (its stderr's last line names it).
-  Not detected: a server process that stops (SIGSTOP, a hung driver) while its host's kernel keeps
-  the connection alive; ggml waits for it as llama.cpp does.
+  library users. What it cannot do is *survive* the loss: `serve --rpc` holds its `Model` in a
+  supervised child process (deltarun.apps.serve.supervisor), which `on_lost` lets tell its parent
+  which endpoint went, and whose watchdog calls `broken_connections` to notice a loss while idle.
+  A vanished host (packets dropped, no FIN or RST) is detected in about 20 s: tests/test_rpc.py
+  simulates one with policy-routing rules in a private network namespace. Not detected: a server
+  process that stops (SIGSTOP, a hung driver) while its host's kernel keeps the connection alive
+  (or a TCP proxy in between that stays connected); ggml waits for it as llama.cpp does.
+
+IPv6: ggml 0.15.3's transport (ggml-rpc/transport.cpp) is IPv4 only: the client opens an AF_INET
+socket and resolves with gethostbyname, the server binds `inet_addr(host)` (a dotted quad, not
+even a host name), and the endpoint parser splits at the first ':'. So `[::1]:50052` is refused
+in one line (`parse_endpoint`), host names are resolved to their IPv4 address as ggml does
+(`ipv4_address`), and `rpc-server --host NAME` binds NAME's IPv4 address.
 """
 
 from __future__ import annotations
