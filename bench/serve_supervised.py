@@ -12,6 +12,11 @@ step, median and minimum over -r runs that alternate between the two servers (on
 the minimum is the steadier figure). The difference is the pipe:
 per worker step one pickled message with the step's events and metric calls, relayed by the
 parent to the event loop.
+
+The pipe alone is measured too (steadier than the end-to-end figure on a busy machine): a spawned
+process sends 20,000 step messages shaped as the worker's (`--streams` events with a one-token
+`Delta` each, and the metric calls of a decode step) and the parent receives and unpickles them:
+microseconds per message, i.e. per decode step.
 """
 
 from __future__ import annotations
@@ -51,6 +56,41 @@ def run(base: str, n: int, streams: int) -> float:
     return 1000 * max(spans) / (n - 1)
 
 
+def _step_message(streams: int) -> tuple:
+    from deltarun.apps.serve.output import Delta
+    from deltarun.apps.serve.worker import Event
+
+    events = [(i + 1, Event(delta=Delta(content=" word"))) for i in range(streams)]
+    calls = [(("decode_step",), (streams, 0.001), {}), (("running", "set"), (streams,), {})]
+    return ("step", events, calls, (streams, 0))
+
+
+def _send_steps(conn, streams: int, count: int) -> None:
+    msg = _step_message(streams)
+    for _ in range(count):
+        conn.send(msg)
+    conn.send(None)
+
+
+def pipe_us_per_message(streams: int, count: int = 20000) -> float:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_send_steps, args=(child, streams, count))
+    proc.start()
+    child.close()
+    first = parent.recv()           # the child is up: time the rest
+    t0 = time.perf_counter()
+    n = 1
+    while parent.recv() is not None:
+        n += 1
+    dt = time.perf_counter() - t0
+    proc.join()
+    assert first is not None and n == count
+    return 1e6 * dt / (n - 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file [default: the built-in model]")
@@ -84,11 +124,13 @@ def main() -> None:
            "median_ms_per_step": med, "min_ms_per_step": best,
            "overhead_ms_per_step": {"median": med["supervised"] - med["in-process"],
                                     "min": best["supervised"] - best["in-process"]}}
+    out["pipe_us_per_step_message"] = pipe_us_per_message(a.streams)
     for k in times:
         print(f"{k:>11}: {med[k]:.3f} ms per step median, {best[k]:.3f} min ({a.streams} stream(s), {a.n} tokens, "
               f"{a.repetitions} runs)")
     o = out["overhead_ms_per_step"]
     print(f"   overhead: {o['median']:+.3f} ms per step median, {o['min']:+.3f} min")
+    print(f"       pipe: {out['pipe_us_per_step_message']:.1f} us per step message (pickle, send, receive, unpickle)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
