@@ -411,7 +411,10 @@ _LOST_LISTENERS: list[Any] = []
 
 
 def on_lost(listener: Any) -> None:
-    """Call `listener(line)` before the process ends for a lost RPC server (e.g. to tell a parent)."""
+    """Call `listener(line)` before the process ends for a lost RPC server (e.g. to tell a parent).
+
+    A listener that returns True has reported the line itself: it is then not printed here.
+    """
     _LOST_LISTENERS.append(listener)
 
 
@@ -420,16 +423,18 @@ def exit_lost(lost: list[str], detail: str) -> None:
     who = (f"the RPC server {', '.join(lost)}" if lost
            else f"an RPC server ({', '.join(_REGISTERED) or 'unknown'})")
     line = f"error: lost {who}: {detail}\n"
+    reported = False
     for listener in _LOST_LISTENERS:
         try:
-            listener(line.strip())
+            reported = bool(listener(line.strip())) or reported
         except Exception:  # noqa: BLE001 - we are about to exit; never raise into C
             pass
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
         pass
-    os.write(2, line.encode())
+    if not reported:
+        os.write(2, line.encode())
     os._exit(RpcError.exit_code)
 
 

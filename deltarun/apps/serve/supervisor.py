@@ -45,8 +45,8 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import pickle
+import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,13 +112,15 @@ class _Outbox:
         if events or calls:
             self.send(("step", events, calls, self.counts()))
 
-    def send(self, msg: tuple, timeout: float = -1) -> None:
+    def send(self, msg: tuple, timeout: float = -1) -> bool:
+        """Whether `msg` went out (a parent that is gone is noticed by the receive loop)."""
         if not self._send_lock.acquire(timeout=timeout):
-            return
+            return False
         try:
             self.conn.send(msg)
-        except (OSError, ValueError):      # the parent is gone: the receive loop ends the child
-            pass
+            return True
+        except (OSError, ValueError):
+            return False
         finally:
             self._send_lock.release()
 
@@ -169,7 +171,7 @@ def _child_main(conn: Any, open_model: Callable[[], Any], worker_kwargs: dict[st
     tqdm.set_lock(threading.RLock())
     worker: Worker | None = None
     outbox = _Outbox(conn, lambda: worker.counts if worker is not None else (0, 0))
-    rpc.on_lost(lambda line: outbox.send(("lost", line), timeout=1.0))
+    rpc.on_lost(lambda line: outbox.send(("lost", line), timeout=1.0))   # the parent prints it, once
     worker = Worker(open_model, metrics=_MetricsRecorder(outbox), **worker_kwargs)   # type: ignore[arg-type]
     worker.after_step = outbox.flush
     worker.start()
@@ -456,6 +458,9 @@ class SupervisedWorker:
 
         if lost_line is not None:
             reason, code = lost_line.removeprefix("error: "), "rpc_server_lost"
+            if not (first and not self.ready.is_set()):     # else it is the load error `serve` ends with
+                sys.stderr.write(lost_line + "\n")
+                sys.stderr.flush()
         elif load_error is not None:
             reason, code = f"the model could not be loaded: {load_error}", "loading_failed"
         elif exitcode == RpcError.exit_code:
