@@ -148,6 +148,12 @@ def test_supervised_load_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="the model failed to load"):
         h.start(timeout=UP_TIMEOUT_S)
     h.stop()
+    # a child that dies while loading (as one whose RPC server goes away then) is a load error too
+    h = ServeHandle(functools.partial(os._exit, 3), ServeSettings(supervise=True))
+    with pytest.raises(RuntimeError, match=r"the model process ended \(exit status 3\)"):
+        h.start(timeout=UP_TIMEOUT_S)
+    h.stop()
+    assert h.worker.n_started == 1
 
 
 @pytest.mark.skipif(not rpc.available(), reason="this ggml-python was built without GGML_RPC")
