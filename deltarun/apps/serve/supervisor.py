@@ -47,6 +47,7 @@ import multiprocessing
 import pickle
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -346,7 +347,14 @@ class SupervisedWorker:
                 self._wake.wait(backoff)
                 backoff = min(2 * backoff, BACKOFF_MAX_S)
                 continue
-            served = self._run_child()
+            try:
+                served = self._run_child()
+            except Exception as e:  # noqa: BLE001 - e.g. no process could be started; never end this thread
+                traceback.print_exception(e)
+                served = False
+                if not self.ready.is_set():
+                    self.load_error = DeltarunError(f"the model process could not be started: {e}")
+                    self.ready.set()
             if self.load_error is not None:
                 return
             backoff = BACKOFF_MIN_S if served else min(2 * backoff, BACKOFF_MAX_S)
@@ -391,22 +399,33 @@ class SupervisedWorker:
                     msg = parent_conn.recv()
                 except (EOFError, OSError):
                     break
+                except Exception as e:  # noqa: BLE001 - a message that does not unpickle: a bug; restart
+                    traceback.print_exception(e)
+                    proc.kill()
+                    break
                 kind = msg[0]
-                if kind == "step":
-                    self._deliver(msg[1], msg[2], msg[3])
-                elif kind == "ready":
-                    self._on_ready(msg[1], parent_conn)
-                    served = True
-                elif kind == "call":
-                    with self._lock:
-                        fut = self._calls.pop(msg[1], None)
-                    if fut is not None and fut.set_running_or_notify_cancel():
-                        (fut.set_result if msg[2] else fut.set_exception)(msg[3])
-                elif kind == "lost":
-                    lost_line = msg[1]
-                elif kind == "load_error":
-                    load_error = msg[1]
-                self._forward_cancels()
+                try:
+                    if kind == "step":
+                        self._deliver(msg[1], msg[2], msg[3])
+                    elif kind == "ready":
+                        self._on_ready(msg[1], parent_conn)
+                        served = True
+                    elif kind == "call":
+                        with self._lock:
+                            fut = self._calls.pop(msg[1], None)
+                        if fut is not None and fut.set_running_or_notify_cancel():
+                            (fut.set_result if msg[2] else fut.set_exception)(msg[3])
+                    elif kind == "lost":
+                        lost_line = msg[1]
+                    elif kind == "load_error":
+                        load_error = msg[1]
+                    self._forward_cancels()
+                except Exception as e:  # noqa: BLE001 - a bug in relaying: keep the server (and this thread)
+                    if kind == "ready":
+                        load_error = e
+                        proc.kill()
+                        break
+                    traceback.print_exception(e)
         finally:
             proc.join(STOP_WAIT_S)
             if proc.is_alive():
