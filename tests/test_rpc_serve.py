@@ -11,7 +11,10 @@ With `--rpc` (or `ServeSettings(supervise=True)`) the model runs in a child proc
   non-streaming request running next to it with a 503 JSON error, within 30 s; while it is down
   `/health` and new requests answer 503 with Retry-After; restarted on the same port, the server
   serves the same greedy text again, without restarting `serve`; a server killed while nothing
-  runs turns `/health` 503 within seconds.
+  runs turns `/health` 503 within seconds;
+- a vanished RPC host (packets to and from its port dropped in a private network namespace, both
+  processes alive; skipped where `unshare -rn` is not allowed): the running stream ends with the
+  503 error object within 30 s (kernel keepalive / TCP_USER_TIMEOUT, about 20 s).
 
 Every wait is bounded in time.
 """
@@ -35,9 +38,9 @@ from deltarun.runner import rpc
 from deltarun.runner.model import Model
 
 try:  # tests/ as a package, or pytest's rootdir-relative import
-    from tests.test_rpc import LOST_DEADLINE_S, Server, _env
+    from tests.test_rpc import LOST_DEADLINE_S, Server, _env, _netns_available
 except ModuleNotFoundError:
-    from test_rpc import LOST_DEADLINE_S, Server, _env  # type: ignore[no-redef]
+    from test_rpc import LOST_DEADLINE_S, Server, _env, _netns_available  # type: ignore[no-redef]
 
 UP_TIMEOUT_S = 120          # a model load (spawned interpreter, tiny model)
 RECOVER_TIMEOUT_S = 60      # the supervisor's backoff is at most 5 s; a reload is seconds
@@ -222,3 +225,73 @@ def test_serve_rpc_server_lost_then_back(tiny_model_path):
     assert stderr.count(f"error: lost the RPC server {b.endpoint}") == 1, stderr     # one line per loss
     assert stderr.count(f"error: lost the RPC server {a.endpoint}: the server closed the connection") == 1, stderr
     assert "leaked semaphore" not in stderr, stderr
+
+
+# As tests/test_rpc.py's vanished-host test, for `serve`: in a private network namespace, every
+# packet to and from the RPC server's port stops routing mid-stream while both processes live on.
+_VANISH_SERVE = r"""
+import json, signal, subprocess, sys, time
+import httpx
+from deltarun.runner import rpc
+model, port, http_port, body = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+ep, base = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+procs = [subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(port), "--threads", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+try:
+    for _ in range(150):
+        try:
+            rpc.probe(ep, timeout=2)
+            break
+        except rpc.RpcError:
+            time.sleep(0.2)
+    serve = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", model, "--port", str(http_port), "--parallel",
+                              "1", "--ctx", "8192", "--threads", "1", "--rpc", ep, "--tensor-split", "1,1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs.append(serve)
+    for _ in range(600):
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    lines, t0 = [], None
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=90) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: "):
+                lines.append(ln[6:])
+            if len(lines) == 2 and t0 is None:
+                for rule in (["add", "prio", "10", "ipproto", "tcp", "dport", str(port), "prohibit"],
+                             ["add", "prio", "11", "ipproto", "tcp", "sport", str(port), "prohibit"],
+                             ["del", "prio", "0"], ["add", "prio", "100", "table", "local"]):
+                    subprocess.run(["ip", "rule", *rule], check=True)
+                t0 = time.monotonic()
+    elapsed = time.monotonic() - t0
+    health = httpx.get(base + "/health", timeout=5)
+    serve.send_signal(signal.SIGTERM)
+    serve.wait(60)
+    print(json.dumps({"elapsed": elapsed, "tail": lines[-2:], "health": health.status_code,
+                      "retry_after": health.headers.get("retry-after"), "stderr": serve.stderr.read().decode()}))
+finally:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+"""
+
+
+@pytest.mark.skipif(not rpc.available(), reason="this ggml-python was built without GGML_RPC")
+def test_serve_vanished_host_answers_503_within_30s(tiny_model_path):
+    if not _netns_available():
+        pytest.skip("needs `unshare -rn` (user and network namespaces) and iproute2's `ip rule ... dport`")
+    model8 = tiny_model_path("tiny", "q8_0", n_layer=8)
+    r = subprocess.run(["unshare", "-rn", sys.executable, "-c", _VANISH_SERVE, str(model8), "50052", "8080",
+                        json.dumps(LONG)], capture_output=True, text=True, timeout=400, env=_env())
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["tail"][-1] == "[DONE]", res
+    err = json.loads(res["tail"][0])["error"]
+    assert err["code"] == "rpc_server_lost" and "127.0.0.1:50052" in err["message"], res
+    assert res["elapsed"] < LOST_DEADLINE_S, res
+    assert res["health"] == 503 and res["retry_after"] == "1", res
+    assert res["stderr"].count("error: lost the RPC server 127.0.0.1:50052") == 1, res["stderr"]
