@@ -222,6 +222,7 @@ def test_serve_rpc_server_lost_then_back(tiny_model_path):
             if s is not None:
                 s.stop()
     assert "Traceback" not in stderr and "GGML_ASSERT" not in stderr, stderr
+    assert proc.returncode in (0, -signal.SIGTERM), (proc.returncode, stderr)   # SIGTERM ends it while degraded
     assert stderr.count(f"error: lost the RPC server {b.endpoint}") == 1, stderr     # one line per loss
     assert stderr.count(f"error: lost the RPC server {a.endpoint}: the server closed the connection") == 1, stderr
     assert "leaked semaphore" not in stderr, stderr
