@@ -11,6 +11,7 @@ time. Skipped when ggml-python was built without RPC (scripts/install.sh builds 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -56,14 +57,15 @@ def _die_with_parent() -> None:
 class Server:
     """A `deltarun rpc-server` subprocess on 127.0.0.1."""
 
-    def __init__(self) -> None:
-        self.port = _free_port()
+    def __init__(self, port: int | None = None, wait: bool = True) -> None:
+        """On a free port (or `port`); `wait`: until it answers a probe (not while a client holds it)."""
+        self.port = port or _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(self.port),
                                       "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=_env(), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
+        while wait:
             try:
                 rpc.probe(self.endpoint, timeout=2)
                 return
@@ -363,6 +365,19 @@ def test_endpoint_parsing():
     with pytest.raises(rpc.RpcError, match="twice"):
         rpc.parse_endpoints("a:1,a:1")
     assert rpc.is_loopback("127.0.0.1") and not rpc.is_loopback("0.0.0.0")
+    # ggml 0.15.3's transport is AF_INET only (and splits the endpoint at its first ':')
+    for v6 in ("[::1]:50052", "::1:50052", "[fe80::1%eth0]:1"):
+        with pytest.raises(rpc.RpcError, match="IPv6.*IPv4 only"):
+            rpc.parse_endpoints(v6)
+    assert rpc.ipv4_address("localhost", "x") == "127.0.0.1"
+
+
+def test_ipv6_host_is_one_line():
+    for args in (["rpc-server", "--host", "::1"], ["generate", "-p", "hi", "--rpc", "[::1]:50052"]):
+        r = subprocess.run([sys.executable, "-m", "deltarun", *args], capture_output=True, text=True, timeout=60,
+                           env=_env())
+        assert r.returncode == rpc.RpcError.exit_code, r.stderr
+        assert "IPv4 only" in _one_line_error(r, r.stderr, "::1"), r.stderr
 
 
 def test_assign_layers_follows_llama_cpp():
@@ -375,3 +390,68 @@ def test_assign_layers_follows_llama_cpp():
     for bad in ("0,0", "-1,2", "a,b"):
         with pytest.raises(Exception, match="tensor-split"):
             parse_tensor_split(bad)
+
+
+# A host that vanishes (no FIN, no RST: its packets simply stop) is simulated in a network namespace
+# of the test's own (`unshare -rn`, no privileges needed where user namespaces are allowed): policy
+# routing rules put ahead of the local table make every packet to and from the server's port fail
+# to route, while both processes stay alive. Only the kernel keepalive / TCP_USER_TIMEOUT that
+# rpc.harden_sockets sets can notice that.
+_VANISH = r"""
+import json, subprocess, sys, time
+from deltarun.runner import rpc
+model, port = sys.argv[1], int(sys.argv[2])
+ep = f"127.0.0.1:{port}"
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+server = subprocess.Popen([sys.executable, "-m", "deltarun", "rpc-server", "--port", str(port), "--threads", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+try:
+    for _ in range(150):
+        try:
+            rpc.probe(ep, timeout=2)
+            break
+        except rpc.RpcError:
+            time.sleep(0.2)
+    gen = subprocess.Popen([sys.executable, "-m", "deltarun", "generate", model, "-p", "hello", "-n", "6000",
+                            "--ctx", "8192", "--temp", "0", "-t", "1", "--rpc", ep, "--tensor-split", "1,1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = gen.stdout.read(16)
+    for rule in (["add", "prio", "10", "ipproto", "tcp", "dport", str(port), "prohibit"],
+                 ["add", "prio", "11", "ipproto", "tcp", "sport", str(port), "prohibit"],
+                 ["del", "prio", "0"], ["add", "prio", "100", "table", "local"]):
+        subprocess.run(["ip", "rule", *rule], check=True)
+    t0 = time.monotonic()
+    try:
+        out, err = gen.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        gen.kill()
+        out, err = gen.communicate()
+    print(json.dumps({"first": first.decode(errors="replace"), "rc": gen.returncode,
+                      "elapsed": time.monotonic() - t0, "stderr": err.decode(errors="replace")}))
+finally:
+    server.kill()
+"""
+
+
+def _netns_available() -> bool:
+    import shutil
+
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return False
+    r = subprocess.run(["unshare", "-rn", "ip", "rule", "add", "prio", "10", "ipproto", "tcp", "dport", "1",
+                        "prohibit"], capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+def test_vanished_host_is_detected_within_30s(model8):
+    if not _netns_available():
+        pytest.skip("needs `unshare -rn` (user and network namespaces) and iproute2's `ip rule ... dport`")
+    r = subprocess.run(["unshare", "-rn", sys.executable, "-c", _VANISH, str(model8), "50052"], capture_output=True,
+                       text=True, timeout=240, env=_env())
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["first"], res
+    assert res["rc"] == rpc.RpcError.exit_code, res
+    line = _one_line_error(None, res["stderr"], "127.0.0.1:50052")
+    assert "lost" in line, line
+    assert res["elapsed"] < LOST_DEADLINE_S, res

@@ -48,7 +48,8 @@ def rpc_server(host: str, port: int, backend: str, threads: int | None, cache_di
         dev = be.find_device(kind, index)
         if dev.registry == "Vulkan":
             be.vulkan_workaround()
-    rpc.check_port_free(host, port)
+    address = rpc.ipv4_address(host, "rpc-server --host")   # ggml binds an IPv4 dotted quad only
+    rpc.check_port_free(address, port)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     if not rpc.is_loopback(host):
@@ -56,7 +57,7 @@ def rpc_server(host: str, port: int, backend: str, threads: int | None, cache_di
                     f"encryption; anyone who can reach this port can run code on {dev.name} and read its "
                     f"memory. Use it on a trusted network only (or an SSH tunnel).", fg="yellow", err=True)
     n_threads = threads or be.physical_cores()
-    endpoint = f"{host}:{port}"
+    endpoint = f"{address}:{port}"
     done = threading.Event()
 
     def serve() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from pathlib import Path
@@ -72,6 +73,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     try:
         from deltarun.apps.serve.server import ServeSettings, serve_forever
+        from deltarun.runner.rpc import parse_endpoints
     except ImportError as e:   # pragma: no cover - the dependencies are in pyproject.toml
         raise DeltarunError(f"the server needs its dependencies: pip install -e . ({e})") from e
     path = resolve_model(model)
@@ -86,10 +88,11 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
         opts["batch"] = max(int(opts["batch"]), draft_max + 1)
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
                              chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
-                             max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max)
+                             max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
+                             rpc=tuple(parse_endpoints(opts.get("rpc"))))
 
-    def load():
-        return open_model(path, n_seq_max=parallel, quiet=True, **opts)
+    # a partial, not a closure: with --rpc the model opens in a spawned child process (supervisor.py)
+    load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, **opts)
 
     def ready() -> None:
         click.echo(f"serving {path.name} on http://{host}:{port}/v1 ({parallel} slots)", err=True)

@@ -30,11 +30,19 @@ adds what that client lacks:
   Why not a supervised worker process for every command: the hook gives the same one-line error
   and exit status without moving each command's model, terminal, stdin, signals and progress
   output into a child; it costs nothing per token; and the `Model` API behaves the same for
-  library users. What it cannot do is *survive* the loss: a process that must keep running (the
-  OpenAI server) has to hold its `Model` in a worker process of its own and treat that worker's
-  exit with `RpcError.exit_code` as "RPC server lost" (its stderr's last line names it).
-  Not detected: a server process that stops (SIGSTOP, a hung driver) while its host's kernel keeps
-  the connection alive; ggml waits for it as llama.cpp does.
+  library users. What it cannot do is *survive* the loss: `serve --rpc` holds its `Model` in a
+  supervised child process (deltarun.apps.serve.supervisor), which `on_lost` lets tell its parent
+  which endpoint went, and whose watchdog calls `broken_connections` to notice a loss while idle.
+  A vanished host (packets dropped, no FIN or RST) is detected in about 20 s: tests/test_rpc.py
+  simulates one with policy-routing rules in a private network namespace. Not detected: a server
+  process that stops (SIGSTOP, a hung driver) while its host's kernel keeps the connection alive
+  (or a TCP proxy in between that stays connected); ggml waits for it as llama.cpp does.
+
+IPv6: ggml 0.15.3's transport (ggml-rpc/transport.cpp) is IPv4 only: the client opens an AF_INET
+socket and resolves with gethostbyname, the server binds `inet_addr(host)` (a dotted quad, not
+even a host name), and the endpoint parser splits at the first ':'. So `[::1]:50052` is refused
+in one line (`parse_endpoint`), host names are resolved to their IPv4 address as ggml does
+(`ipv4_address`), and `rpc-server --host NAME` binds NAME's IPv4 address.
 """
 
 from __future__ import annotations
@@ -92,13 +100,48 @@ def require() -> None:
 # ----------------------------------------------------------------------------------------------
 _ENDPOINT = re.compile(r"^([A-Za-z0-9._-]+):(\d{1,5})$")
 
+#: ggml 0.15.3's transport (ggml-rpc/transport.cpp) opens AF_INET sockets only: the client resolves
+#: with gethostbyname, the server binds an inet_addr() dotted quad, and the endpoint parser splits at
+#: the first ':'. IPv6 is therefore refused here, in one line, instead of failing inside ggml.
+IPV6_UNSUPPORTED = ("ggml's RPC transport (ggml 0.15.3) is IPv4 only: use an IPv4 address or a host name "
+                    "with an IPv4 address (an SSH tunnel can carry it over IPv6)")
+
+
+def _looks_ipv6(text: str) -> bool:
+    return text.startswith("[") or text.count(":") > 1
+
 
 def parse_endpoint(text: str) -> tuple[str, int]:
-    """"host:port" -> (host, port); ggml's parser splits at the first ':', so no IPv6 literals."""
-    m = _ENDPOINT.match(text.strip())
+    """"host:port" -> (host, port); IPv6 literals ("[::1]:50052") are refused (IPV6_UNSUPPORTED)."""
+    text = text.strip()
+    if _looks_ipv6(text):
+        raise RpcError(f"RPC endpoint {text!r} is IPv6; {IPV6_UNSUPPORTED}")
+    m = _ENDPOINT.match(text)
     if not m or not 0 < int(m.group(2)) < 65536:
         raise RpcError(f"bad RPC endpoint {text!r}: expected HOST:PORT, e.g. 192.168.1.20:{DEFAULT_PORT}")
     return m.group(1), int(m.group(2))
+
+
+def ipv4_address(host: str, label: str) -> str:
+    """The IPv4 address ggml's transport would use for `host` (the first, as gethostbyname gives).
+
+    `label` starts the one-line error (e.g. "RPC server h:50052").
+    """
+    if ":" in host or host.startswith("["):
+        raise RpcError(f"{label}: {host!r} is an IPv6 address; {IPV6_UNSUPPORTED}")
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as e:
+        if _has_ipv6_only(host):
+            raise RpcError(f"{label}: {host!r} has only IPv6 addresses; {IPV6_UNSUPPORTED}") from None
+        raise RpcError(f"{label}: unknown host {host!r} ({e.strerror})") from None
+
+
+def _has_ipv6_only(host: str) -> bool:
+    try:
+        return bool(socket.getaddrinfo(host, None, socket.AF_INET6, socket.SOCK_STREAM))
+    except OSError:
+        return False
 
 
 def parse_endpoints(value: str | Sequence[str] | None) -> list[str]:
@@ -160,10 +203,9 @@ def probe(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> ServerInfo:
     time.
     """
     host, port = parse_endpoint(endpoint)
+    address = ipv4_address(host, f"RPC server {endpoint}")   # where ggml will connect: IPv4 only
     try:
-        s = socket.create_connection((host, port), timeout=timeout)
-    except socket.gaierror as e:
-        raise RpcError(f"RPC server {endpoint}: unknown host ({e.strerror})") from None
+        s = socket.create_connection((address, port), timeout=timeout)
     except socket.timeout:
         raise RpcError(f"RPC server {endpoint}: no answer within {timeout:g} s (is `deltarun rpc-server` "
                        f"running there, and the port open?)") from None
@@ -252,7 +294,7 @@ def server_devices(endpoint: str) -> list[Any]:
 def _resolved(endpoint: str) -> set[tuple[str, int]]:
     host, port = parse_endpoint(endpoint)
     try:
-        return {(ai[4][0], port) for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        return {(ai[4][0], port) for ai in socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)}
     except OSError:
         return set()
 
@@ -326,8 +368,12 @@ def harden_sockets() -> int:
     return len(found)
 
 
-def lost_endpoints() -> list[str]:
-    """Registered endpoints whose connection is broken (EOF or a socket error), else unreachable."""
+def broken_connections() -> list[str]:
+    """Registered endpoints whose ggml connection is broken (the server closed it, or a socket error).
+
+    Only looks at the sockets (a non-blocking MSG_PEEK on a duplicate descriptor): safe to call from
+    another thread while ggml waits on the same socket, and it never connects anywhere.
+    """
     lost: list[str] = []
     for fd, ep in {**_KNOWN, **dict(_rpc_sockets())}.items():
         s = _socket_of(fd)
@@ -344,14 +390,52 @@ def lost_endpoints() -> list[str]:
             lost.append(ep)   # reset, timed out
         finally:
             s.close()
+    return sorted(set(lost), key=list(_REGISTERED).index)
+
+
+def lost_endpoints() -> list[str]:
+    """Registered endpoints whose connection is broken (EOF or a socket error), else unreachable."""
+    lost = broken_connections()
     if lost:
-        return sorted(set(lost), key=list(_REGISTERED).index)
+        return lost
     for ep in _REGISTERED:
         try:
             socket.create_connection(parse_endpoint(ep), timeout=1.0).close()
         except OSError:
             lost.append(ep)
     return lost
+
+
+#: Called with the one-line message just before a lost server ends the process (`on_lost`).
+_LOST_LISTENERS: list[Any] = []
+
+
+def on_lost(listener: Any) -> None:
+    """Call `listener(line)` before the process ends for a lost RPC server (e.g. to tell a parent).
+
+    A listener that returns True has reported the line itself: it is then not printed here.
+    """
+    _LOST_LISTENERS.append(listener)
+
+
+def exit_lost(lost: list[str], detail: str) -> None:
+    """Print the one line naming the lost endpoints and end the process with RpcError.exit_code."""
+    who = (f"the RPC server {', '.join(lost)}" if lost
+           else f"an RPC server ({', '.join(_REGISTERED) or 'unknown'})")
+    line = f"error: lost {who}: {detail}\n"
+    reported = False
+    for listener in _LOST_LISTENERS:
+        try:
+            reported = bool(listener(line.strip())) or reported
+        except Exception:  # noqa: BLE001 - we are about to exit; never raise into C
+            pass
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    if not reported:
+        os.write(2, line.encode())
+    os._exit(RpcError.exit_code)
 
 
 def _on_abort(message: bytes) -> None:
@@ -367,15 +451,7 @@ def _on_abort(message: bytes) -> None:
 
             traceback.print_exc()
         lost = []
-    who = (f"the RPC server {', '.join(lost)}" if lost
-           else f"an RPC server ({', '.join(_REGISTERED) or 'unknown'})")
-    line = f"error: lost {who}: the connection broke during the run (ggml: {text.rsplit(': ', 1)[-1]})\n"
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    os.write(2, line.encode())
-    os._exit(RpcError.exit_code)
+    exit_lost(lost, f"the connection broke during the run (ggml: {text.rsplit(': ', 1)[-1]})")
 
 
 #: ggml-rpc's transport logs these just before the abort that `_on_abort` reports in one line.

@@ -62,6 +62,9 @@ class ServerState:
     def builder(self) -> Any:
         if self.worker.load_error is not None:
             raise ApiError(f"the model failed to load: {self.worker.load_error}", status=500, type="server_error")
+        down = getattr(self.worker, "unavailable", None)    # a supervised model process being restarted
+        if down is not None:
+            raise down
         if not self.worker.ready.is_set():
             raise ApiError("Loading model", status=503, type="unavailable_error", code="loading",
                            headers={"Retry-After": "1"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -70,7 +71,8 @@ def page_routes(state: Any) -> list[Route]:
         html = pages.get(key)
         if html is None:
             try:
-                html = await asyncio.wrap_future(state.worker.call(lambda m: graph_page(m, n_tokens, n_past)))
+                page = partial(graph_page, n_tokens=n_tokens, n_past=n_past)    # pickles: a supervised worker
+                html = await asyncio.wrap_future(state.worker.call(page))
             except DeltarunError as e:
                 raise ApiError(str(e), code="invalid_value") from None
             pages[key] = html

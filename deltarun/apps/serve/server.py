@@ -41,6 +41,8 @@ class ServeSettings:
     model_name: str = "deltarun"
     draft: str | None = None          # "ngram": prompt-lookup drafts for a lone decoding sequence
     draft_max: int = 8
+    rpc: tuple[str, ...] = ()         # RPC endpoints of the model: it then runs in a supervised child process
+    supervise: bool = False           # the supervised child process without RPC too (supervisor.py)
 
 
 def _eog_ids(model: Any) -> list[int]:
@@ -49,12 +51,25 @@ def _eog_ids(model: Any) -> list[int]:
     return [i for i in ids if i < model.hp.n_vocab]
 
 
+def _grammar_factory(m: Any) -> GrammarFactory:      # module level: it pickles (supervisor.py)
+    return GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m))
+
+
 def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerState]:
-    """The Starlette app and its state (the worker is not started yet)."""
-    worker = Worker(open_model, s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
-                    chunk=s.chunk, checkpoint_every=s.checkpoint_every, metrics=Metrics(),
-                    grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)),
-                    draft=s.draft, draft_max=s.draft_max)
+    """The Starlette app and its state (the worker is not started yet).
+
+    With RPC endpoints (or `supervise`) the worker runs in a child process that is restarted when
+    it dies (supervisor.SupervisedWorker); `open_model` must then pickle.
+    """
+    kwargs = dict(n_parallel=s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
+                  chunk=s.chunk, checkpoint_every=s.checkpoint_every, grammar_factory=_grammar_factory,
+                  draft=s.draft, draft_max=s.draft_max)
+    if s.rpc or s.supervise:
+        from deltarun.apps.serve.supervisor import SupervisedWorker
+
+        worker: Any = SupervisedWorker(open_model, kwargs, endpoints=list(s.rpc), metrics=Metrics())
+    else:
+        worker = Worker(open_model, metrics=Metrics(), **kwargs)
 
     def make_builder(w: Worker) -> PromptBuilder:
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
