@@ -1,9 +1,12 @@
 """Speculative decoding on the built-in trained model: acceptance and tokens/s per draft setting.
 
     python bench/speculative_trained.py [--model PATH] [--threads 2] [-n 128] [--repeats 2]
+                                        [--max-draft 6] [--drafts mtp,mtp-separate,ngram]
 
 For each prompt, greedy decoding of n tokens plain, then with `--draft mtp` and `--draft ngram` at
-draft-max 1..6 (rollback slots = draft-max + 1, as the CLI opens them). Every speculative run must
+draft-max 1..6 (rollback slots = draft-max + 1, as the CLI opens them). `mtp` runs the MTP block
+inside each verification graph (MtpDraft's default for greedy decoding); `mtp-separate` evaluates
+it in graphs of its own (in_graph=False, what sampled decoding does). Every speculative run must
 give the plain run's tokens (checked). Reports generated tokens/s (median over prompts and repeats), the share
 of drafted tokens accepted, tokens per verification step, and the speed-up over plain.
 """
@@ -29,13 +32,13 @@ PROMPTS = [
 
 def run(path: Path, prompt: str, n: int, threads: int, draft: str | None, draft_max: int) -> tuple[list[int], object]:
     with Model(path, n_ctx=1024, n_threads=threads, rs_slots=draft_max + 1 if draft else 1,
-               n_batch=512, mtp=draft == "mtp") as m:
+               n_batch=512, mtp=draft in ("mtp", "mtp-separate")) as m:
         toks = m.tokenizer.encode(prompt)
         if draft is None:
             stats = GenerationStats()
             out = list(generate_tokens(m, toks, n, Sampler(GREEDY), stats=stats, stop_at_eog=False))
         else:
-            source = MtpDraft(m) if draft == "mtp" else NgramDraft()
+            source = MtpDraft(m, in_graph=draft == "mtp") if draft in ("mtp", "mtp-separate") else NgramDraft()
             stats = SpeculativeStats()
             out = list(speculative_tokens(m, toks, n, Sampler(GREEDY), source, draft_max, stats=stats,
                                           stop_at_eog=False))
@@ -52,9 +55,13 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-draft", type=int, default=6)
+    ap.add_argument("--drafts", default="mtp,mtp-separate,ngram", help="comma-separated: mtp, mtp-separate, ngram")
     args = ap.parse_args()
     path = args.model or ensure_default_model()
-    settings = [(None, 0)] + [(d, k) for d in ("mtp", "ngram") for k in range(1, args.max_draft + 1)]
+    drafts = args.drafts.split(",")
+    if not set(drafts) <= {"mtp", "mtp-separate", "ngram"}:
+        sys.exit(f"unknown draft in --drafts {args.drafts}: choose from mtp, mtp-separate, ngram")
+    settings = [(None, 0)] + [(d, k) for d in drafts for k in range(1, args.max_draft + 1)]
     plain_tokens: dict[int, list[int]] = {}
     results: dict[tuple, dict[str, list[float]]] = {s: {"tps": [], "acc": [], "per_step": []} for s in settings}
     for _ in range(args.repeats):      # settings interleaved, so load changes hit them alike
@@ -74,7 +81,7 @@ def main() -> None:
     for (draft, k), r in results.items():
         rows.append((draft or "plain", k, statistics.median(r["tps"]), statistics.mean(r["acc"]) if r["acc"] else None,
                      statistics.mean(r["per_step"]) if r["per_step"] else 1.0))
-        print(f"{rows[-1][0]:6} {k}  {rows[-1][2]:7.1f} tok/s  "
+        print(f"{rows[-1][0]:12} {k}  {rows[-1][2]:7.1f} tok/s  "
               f"accept {'-' if rows[-1][3] is None else f'{rows[-1][3]:.2f}'}  tokens/step {rows[-1][4]:.2f}",
               file=sys.stderr, flush=True)
     plain = rows[0][2]

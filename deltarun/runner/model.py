@@ -86,6 +86,19 @@ class _Graph:
 
 
 @dataclass
+class MtpRows:
+    """The MTP block's rows computed in the last trunk evaluation (`eval(..., mtp_argmax=True)`):
+    for each row i of the ubatch (position start + i) the argmax token of its trunk logits, and
+    the MTP block's logits and output for (that token, the row's hidden state)."""
+
+    seq: int
+    start: int
+    tokens: list[int]        # argmax of each row's trunk logits
+    logits: np.ndarray       # [n, vocab]
+    out: np.ndarray          # [n, n_embd] before the MTP block's final norm
+
+
+@dataclass
 class EvalStats:
     """Counters a caller can report (tokens/s) or a test can check (incremental prefill)."""
 
@@ -138,6 +151,7 @@ class Model:
         self._graphs: dict[UbatchShape, _Graph] = {}
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
+        self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -167,11 +181,25 @@ class Model:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
         self.memory.restore(cp)
 
-    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
+    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
-        token [n, vocab]."""
+        token [n, vocab].
+
+        `mtp_argmax` (all_logits, one ubatch, a model opened with mtp=True): the same graph also
+        runs the MTP block on every row's (argmax token, hidden state) and leaves them in
+        `last_mtp` (a greedy speculative step's next draft without a separate evaluation).
+        """
         toks = [int(t) for t in tokens]
         self._check_tokens(toks, seq)
+        if mtp_argmax:
+            if not self.memory.mtp_layers:
+                raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
+            if not all_logits or len(toks) > self.n_batch:
+                raise DeltarunError("mtp_argmax evaluates one ubatch with every row's logits (all_logits)")
+            start = self.n_past(seq)
+            logits = self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
+            self.last_mtp.seq, self.last_mtp.start = seq, start
+            return logits
         outs, hiddens = [], []
         done = 0
         for size in self.split_ubatches(len(toks)):
@@ -325,7 +353,8 @@ class Model:
             raise ContextFullError(
                 f"context full: {state.n_past} tokens + {len(toks)} new exceed the context size {self.n_ctx}")
 
-    def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool) -> np.ndarray:
+    def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
+                     mtp_argmax: bool = False) -> np.ndarray:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab]."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
@@ -334,11 +363,12 @@ class Model:
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
-                            seq_head=seq_head, delta_net=self.delta_net)
+                            seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax)
         g = self.graph(shape)
         self.sched.allocate(g.gf, g.ctx)
         self._set_inputs(g, tokens, starts, shape)
         self.sched.compute(g.gf)
+        self.last_mtp = self._read_mtp_rows(g, n) if mtp_argmax else None
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
         _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
         hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
@@ -353,6 +383,17 @@ class Model:
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0
         return logits
+
+    def _read_mtp_rows(self, g: _Graph, n: int) -> MtpRows:
+        """The MTP outputs of an mtp_argmax graph of one sequence (position filled in by `eval`)."""
+        hp = self.hp
+        tokens = np.empty(n, dtype=np.int32)
+        _tensor_get(g.outputs["mtp_tokens"], tokens.ctypes.data, 0, tokens.nbytes)
+        logits = np.empty((n, hp.n_vocab), dtype=np.float32)
+        _tensor_get(g.outputs["mtp_result_output"], logits.ctypes.data, 0, logits.nbytes)
+        out = np.empty((n, hp.n_embd), dtype=np.float32)
+        _tensor_get(g.outputs["mtp_out"], out.ctypes.data, 0, out.nbytes)
+        return MtpRows(-1, -1, tokens.tolist(), logits, out)
 
     def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
         """The input plan of allocated graph `g`, made on its first step."""
