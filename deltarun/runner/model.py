@@ -149,6 +149,7 @@ class Model:
                                graph_size=self.graph_builder.graph_size(largest))
         self._reserve_compute_buffers(largest)
         self._graphs: dict[UbatchShape, _Graph] = {}
+        self._mtp_sched: Scheduler | None = None   # small MTP graphs (drafts), made on first use
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
@@ -259,13 +260,35 @@ class Model:
         shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n, n_kv=n_kv, seq_head=seq,
                             delta_net=self.delta_net, mtp=True)
         g = self.graph(shape)
-        self.sched.allocate(g.gf, g.ctx)
+        sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
+        sched.allocate(g.gf, g.ctx)
         pos = np.arange(start, start + n, dtype=np.int32)[None, :]
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=[list(tokens)], hidden=hidden))
-        self.sched.compute(g.gf)
+        sched.compute(g.gf)
         logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n, self.hp.n_vocab)
         out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n, self.hp.n_embd)
         return logits, out
+
+    def _draft_sched(self) -> Scheduler:
+        """The scheduler of MTP graphs of up to rs_slots rows (chained drafts, a step's rows).
+
+        ggml's scheduler holds one allocated graph: a speculative step that alternated the trunk's
+        graph and an MTP graph on one scheduler re-allocated both every time (forgetting and
+        re-planning every tensor's address), which cost several times their computation on this
+        small model. With their own scheduler and compute buffers (sized here for the largest of
+        them: a few rows), both stay allocated.
+        """
+        if self._mtp_sched is None:
+            largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=1, n_outputs=self.memory.rs_slots,
+                                  n_kv=self.n_ctx, delta_net=self.delta_net, mtp=True)
+            sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
+            try:
+                self._reserve_compute_buffers(largest, sched)
+            except BaseException:
+                sched.free()
+                raise
+            self._mtp_sched = sched
+        return self._mtp_sched
 
     def logits_for(self, tokens: list[int]) -> np.ndarray:
         """Logits of every token of a fresh sequence (resets the model); handy for tests and perplexity."""
@@ -277,6 +300,8 @@ class Model:
             ggml.ggml_free(g.ctx)
         self._graphs.clear()
         self.sched.free()
+        if self._mtp_sched is not None:
+            self._mtp_sched.free()
         self.memory.free()
         self.weights.free()
         self.placement.free()
@@ -289,7 +314,7 @@ class Model:
         self.close()
 
     # --- internals ----------------------------------------------------------------------------
-    def _reserve_compute_buffers(self, largest: UbatchShape) -> None:
+    def _reserve_compute_buffers(self, largest: UbatchShape, sched: Scheduler | None = None) -> None:
         """Size the compute buffers for the largest ubatch now, as llama.cpp does at context creation:
         the memory a session needs is known (and refused) up front, and no later graph reallocates
         the buffers mid-generation. The worst-case graph is built only for this and dropped."""
@@ -298,7 +323,7 @@ class Model:
         try:
             gf = ggml.ggml_new_graph_custom(ctx, size, False)
             self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, largest)
-            self.sched.reserve(gf)
+            (sched or self.sched).reserve(gf)
         finally:
             ggml.ggml_free(ctx)
 
