@@ -6,7 +6,15 @@
 For each prompt, greedy decoding of n tokens plain, then with `--draft mtp` and `--draft ngram` at
 draft-max 1..6 (rollback slots = draft-max + 1, as the CLI opens them). `mtp` runs the MTP block
 inside each verification graph (MtpDraft's default for greedy decoding); `mtp-separate` evaluates
-it in graphs of its own (in_graph=False, what sampled decoding does). Every speculative run must
+it in graphs of its own (in_graph=False, what sampled decoding does).
+
+    python bench/speculative_trained.py --step-costs [--max-draft 6]
+
+instead prints what one verification step costs by its size, in CPU time of one thread (ggml then
+computes in the calling thread, so other processes' time slices do not count: stable under load):
+a trunk ubatch of n = 1..max-draft+1 tokens with rs_slots = n, the same with the MTP block in its
+graph, and a one-row MTP evaluation (a chained draft). Speed-up of a draft setting is at most
+tokens-per-step x cost(1) / cost(draft-max + 1). Every speculative run must
 give the plain run's tokens (checked). Reports generated tokens/s (median over prompts and repeats), the share
 of drafted tokens accepted, tokens per verification step, and the speed-up over plain.
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from deltarun.apps.speculative import MtpDraft, NgramDraft, SpeculativeStats, speculative_tokens
@@ -46,6 +55,40 @@ def run(path: Path, prompt: str, n: int, threads: int, draft: str | None, draft_
     return out, stats
 
 
+def step_costs(path: Path, max_draft: int, repeats: int = 40) -> None:
+    """Median single-thread CPU milliseconds of verification ubatches by size (see the docstring)."""
+    def median_ms(m: Model, fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t0)
+        return 1e3 * statistics.median(times)
+
+    context = list(range(100, 160))
+    print("| tokens in the ubatch | trunk ms | trunk + MTP in graph ms | vs 1-token plain |")
+    print("|---|---|---|---|")
+    base = None
+    for n in range(1, max_draft + 2):
+        costs = []
+        for in_graph in (False, True):
+            with Model(path, n_ctx=1024, n_threads=1, rs_slots=n, mtp=in_graph) as m:
+                m.eval(context)
+
+                def step(m=m, in_graph=in_graph):     # n tokens, then back to n_past + 1 (as a step keeping 1)
+                    m.eval([5] * n, all_logits=n > 1 or in_graph, mtp_argmax=in_graph)
+                    if n > 1:
+                        m.rollback(n - 1)
+                step()
+                costs.append(median_ms(m, step))
+                if in_graph and n == 1:
+                    h = m.last_hidden[0][-1:]
+                    chained = median_ms(m, lambda: m.mtp_eval([5], h, 61))
+        base = base or costs[0]
+        print(f"| {n} | {costs[0]:.3f} | {costs[1]:.3f} | {costs[0] / base:.2f}x / {costs[1] / base:.2f}x |")
+    print(f"\none-row MTP evaluation (a chained draft): {chained:.3f} ms", file=sys.stderr)
+
+
 def main() -> None:
     from deltarun.model_files.generate import ensure_default_model
 
@@ -56,8 +99,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-draft", type=int, default=6)
     ap.add_argument("--drafts", default="mtp,mtp-separate,ngram", help="comma-separated: mtp, mtp-separate, ngram")
+    ap.add_argument("--step-costs", action="store_true", help="single-thread CPU time of verification steps by size")
     args = ap.parse_args()
     path = args.model or ensure_default_model()
+    if args.step_costs:
+        step_costs(path, args.max_draft)
+        return
     drafts = args.drafts.split(",")
     if not set(drafts) <= {"mtp", "mtp-separate", "ngram"}:
         sys.exit(f"unknown draft in --drafts {args.drafts}: choose from mtp, mtp-separate, ngram")
