@@ -360,3 +360,28 @@ def test_sampled_mtp_drafts_use_separate_evaluations(tiny_model_path):
         assert not draft.wants_mtp_argmax(Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.1)))
         out = list(speculative_tokens(m, prompt(8, 2), 12, Sampler(params), draft, 2))
         assert len(out) == 12 and m.last_mtp is None
+
+
+def test_mtp_argmax_needs_the_mtp_block_and_every_row(tiny_model_path):
+    from deltarun.runner.errors import DeltarunError
+
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=64, rs_slots=3) as m:
+        with pytest.raises(DeltarunError, match="MTP block"):
+            m.eval([1, 2], all_logits=True, mtp_argmax=True)
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=64, rs_slots=3, mtp=True) as m:
+        with pytest.raises(DeltarunError, match="every row"):
+            m.eval([1, 2], mtp_argmax=True)
+        assert m.n_past() == 0
+
+
+def test_small_mtp_graphs_leave_the_trunk_graph_allocated(tiny_model_path):
+    """A step's MTP rows (up to rs_slots) run on their own scheduler: the trunk's verification graph
+    is not re-allocated after each of them (what made separate MTP drafts cost several steps)."""
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=64, kv_type="f32", rs_slots=3, mtp=True) as m:
+        m.eval(prompt(6), all_logits=True)
+        m.eval([4, 5], all_logits=True)
+        trunk = m.sched._allocated
+        m.mtp_eval([7, 8], m.last_hidden[0], 6)
+        assert m.sched._allocated is trunk and m._mtp_sched._allocated is not None
+        m.mtp_eval(prompt(4), m.last_hidden[0].repeat(2, 0), 0)     # more rows than slots: the trunk's scheduler
+        assert m.sched._allocated is not trunk

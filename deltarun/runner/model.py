@@ -197,10 +197,7 @@ class Model:
                 raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
             if not all_logits or len(toks) > self.n_batch:
                 raise DeltarunError("mtp_argmax evaluates one ubatch with every row's logits (all_logits)")
-            start = self.n_past(seq)
-            logits = self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
-            self.last_mtp.seq, self.last_mtp.start = seq, start
-            return logits
+            return self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
         outs, hiddens = [], []
         done = 0
         for size in self.split_ubatches(len(toks)):
@@ -393,7 +390,7 @@ class Model:
         self.sched.allocate(g.gf, g.ctx)
         self._set_inputs(g, tokens, starts, shape)
         self.sched.compute(g.gf)
-        self.last_mtp = self._read_mtp_rows(g, n) if mtp_argmax else None
+        self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
         _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
         hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
@@ -409,8 +406,8 @@ class Model:
         self.stats.eval_seconds += time.perf_counter() - t0
         return logits
 
-    def _read_mtp_rows(self, g: _Graph, n: int) -> MtpRows:
-        """The MTP outputs of an mtp_argmax graph of one sequence (position filled in by `eval`)."""
+    def _read_mtp_rows(self, g: _Graph, n: int, seq: int, start: int) -> MtpRows:
+        """The MTP outputs of an mtp_argmax graph of one sequence's n rows from position `start`."""
         hp = self.hp
         tokens = np.empty(n, dtype=np.int32)
         _tensor_get(g.outputs["mtp_tokens"], tokens.ctypes.data, 0, tokens.nbytes)
@@ -418,7 +415,7 @@ class Model:
         _tensor_get(g.outputs["mtp_result_output"], logits.ctypes.data, 0, logits.nbytes)
         out = np.empty((n, hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["mtp_out"], out.ctypes.data, 0, out.nbytes)
-        return MtpRows(-1, -1, tokens.tolist(), logits, out)
+        return MtpRows(seq, start, tokens.tolist(), logits, out)
 
     def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
         """The input plan of allocated graph `g`, made on its first step."""
