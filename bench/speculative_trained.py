@@ -13,7 +13,8 @@ it in graphs of its own (in_graph=False, what sampled decoding does).
 instead prints what one verification step costs by its size, in CPU time of one thread (ggml then
 computes in the calling thread, so other processes' time slices do not count: stable under load):
 a trunk ubatch of n = 1..max-draft+1 tokens with rs_slots = n, the same with the MTP block in its
-graph, and a one-row MTP evaluation (a chained draft). Speed-up of a draft setting is at most
+graph, and a one-row MTP evaluation (a chained draft); the evaluation only (input set-up, compute,
+outputs read back), not the rollback that follows a rejected draft. Speed-up of a draft setting is at most
 tokens-per-step x cost(1) / cost(draft-max + 1). Every speculative run must
 give the plain run's tokens (checked). Reports generated tokens/s (median over prompts and repeats), the share
 of drafted tokens accepted, tokens per verification step, and the speed-up over plain. With
@@ -64,35 +65,46 @@ def run(path: Path, prompt: str, n: int, threads: int, draft: str | None, draft_
     return out, stats, cpu_tps
 
 
-def step_costs(path: Path, max_draft: int, repeats: int = 40) -> None:
-    """Median single-thread CPU milliseconds of verification ubatches by size (see the docstring)."""
-    def median_ms(m: Model, fn) -> float:
+def step_costs(path: Path, max_draft: int, rounds: int = 5, repeats: int = 30) -> None:
+    """Single-thread CPU milliseconds of verification ubatches by size (see the docstring): the two
+    variants of a size alternate in rounds; each figure is the smallest of the rounds' medians."""
+    def median_ms(fn, after=None) -> float:
         times = []
         for _ in range(repeats):
             t0 = time.thread_time()
             fn()
             times.append(time.thread_time() - t0)
+            if after is not None:
+                after()
         return 1e3 * statistics.median(times)
 
     context = list(range(100, 160))
     print("| tokens in the ubatch | trunk ms | trunk + MTP in graph ms | vs 1-token plain |")
     print("|---|---|---|---|")
-    base = None
+    base = chained = None
     for n in range(1, max_draft + 2):
-        costs = []
-        for in_graph in (False, True):
-            with Model(path, n_ctx=1024, n_threads=1, rs_slots=n, mtp=in_graph) as m:
+        with Model(path, n_ctx=1024, n_threads=1, rs_slots=n) as trunk, \
+                Model(path, n_ctx=1024, n_threads=1, rs_slots=n, mtp=True) as fused:
+            steps = []
+            for m, in_graph in ((trunk, False), (fused, True)):
                 m.eval(context)
 
-                def step(m=m, in_graph=in_graph):     # n tokens, then back to n_past + 1 (as a step keeping 1)
+                def step(m=m, in_graph=in_graph):
                     m.eval([5] * n, all_logits=n > 1 or in_graph, mtp_argmax=in_graph)
+
+                def back(m=m):      # untimed: to n_past + 1, as a step that keeps one token
                     if n > 1:
                         m.rollback(n - 1)
                 step()
-                costs.append(median_ms(m, step))
-                if in_graph and n == 1:
-                    h = m.last_hidden[0][-1:]
-                    chained = median_ms(m, lambda: m.mtp_eval([5], h, 61))
+                back()
+                steps.append((step, back))
+            costs = [float("inf"), float("inf")]
+            for _ in range(rounds):
+                for i, (f, back) in enumerate(steps):
+                    costs[i] = min(costs[i], median_ms(f, back))
+            if n == 1:
+                h = fused.last_hidden[0][-1:]
+                chained = min(median_ms(lambda: fused.mtp_eval([5], h, 61)) for _ in range(rounds))
         base = base or costs[0]
         print(f"| {n} | {costs[0]:.3f} | {costs[1]:.3f} | {costs[0] / base:.2f}x / {costs[1] / base:.2f}x |")
     print(f"\none-row MTP evaluation (a chained draft): {chained:.3f} ms", file=sys.stderr)
