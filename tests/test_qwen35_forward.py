@@ -200,6 +200,16 @@ def test_mtp_head_matches_reference(tiny_model_path, reference_of, preset):
     np.testing.assert_allclose(out, exp_out, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("preset", TINY)
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+def test_mtp_in_graph_matches_reference(tiny_model_path, reference_of, preset, delta_net):
+    """The MTP block inside the trunk's graph on each row's argmax (see test_speculative)."""
+    from test_speculative import check_mtp_in_graph
+
+    ref = reference_of(preset)
+    check_mtp_in_graph(tiny_model_path(preset), delta_net, ref, ref.final_norm)
+
+
 def test_a_grouped_layout_is_caught(tmp_path, reference_of, monkeypatch):
     """Negative control: the same weights written without the converter's value-head reorder (so
     that the graph's tiled broadcast pairs key and value heads the qwen3next way) run and give

@@ -233,3 +233,155 @@ def test_chat_with_draft_gives_the_plain_answers(tiny_model_path, draft, preset)
     spec = CliRunner().invoke(cli, args + ["--draft", draft, "--draft-max", "3"], input=messages)
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout and len(plain.stdout) > 10
+
+
+# --- the MTP block inside the verification graph (Model.eval(..., mtp_argmax=True)) ---------------
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def check_mtp_in_graph(path, delta_net: str, ref, final_norm) -> None:
+    """A trunk ubatch with the MTP block on every row's (argmax, hidden), after a prompt whose MTP
+    rows were evaluated separately: the argmax tokens are the trunk logits' own, and the MTP logits
+    and outputs equal the float64 reference's on those rows (continuing over its MTP KV cache) and a
+    separate `mtp_eval` of the same rows, within the F32 bound of the forward tests (1e-5)."""
+    toks = prompt(19, 9)
+    n_prompt = 15
+    ref_logits = ref.forward(toks)
+    hidden = final_norm(ref.hidden())
+    with Model(path, n_ctx=64, kv_type="f32", mtp=True, rs_slots=4, delta_net=delta_net) as m:
+        m.eval(toks[:n_prompt], all_logits=True)
+        m.mtp_eval(toks[1:n_prompt + 1], m.last_hidden[0], 0)      # prompt rows (hidden_i, token_{i+1})
+        logits = m.eval(toks[n_prompt:], all_logits=True, mtp_argmax=True)
+        rows = m.last_mtp
+        assert (rows.seq, rows.start) == (0, n_prompt)
+        again, again_out = m.mtp_eval(rows.tokens, m.last_hidden[0], n_prompt)   # the same rows, separately
+    assert rows.tokens == np.argmax(logits, axis=1).tolist() == np.argmax(ref_logits[n_prompt:], axis=1).tolist()
+    ref.mtp_forward(toks[1:n_prompt + 1], hidden[:n_prompt])
+    exp, exp_out = ref.mtp_forward(rows.tokens, hidden[n_prompt:])
+    assert rel_err(rows.logits, exp) < 1e-5
+    np.testing.assert_allclose(rows.out, exp_out, rtol=1e-4, atol=1e-4)
+    assert rel_err(rows.logits, again) < 1e-5
+    np.testing.assert_allclose(rows.out, again_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+def test_mtp_in_graph_matches_reference(tiny_model_path, delta_net):
+    from reference import rmsnorm
+
+    path = tiny_model_path("tiny-mtp")
+    ref = ReferenceModel.from_gguf(path)
+    check_mtp_in_graph(path, delta_net, ref, lambda h: rmsnorm(h, ref.hp.eps) * ref.w["output_norm.weight"])
+
+
+class RecordingMtpDraft(MtpDraft):
+    """Records each round's first-draft logits and proposal, and the separate MTP evaluations."""
+
+    def __init__(self, target: Model, in_graph: bool):
+        super().__init__(target, in_graph=in_graph)
+        self.rounds: list[tuple[np.ndarray, list[int]]] = []
+        self.mtp_rows_evaluated = 0
+        real = target.mtp_eval
+
+        def counted(tokens, hidden, start, seq=0):
+            self.mtp_rows_evaluated += len(tokens)
+            return real(tokens, hidden, start, seq)
+        target.mtp_eval = counted
+
+    def propose(self, history, n, sampler):
+        first = None if self.first is None else self.first[0].copy()
+        d = super().propose(history, n, sampler)
+        self.rounds.append((first, d.tokens))
+        return d
+
+
+@pytest.mark.parametrize("preset,delta_net,draft_max", [("tiny-mtp", "fused", 1), ("tiny-mtp", "primitive", 3),
+                                                        ("tiny-qwen35", "fused", 3), ("tiny-qwen35moe", "primitive", 1),
+                                                        ("tiny-qwen35moe", "fused", 2)])
+def test_mtp_drafts_in_graph_equal_separate_ones(tiny_model_path, preset, delta_net, draft_max):
+    """Random weights: nearly every draft is rejected and rolled back, so the MTP KV rows of
+    rejected positions (written by the verification graph) must be masked and overwritten like the
+    trunk's. Every round's first-draft logits and drafts equal those of separate MTP evaluations,
+    greedy output is plain decoding's, and in the graph no kept row is evaluated twice: separate MTP
+    rows are only the prompt's and the chained drafts'."""
+    path = tiny_model_path(preset)
+    toks = prompt(10, 8)
+    base = _plain(path, toks, 16, delta_net=delta_net)
+    runs = {}
+    for in_graph in (True, False):
+        made = []
+
+        def make(m, in_graph=in_graph):
+            made.append(RecordingMtpDraft(m, in_graph))
+            return made[-1]
+        out, st = _speculative(path, toks, 16, make, draft_max, mtp=True, delta_net=delta_net)
+        assert out == base
+        runs[in_graph] = (made[0], st)
+    fused, separate = runs[True][0], runs[False][0]
+    assert len(fused.rounds) == len(separate.rounds) >= runs[True][1].n_steps - 1   # no draft in a last 1-token step
+    for (f_logits, f_tokens), (s_logits, s_tokens) in zip(fused.rounds, separate.rounds):
+        assert f_tokens == s_tokens
+        if f_logits is not None:
+            assert rel_err(f_logits, s_logits) < 1e-5
+    chained = sum(max(len(t) - 1, 0) for _, t in fused.rounds)
+    assert fused.mtp_rows_evaluated == len(toks) + chained
+    assert separate.mtp_rows_evaluated > fused.mtp_rows_evaluated
+
+
+def test_mtp_commit_reuses_graph_rows_up_to_the_first_other_token(tiny_model_path):
+    """When a kept token is not its row's argmax (sampled decoding), the rows from there on are
+    evaluated again: the next first draft equals a run that evaluated every row separately."""
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(12, 3)
+    firsts = []
+    for in_graph in (True, False):
+        with Model(path, n_ctx=64, kv_type="f32", mtp=True, rs_slots=4) as m:
+            draft = MtpDraft(m, in_graph=in_graph)
+            m.eval(toks[:9], all_logits=True)
+            draft.commit(toks[1:10], m.last_hidden[0], 0)
+            m.eval(toks[9:12], all_logits=True, mtp_argmax=in_graph)
+            if in_graph:
+                kept = list(m.last_mtp.tokens)
+                kept[1] = (kept[1] + 1) % m.hp.n_vocab          # row 1 kept another token
+            else:
+                kept = firsts[0][1]
+            draft.commit(kept, m.last_hidden[0], 9)
+            firsts.append((draft.first[0].copy(), kept))
+    assert rel_err(firsts[0][0], firsts[1][0]) < 1e-5
+
+
+def test_sampled_mtp_drafts_use_separate_evaluations(tiny_model_path):
+    """With temperature > 0 the next token is not the argmax: verification graphs stay plain."""
+    path = tiny_model_path("tiny-mtp")
+    params = SamplingParams(temperature=0.8, seed=3)
+    with Model(path, n_ctx=128, kv_type="f32", mtp=True, rs_slots=3) as m:
+        draft = MtpDraft(m)
+        assert not draft.wants_mtp_argmax(Sampler(params)) and draft.wants_mtp_argmax(Sampler(GREEDY))
+        assert not draft.wants_mtp_argmax(Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.1)))
+        out = list(speculative_tokens(m, prompt(8, 2), 12, Sampler(params), draft, 2))
+        assert len(out) == 12 and m.last_mtp is None
+
+
+def test_mtp_argmax_needs_the_mtp_block_and_every_row(tiny_model_path):
+    from deltarun.runner.errors import DeltarunError
+
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=64, rs_slots=3) as m:
+        with pytest.raises(DeltarunError, match="MTP block"):
+            m.eval([1, 2], all_logits=True, mtp_argmax=True)
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=64, rs_slots=3, mtp=True) as m:
+        with pytest.raises(DeltarunError, match="every row"):
+            m.eval([1, 2], mtp_argmax=True)
+        assert m.n_past() == 0
+
+
+def test_small_mtp_graphs_leave_the_trunk_graph_allocated(tiny_model_path):
+    """A step's MTP rows (up to rs_slots) run on their own scheduler: the trunk's verification graph
+    is not re-allocated after each of them (what made separate MTP drafts cost several steps)."""
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=64, kv_type="f32", rs_slots=3, mtp=True) as m:
+        m.eval(prompt(6), all_logits=True)
+        m.eval([4, 5], all_logits=True)
+        trunk = m.sched._allocated
+        m.mtp_eval([7, 8], m.last_hidden[0], 6)
+        assert m.sched._allocated is trunk and m._mtp_sched._allocated is not None
+        m.mtp_eval(prompt(4), m.last_hidden[0].repeat(2, 0), 0)     # more rows than slots: the trunk's scheduler
+        assert m.sched._allocated is not trunk

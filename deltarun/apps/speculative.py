@@ -138,14 +138,21 @@ class MtpDraft:
     Its KV cache is filled for every committed position (rows (hidden_i, token_{i+1}) at position
     i), so its attention sees the whole sequence; chained drafts feed the block's output hidden
     state back in.
+
+    `in_graph` (greedy decoding without penalties): the verification step's own graph runs the MTP
+    block on every row's (argmax, hidden) (`Model.eval(..., mtp_argmax=True)`), and `commit` takes
+    the rows it kept from there instead of evaluating them again: one graph evaluation per step at
+    draft-max 1. Rows whose kept token is not the argmax are evaluated separately, as without it.
     """
 
     needs_hidden = True
 
-    def __init__(self, target: Model):
+    def __init__(self, target: Model, in_graph: bool = True, seq: int = 0):
         if not target.memory.mtp_layers:
             raise DeltarunError("MTP drafts need a model with an MTP block opened with mtp=True")
         self.model = target
+        self.in_graph = in_graph
+        self.seq = seq
         self.first: tuple[np.ndarray, np.ndarray] | None = None   # logits and output of the last row
 
     def start(self, prompt: list[int]) -> None:
@@ -165,20 +172,43 @@ class MtpDraft:
             probs.append(None if sampler.params.greedy else q)
             local.append(tok)
             if i + 1 < n:
-                logits, out = m.mtp_eval([tok], out[-1:], pos + 1 + i)
+                logits, out = m.mtp_eval([tok], out[-1:], pos + 1 + i, self.seq)
                 logits, out = logits[-1], out
         return Draft(tokens, probs)
 
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
         """Feed rows (hidden_i, token_{i+1}) for positions start.. and keep the last row's output as
-        the first draft of the next round."""
+        the first draft of the next round. Rows the last trunk evaluation already ran through the
+        MTP block with the same token (`Model.last_mtp`) are taken from there."""
         m = self.model
-        done = 0
+        done = self._rows_in_graph(next_tokens, start)
+        if done == len(next_tokens):
+            rows = m.last_mtp
+            self.first = (rows.logits[done - 1], rows.out[done - 1:done])
+            return
         while done < len(next_tokens):
             step = min(m.n_batch, len(next_tokens) - done)
-            logits, out = m.mtp_eval(next_tokens[done:done + step], hiddens[done:done + step], start + done)
+            logits, out = m.mtp_eval(next_tokens[done:done + step], hiddens[done:done + step], start + done,
+                                     self.seq)
             done += step
         self.first = (logits[-1], out[-1:])
+
+    def _rows_in_graph(self, next_tokens: list[int], start: int) -> int:
+        """How many leading rows the last trunk graph computed with exactly these tokens."""
+        rows = self.model.last_mtp
+        if rows is None or rows.seq != self.seq or rows.start != start:
+            return 0
+        n = 0
+        while n < min(len(next_tokens), len(rows.tokens)) and rows.tokens[n] == next_tokens[n]:
+            n += 1
+        return n
+
+    def wants_mtp_argmax(self, sampler: Sampler) -> bool:
+        """Whether verification steps should run the MTP block in their graph: only when the next
+        token is the argmax of the logits (greedy, no repetition penalty); else the rows it would
+        compute are mostly not the kept ones."""
+        p = sampler.params
+        return self.in_graph and p.greedy and (p.repeat_penalty == 1.0 or p.repeat_last_n == 0)
 
     def close(self) -> None:
         pass
@@ -274,6 +304,9 @@ class SpeculativeStep:
         self.k_max = _slots_for(model, draft_max)
         self.stats = stats if stats is not None else SpeculativeStats()
         self.wants_hidden = draft.needs_hidden
+        #: verification graphs also run the MTP block on their argmax rows (see MtpDraft.in_graph)
+        wants = getattr(draft, "wants_mtp_argmax", None)
+        self.mtp_argmax = bool(wants is not None and wants(sampler))
         if context is None:
             last = model.last_hidden[0][-1:] if self.wants_hidden and model.last_hidden is not None else None
             context = ([], last, model.n_past(seq) - 1)
@@ -293,7 +326,7 @@ class SpeculativeStep:
             return None
         k = max(0, min(self.k_max, budget - 1, room))
         proposal = self.draft.propose(history, k, self.sampler) if k else Draft([], [])
-        out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True)
+        out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True, mtp_argmax=self.mtp_argmax)
         stats.n_steps += 1
         stats.n_drafted += len(proposal.tokens)
         n_ok, nxt = _accept(self.sampler, out, proposal, history)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from deltarun.graphs import spec
+from deltarun.graphs.blocks import head
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.blocks.delta_net import CHUNK_SIZE
 from deltarun.graphs.interface import BuiltGraph, HParams, UbatchShape
@@ -48,8 +49,18 @@ class HybridFamily:
     def forward(self, g: GraphContext) -> None:
         raise NotImplementedError
 
-    def forward_mtp(self, g: GraphContext) -> None:
+    def forward_mtp(self, g: GraphContext, tokens: Tensor | None = None, hidden: Tensor | None = None,
+                    prefix: str = "") -> None:
+        """The MTP block on rows (tokens, hidden): graph inputs, or nodes of the trunk's graph
+        (then its outputs are named with `prefix`, apart from the trunk's)."""
         raise NotImplementedError
+
+    def forward_mtp_argmax(self, g: GraphContext) -> None:
+        """After `forward` with every row: the MTP block on each row's (argmax token, hidden state)
+        in the same graph, writing the MTP layer's KV cache at the ubatch's positions as the trunk's
+        attention layers do (rows a rollback drops are masked, then overwritten, alike)."""
+        tokens, hidden = head.argmax_rows(g)
+        self.forward_mtp(g, tokens, hidden, prefix="mtp_")
 
     # --- the runner's interface ---------------------------------------------------------------
     def graph_size(self, ub: UbatchShape) -> int:
@@ -71,10 +82,15 @@ class HybridFamily:
         return list(self.expected_tensors())
 
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
-        """Add the forward pass of one ubatch (the trunk, or the MTP block when ub.mtp) to `gf`."""
+        """Add the forward pass of one ubatch (the trunk, or the MTP block when ub.mtp; the trunk and
+        then the MTP block on its argmax rows when ub.mtp_argmax) to `gf`."""
         g = GraphContext(ctx, gf, self.hp, w, mem, ub)
         if ub.mtp:
             self.forward_mtp(g)
         else:
             self.forward(g)
+            if ub.mtp_argmax:
+                if ub.n_outputs != ub.n_tokens or not self.hp.n_mtp:
+                    raise ValueError("an MTP-on-argmax graph needs every row's logits and a model with an MTP block")
+                self.forward_mtp_argmax(g)
         return BuiltGraph(list(g.inputs.values()), g.outputs)

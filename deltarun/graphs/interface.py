@@ -34,6 +34,9 @@ class UbatchShape:
     seq_head: int = 0   # first state cell of the ubatch
     delta_net: str = "fused"
     mtp: bool = False   # the multi-token-prediction block instead of the trunk
+    #: the trunk, then in the same graph the MTP block on every row's (hidden, argmax of its logits):
+    #: a greedy verification step's rows and the next first draft in one evaluation (all outputs)
+    mtp_argmax: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -130,7 +133,9 @@ class BuiltGraph:
     """A family's answer to `build`: the graph inputs (objects that fill themselves) and outputs.
 
     Outputs: `result_output` (logits), `result_norm` (the hidden state after the final norm) and,
-    for the MTP graph, `mtp_out` (the block's output before the final norm).
+    for the MTP graph, `mtp_out` (the block's output before the final norm). A trunk graph with
+    `mtp_argmax` also has `mtp_tokens` (each row's argmax), `mtp_out`, `mtp_result_norm` and
+    `mtp_result_output` (the MTP block's logits on those rows).
     """
 
     inputs: list["GraphInput"]

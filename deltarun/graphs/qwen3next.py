@@ -71,11 +71,12 @@ class Qwen3NextGraph(HybridFamily):
             x = self.decoder_block(g, x, il, last=il == hp.n_layer - 1)
         head.output(g, x)
 
-    def forward_mtp(self, g: GraphContext) -> None:
+    def forward_mtp(self, g: GraphContext, tokens: Tensor | None = None, hidden: Tensor | None = None,
+                    prefix: str = "") -> None:
         il = g.hp.n_layer
-        x = head.mtp_input(g, il)
+        x = head.mtp_input(g, il, tokens, hidden)
         x = self.decoder_block(g, x, il, last=True)
-        head.mtp_output(g, x, il)
+        head.mtp_output(g, x, il, prefix)
 
     def decoder_block(self, g: GraphContext, x: Tensor, il: int, last: bool) -> Tensor:
         """norm -> token mixer -> + residual -> norm -> FFN -> + residual."""

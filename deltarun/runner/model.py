@@ -86,6 +86,19 @@ class _Graph:
 
 
 @dataclass
+class MtpRows:
+    """The MTP block's rows computed in the last trunk evaluation (`eval(..., mtp_argmax=True)`):
+    for each row i of the ubatch (position start + i) the argmax token of its trunk logits, and
+    the MTP block's logits and output for (that token, the row's hidden state)."""
+
+    seq: int
+    start: int
+    tokens: list[int]        # argmax of each row's trunk logits
+    logits: np.ndarray       # [n, vocab]
+    out: np.ndarray          # [n, n_embd] before the MTP block's final norm
+
+
+@dataclass
 class EvalStats:
     """Counters a caller can report (tokens/s) or a test can check (incremental prefill)."""
 
@@ -136,8 +149,10 @@ class Model:
                                graph_size=self.graph_builder.graph_size(largest))
         self._reserve_compute_buffers(largest)
         self._graphs: dict[UbatchShape, _Graph] = {}
+        self._mtp_sched: Scheduler | None = None   # small MTP graphs (drafts), made on first use
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
+        self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -167,11 +182,22 @@ class Model:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
         self.memory.restore(cp)
 
-    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
+    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
-        token [n, vocab]."""
+        token [n, vocab].
+
+        `mtp_argmax` (all_logits, one ubatch, a model opened with mtp=True): the same graph also
+        runs the MTP block on every row's (argmax token, hidden state) and leaves them in
+        `last_mtp` (a greedy speculative step's next draft without a separate evaluation).
+        """
         toks = [int(t) for t in tokens]
         self._check_tokens(toks, seq)
+        if mtp_argmax:
+            if not self.memory.mtp_layers:
+                raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
+            if not all_logits or len(toks) > self.n_batch:
+                raise DeltarunError("mtp_argmax evaluates one ubatch with every row's logits (all_logits)")
+            return self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
         outs, hiddens = [], []
         done = 0
         for size in self.split_ubatches(len(toks)):
@@ -231,13 +257,35 @@ class Model:
         shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n, n_kv=n_kv, seq_head=seq,
                             delta_net=self.delta_net, mtp=True)
         g = self.graph(shape)
-        self.sched.allocate(g.gf, g.ctx)
+        sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
+        sched.allocate(g.gf, g.ctx)
         pos = np.arange(start, start + n, dtype=np.int32)[None, :]
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=[list(tokens)], hidden=hidden))
-        self.sched.compute(g.gf)
+        sched.compute(g.gf)
         logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n, self.hp.n_vocab)
         out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n, self.hp.n_embd)
         return logits, out
+
+    def _draft_sched(self) -> Scheduler:
+        """The scheduler of MTP graphs of up to rs_slots rows (chained drafts, a step's rows).
+
+        ggml's scheduler holds one allocated graph: a speculative step that alternated the trunk's
+        graph and an MTP graph on one scheduler re-allocated both every time (forgetting and
+        re-planning every tensor's address), which cost several times their computation on this
+        small model. With their own scheduler and compute buffers (sized here for the largest of
+        them: a few rows), both stay allocated.
+        """
+        if self._mtp_sched is None:
+            largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=1, n_outputs=self.memory.rs_slots,
+                                  n_kv=self.n_ctx, delta_net=self.delta_net, mtp=True)
+            sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
+            try:
+                self._reserve_compute_buffers(largest, sched)
+            except BaseException:
+                sched.free()
+                raise
+            self._mtp_sched = sched
+        return self._mtp_sched
 
     def logits_for(self, tokens: list[int]) -> np.ndarray:
         """Logits of every token of a fresh sequence (resets the model); handy for tests and perplexity."""
@@ -249,6 +297,8 @@ class Model:
             ggml.ggml_free(g.ctx)
         self._graphs.clear()
         self.sched.free()
+        if self._mtp_sched is not None:
+            self._mtp_sched.free()
         self.memory.free()
         self.weights.free()
         self.placement.free()
@@ -261,7 +311,7 @@ class Model:
         self.close()
 
     # --- internals ----------------------------------------------------------------------------
-    def _reserve_compute_buffers(self, largest: UbatchShape) -> None:
+    def _reserve_compute_buffers(self, largest: UbatchShape, sched: Scheduler | None = None) -> None:
         """Size the compute buffers for the largest ubatch now, as llama.cpp does at context creation:
         the memory a session needs is known (and refused) up front, and no later graph reallocates
         the buffers mid-generation. The worst-case graph is built only for this and dropped."""
@@ -270,7 +320,7 @@ class Model:
         try:
             gf = ggml.ggml_new_graph_custom(ctx, size, False)
             self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, largest)
-            self.sched.reserve(gf)
+            (sched or self.sched).reserve(gf)
         finally:
             ggml.ggml_free(ctx)
 
@@ -325,7 +375,8 @@ class Model:
             raise ContextFullError(
                 f"context full: {state.n_past} tokens + {len(toks)} new exceed the context size {self.n_ctx}")
 
-    def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool) -> np.ndarray:
+    def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
+                     mtp_argmax: bool = False) -> np.ndarray:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab]."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
@@ -334,11 +385,12 @@ class Model:
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
-                            seq_head=seq_head, delta_net=self.delta_net)
+                            seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax)
         g = self.graph(shape)
         self.sched.allocate(g.gf, g.ctx)
         self._set_inputs(g, tokens, starts, shape)
         self.sched.compute(g.gf)
+        self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
         _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
         hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
@@ -353,6 +405,17 @@ class Model:
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0
         return logits
+
+    def _read_mtp_rows(self, g: _Graph, n: int, seq: int, start: int) -> MtpRows:
+        """The MTP outputs of an mtp_argmax graph of one sequence's n rows from position `start`."""
+        hp = self.hp
+        tokens = np.empty(n, dtype=np.int32)
+        _tensor_get(g.outputs["mtp_tokens"], tokens.ctypes.data, 0, tokens.nbytes)
+        logits = np.empty((n, hp.n_vocab), dtype=np.float32)
+        _tensor_get(g.outputs["mtp_result_output"], logits.ctypes.data, 0, logits.nbytes)
+        out = np.empty((n, hp.n_embd), dtype=np.float32)
+        _tensor_get(g.outputs["mtp_out"], out.ctypes.data, 0, out.nbytes)
+        return MtpRows(seq, start, tokens.tolist(), logits, out)
 
     def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
         """The input plan of allocated graph `g`, made on its first step."""

@@ -36,35 +36,52 @@ def embed(g: GraphContext) -> Tensor:
     return g.cb(ggml.ggml_get_rows(g.ctx, g.w["token_embd.weight"], tokens), "inp_embd")
 
 
-def output(g: GraphContext, x: Tensor, norm: Tensor | None = None, lm_head: Tensor | None = None) -> None:
-    """Final norm (kept as output `result_norm`: the hidden state MTP drafts from) and LM head."""
+def output(g: GraphContext, x: Tensor, norm: Tensor | None = None, lm_head: Tensor | None = None,
+           prefix: str = "") -> None:
+    """Final norm (kept as output `result_norm`: the hidden state MTP drafts from) and LM head;
+    `prefix` names them apart when the MTP block shares the trunk's graph (`mtp_result_output`)."""
     w = g.w
     norm = w["output_norm.weight"] if norm is None else norm
     lm_head = w.get("output.weight", w["token_embd.weight"]) if lm_head is None else lm_head
-    x = g.output(g.rms_norm(x, norm, "result_norm", -1), "result_norm")
+    x = g.output(g.rms_norm(x, norm, prefix + "result_norm", -1), prefix + "result_norm")
     g.expand(x)
-    logits = g.output(g.cb(g.mm(lm_head, x), "result_output"), "result_output")
+    logits = g.output(g.cb(g.mm(lm_head, x), prefix + "result_output"), prefix + "result_output")
     g.expand(logits)
 
 
-def mtp_input(g: GraphContext, il: int) -> Tensor:
-    """eh_proj(concat(enorm(embed(token)), hnorm(hidden))) for MTP block `il`."""
+def mtp_input(g: GraphContext, il: int, tokens: Tensor | None = None, hidden: Tensor | None = None) -> Tensor:
+    """eh_proj(concat(enorm(embed(token)), hnorm(hidden))) for MTP block `il`; tokens and hidden
+    states are graph inputs unless given as nodes of the same graph (see `argmax_rows`)."""
     c, w = g.ctx, g.w
     p = f"blk.{il}.nextn."
-    tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub, "mtp_tokens")).tokens
-    hidden = g.input(HiddenInput, lambda: HiddenInput(g.ctx, g.ub, g.hp.n_embd)).hidden
+    if tokens is None:
+        tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub, "mtp_tokens")).tokens
+    if hidden is None:
+        hidden = g.input(HiddenInput, lambda: HiddenInput(g.ctx, g.ub, g.hp.n_embd)).hidden
     emb = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
     e = g.rms_norm(ggml.ggml_get_rows(c, emb, tokens), w[p + "enorm.weight"], "mtp_enorm", il)
     h = g.rms_norm(hidden, w[p + "hnorm.weight"], "mtp_hnorm", il)
     return g.cb(g.mm(w[p + "eh_proj.weight"], ggml.ggml_concat(c, e, h, 0)), "mtp_eh_proj", il)
 
 
-def mtp_output(g: GraphContext, x: Tensor, il: int) -> None:
+def mtp_output(g: GraphContext, x: Tensor, il: int, prefix: str = "") -> None:
     """`mtp_out` (before the final norm: what a chained draft feeds back as the next hidden
-    state), then the MTP block's norm and LM head."""
+    state), then the MTP block's norm and LM head (outputs named with `prefix`, see `output`)."""
     w = g.w
     p = f"blk.{il}.nextn."
     g.output(g.cb(x, "mtp_out"), "mtp_out")
     norm = w.get(p + "shared_head_norm.weight", w["output_norm.weight"])
     lm_head = w.get(p + "shared_head_head.weight", w.get("output.weight", w["token_embd.weight"]))
-    output(g, x, norm, lm_head)
+    output(g, x, norm, lm_head, prefix)
+
+
+def argmax_rows(g: GraphContext) -> tuple[Tensor, Tensor]:
+    """(argmax of each row's logits, the row's hidden state): after a trunk `output` with every row.
+
+    In greedy decoding the token that follows a kept row is exactly its argmax (a kept draft equals
+    it, and so does the correction or bonus token after the last kept one), so these are the MTP
+    block's rows (token_{i+1}, hidden_i) of every position a verification step keeps, known inside
+    the graph: the MTP block can run in the trunk's evaluation instead of a separate one.
+    """
+    tokens = g.output(g.cb(ggml.ggml_argmax(g.ctx, g.outputs["result_output"]), "mtp_tokens"), "mtp_tokens")
+    return tokens, g.outputs["result_norm"]
