@@ -1,6 +1,7 @@
 """Load test of an OpenAI-compatible server: deltarun serve, or llama-server, on the same workloads.
 
     python bench/serve_load.py --start model.gguf --parallel 8          # starts `deltarun serve` itself
+    python bench/serve_load.py --start model.gguf --parallel 8 --llama-server build/llama-server/bin/llama-server
     python bench/serve_load.py --url http://127.0.0.1:8080 --name llama-server   # any running server
 
 Every request streams (`stream_options.include_usage`) over plain HTTP (httpx), so the client
@@ -52,7 +53,7 @@ class Result:
     n_generated: int = 0
     n_prompt: int = 0
     n_cached: int = 0
-    n_evaluated: int = 0
+    n_evaluated: int | None = None   # timings.prompt_n; None when the server sent none
     text: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
@@ -66,6 +67,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def evaluated(r: Result) -> int:
+    """Prompt tokens the server evaluated: its timings.prompt_n, else prompt minus cached tokens."""
+    return r.n_evaluated if r.n_evaluated is not None else r.n_prompt - r.n_cached
+
+
 def text(i: int, n: int) -> str:
     return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n))
 
@@ -73,7 +79,11 @@ def text(i: int, n: int) -> str:
 class Client:
     def __init__(self, url: str, model: str, api_key: str | None, timeout: float):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        # A new connection per request: llama-server (cpp-httplib) closes the connection after a
+        # streamed answer although it sends Keep-Alive, and a pooled connection reused in that race
+        # fails with "Server disconnected". Loopback connects cost both servers the same ~0.1 ms.
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
         self.model = model
 
     def text_of_tokens(self, seed: int, n_tokens: int) -> str:
@@ -158,9 +168,9 @@ def _turns(c: Client, args: argparse.Namespace, conversations: int, turns: int, 
             if r.error:
                 rows.append({"conversation": k, "turn": t + 1, "error": r.error})
                 return rows
-            evaluated = r.n_evaluated or r.n_prompt - r.n_cached
+            n_eval = evaluated(r)
             rows.append({"conversation": k, "turn": t + 1, "prompt_tokens": r.n_prompt,
-                         "growth": r.n_prompt - prev[k], "cached": r.n_cached, "evaluated": evaluated,
+                         "growth": r.n_prompt - prev[k], "cached": r.n_cached, "evaluated": n_eval,
                          "ttft_ms": 1e3 * r.ttft})
             prev[k] = r.n_prompt + r.n_generated
             msgs.append({"role": "assistant", "content": r.text})
@@ -186,14 +196,12 @@ def branching(c: Client, args: argparse.Namespace) -> list[dict]:
         msgs.append({"role": "assistant", "content": r.text})
     rows = []
     last = msgs[:-1]
-    r = c.chat(last, args.max_tokens)
-    rows.append({"case": "regenerate last answer", "prompt_tokens": r.n_prompt, "cached": r.n_cached,
-                 "evaluated": r.n_evaluated or r.n_prompt - r.n_cached, "ttft_ms": 1e3 * r.ttft})
     edited = [dict(m) for m in last]
     edited[2]["content"] = "edited: " + edited[2]["content"]
-    r = c.chat(edited, args.max_tokens)
-    rows.append({"case": "edit second user message", "prompt_tokens": r.n_prompt, "cached": r.n_cached,
-                 "evaluated": r.n_evaluated or r.n_prompt - r.n_cached, "ttft_ms": 1e3 * r.ttft})
+    for case, messages in (("regenerate last answer", last), ("edit second user message", edited)):
+        r = c.chat(messages, args.max_tokens)
+        rows.append({"case": case, **({"error": r.error} if r.error else {
+            "prompt_tokens": r.n_prompt, "cached": r.n_cached, "evaluated": evaluated(r), "ttft_ms": 1e3 * r.ttft})})
     return rows
 
 
@@ -205,11 +213,15 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
 
     def stream(i: int) -> None:
         body = {"model": c.model, "messages": [{"role": "user", "content": text(i + 500, 10)}],
-                "max_tokens": args.stall_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+                "max_tokens": args.stall_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+                "chat_template_kwargs": {"enable_thinking": False}}     # as chat(): llama-server streams
+                                                                        # a think block as reasoning_content
         with c.http.stream("POST", "/v1/chat/completions", json=body) as resp:
             for line in resp.iter_lines():
-                if line.startswith("data: {") and '"content"' in line:
-                    stamps[i].append(time.perf_counter())
+                deltas = [ch.get("delta") or {} for ch in json.loads(line[6:]).get("choices") or []] \
+                    if line.startswith("data: {") else []
+                if any(d.get("content") or d.get("reasoning_content") for d in deltas):
+                    stamps[i].append(time.perf_counter())   # a token's event (not the role-only first chunk)
                 if done.is_set():
                     break          # closing the stream cancels the request
 
@@ -227,7 +239,8 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
     for s in stamps:
         for a, b in zip(s, s[1:]):
             (busy if t_long <= b <= t_long_end else idle if b < t_long else []).append(b - a)
-    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt, "idle_itl_p99_ms": 1e3 * pct(idle, 99),
+    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt, "idle_gaps": len(idle), "prefill_gaps": len(busy),
+             "idle_itl_p99_ms": 1e3 * pct(idle, 99),
              "during_prefill_itl_p99_ms": 1e3 * pct(busy, 99),
              "ratio": pct(busy, 99) / pct(idle, 99) if idle and busy else float("nan"),
              "prefill_s": t_long_end - t_long, **({"error": long_result.error} if long_result.error else {})}]
@@ -245,11 +258,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def start_deltarun(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`deltarun serve`, or with --llama-server that binary, on --start MODEL with the same slots and budget.
+
+    deltarun's --ctx is per sequence; llama-server's -c is the whole KV cache, which it splits over
+    its -np slots (unified KV off, its default with an explicit -np), so it gets ctx x parallel.
+    Both get --cache-ram MiB of host RAM for their prompt cache and the same --threads."""
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if args.llama_server:
+        return [args.llama_server, "-m", args.start, "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(args.parallel), "-c", str(args.ctx * args.parallel), "--cache-ram", str(args.cache_ram),
+                "--jinja", *threads, *trained_context_override(args.start, args.ctx), *args.serve_args]
+    return [sys.executable, "-m", "deltarun", "serve", args.start, "--port", str(port), "--parallel", str(args.parallel),
+            "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram), *threads, *args.serve_args]
+
+
+def trained_context_override(model: str, ctx: int) -> list[str]:
+    """llama-server caps each slot at the model's training context (`<arch>.context_length`; 256 for
+    the built-in model), deltarun does not: raise the key to ctx so both serve the same context."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(model).fields
+    arch = fields["general.architecture"].contents()
+    key = f"{arch}.context_length"
+    if key in fields and fields[key].contents() >= ctx:
+        return []
+    return ["--override-kv", f"{key}=int:{ctx}"]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = args.port or 8089
-    cmd = [sys.executable, "-m", "deltarun", "serve", args.start, "--port", str(port), "--parallel", str(args.parallel),
-           "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram)] + args.serve_args
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    log = open(args.server_log, "ab") if args.server_log else subprocess.DEVNULL
+    proc = subprocess.Popen(server_command(args, port), stdout=log, stderr=log, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -259,24 +299,28 @@ def start_deltarun(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"deltarun serve exited with {proc.returncode}")
+            raise SystemExit(f"the server exited with {proc.returncode}")
         time.sleep(0.3)
     proc.kill()
-    raise SystemExit("deltarun serve did not come up in 300 s")
+    raise SystemExit("the server did not come up in 300 s")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server (e.g. llama-server)")
-    ap.add_argument("--start", metavar="MODEL.gguf", help="start `deltarun serve MODEL` on --port")
+    ap.add_argument("--start", metavar="MODEL.gguf", help="start `deltarun serve MODEL` (or --llama-server) on --port")
+    ap.add_argument("--llama-server", metavar="BIN", help="with --start: start this llama-server binary instead, "
+                    "same slots, per-slot context, --cache-ram and --threads (bench/bench_envs.py llama-server builds it)")
+    ap.add_argument("--threads", type=int, help="with --start: threads of the server [default: the server's]")
+    ap.add_argument("--server-log", help="with --start: append the server's output to this file")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--name", default="deltarun", help="label in the output")
     ap.add_argument("--model", default="model")
     ap.add_argument("--api-key")
     ap.add_argument("--parallel", type=int, default=4, help="slots of the server (for interleave and prefill-stall)")
-    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--ctx", type=int, default=8192, help="with --start: context per slot")
     ap.add_argument("--cache-ram", type=int, default=2048)
-    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `deltarun serve` options")
+    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more options of the started server")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
@@ -290,8 +334,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     proc = None
+    if args.llama_server and args.name == "deltarun":
+        args.name = "llama-server"
     if args.start:
-        proc, url = start_deltarun(args)
+        proc, url = start_server(args)
     elif args.url:
         url = args.url
     else:
