@@ -34,6 +34,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -288,6 +289,9 @@ def trained_context_override(model: str, ctx: int) -> list[str]:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = args.port or 8089
+    with socket.socket() as probe:     # else /health below could be answered by whatever holds the port
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise SystemExit(f"port {port} is already in use: give another --port")
     log = open(args.server_log, "ab") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(server_command(args, port), stdout=log, stderr=log, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
@@ -305,7 +309,17 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not come up in 300 s")
 
 
-def main() -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s (llama-server sometimes outlives SIGTERM after cancelled streams)."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server (e.g. llama-server)")
     ap.add_argument("--start", metavar="MODEL.gguf", help="start `deltarun serve MODEL` (or --llama-server) on --port")
@@ -332,6 +346,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=300, help="seconds per workload (bounds every loop)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     proc = None
     if args.llama_server and args.name == "deltarun":
@@ -356,8 +375,7 @@ def main() -> None:
             print(f"\nload average before/after: {out['load_avg']} / {out['load_avg_after']}")
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+            stop_server(proc)
 
 
 if __name__ == "__main__":
