@@ -26,6 +26,12 @@ Workloads (`--workloads`, default all), each bounded in requests and by `--time-
   prefills a prompt of about `--long-prompt` tokens; the ratio. The client closes the streams afterwards.
 
 Output: markdown tables (or `--json`). Numbers depend on the machine and its load: say both.
+
+    python bench/serve_load.py --compare dr-a.json,dr-b.json ls-a.json,ls-b.json   # side by side + issue 15's goals
+
+`--compare` reads the `--json` outputs of two servers on the same workloads (the first is the server
+under test, the second the reference; several files per server are merged) and prints one table per workload with both servers' figures, then the
+goals of issue 15 that the figures decide, each marked met or not.
 """
 
 from __future__ import annotations
@@ -259,6 +265,75 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cmp_rows(a: dict, b: dict, workload: str) -> tuple[list[dict], list[dict]]:
+    return a["workloads"].get(workload) or [], b["workloads"].get(workload) or []
+
+
+def _turn_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "turn" in r and "error" not in r]
+
+
+def merged_runs(paths: list[str]) -> dict:
+    """One server's `--json` runs of different workloads (e.g. -np 4 and -np 8) as one."""
+    runs = [json.load(open(p)) for p in paths]
+    return {**runs[0], "workloads": {k: v for r in runs for k, v in r["workloads"].items()}}
+
+
+def compare(a: dict, b: dict) -> str:
+    """Side-by-side markdown tables of two runs (`--json` outputs) and the issue's goals they decide."""
+    na, nb = a["server"], b["server"]
+    out, goals = [f"{na} vs {nb}; 1-minute load average {a['load_avg'][0]:.1f} / {b['load_avg'][0]:.1f} "
+                  "at the start of each run"], []
+    ra, rb = map(_turn_rows, _cmp_rows(a, b, "multiturn"))
+    if ra and rb:
+        rows = [{"turn": x["turn"], "growth": x["growth"], f"evaluated {na}": x["evaluated"], f"evaluated {nb}": y["evaluated"],
+                 f"cached {na}": x["cached"], f"cached {nb}": y["cached"],
+                 f"TTFT ms {na}": x["ttft_ms"], f"TTFT ms {nb}": y["ttft_ms"]} for x, y in zip(ra, rb)]
+        out.append("**multiturn**\n\n" + table(rows))
+        later = [r for r in rows if r["turn"] >= 2]
+        ea, eb = sum(r[f"evaluated {na}"] for r in later), sum(r[f"evaluated {nb}"] for r in later)
+        goals.append((f"multiturn: >= 30 % fewer evaluated tokens than {nb} from turn 2",
+                      f"{ea} vs {eb} tokens ({100 * (1 - ea / max(eb, 1)):.0f} % fewer)", ea <= 0.7 * eb))
+        faster = sum(r[f"TTFT ms {na}"] < r[f"TTFT ms {nb}"] for r in later)
+        goals.append((f"multiturn: lower TTFT than {nb} from turn 2", f"lower in {faster} of {len(later)} turns",
+                      bool(later) and faster == len(later)))
+    ra, rb = _cmp_rows(a, b, "branching")
+    if ra and rb:
+        rows = [{"case": x["case"], **{f"{k} {n}": r.get(k, r.get("error", "")) for k in ("evaluated", "cached", "ttft_ms")
+                                        for n, r in ((na, x), (nb, y))}} for x, y in zip(ra, rb)]
+        out.append("**branching**\n\n" + table(rows))
+        for r in rows:
+            ea, eb = r[f"evaluated {na}"], r[f"evaluated {nb}"]
+            goals.append((f"branching, {r['case']}: evaluated <= {nb}'s", f"{ea} vs {eb}",
+                          isinstance(ea, int) and isinstance(eb, int) and ea <= eb))
+    ra, rb = _cmp_rows(a, b, "interleave")
+    if ra and rb:
+        ca, cb = ([r for r in rows if "summary" in r][0]["cached_ratio"] for rows in (ra, rb))
+        ta, tb = ([r["ttft_ms"] for r in _turn_rows(rows) if r["turn"] > 1] for rows in (ra, rb))
+        out.append("**interleave** (turns 2+)\n\n" + table([
+            {"server": n, "cached_ratio": c, "evaluated": sum(r["evaluated"] for r in _turn_rows(rows) if r["turn"] > 1),
+             "TTFT p50 ms": pct(t, 50)} for n, c, t, rows in ((na, f"{ca:.3f}", ta, ra), (nb, f"{cb:.3f}", tb, rb))]))
+        goals.append((f"interleave: cached-token ratio >= {nb}'s", f"{ca:.3f} vs {cb:.3f}", ca >= cb))
+    ra, rb = _cmp_rows(a, b, "throughput")
+    if ra and rb:
+        rows = [{"concurrency": x["concurrency"], **{f"{k} {n}": r[k] for k in ("tokens_per_s", "ttft_p50_ms", "itl_p99_ms")
+                                                      for n, r in ((na, x), (nb, y))}} for x, y in zip(ra, rb)]
+        out.append("**throughput**\n\n" + table(rows))
+        for r in rows:
+            if r["concurrency"] in (4, 8):
+                ta, tb = r[f"tokens_per_s {na}"], r[f"tokens_per_s {nb}"]
+                goals.append((f"throughput at concurrency {r['concurrency']}: tokens/s >= {nb}'s", f"{ta:.0f} vs {tb:.0f}",
+                              ta >= tb))
+    ra, rb = _cmp_rows(a, b, "prefill-stall")
+    if ra and rb:
+        out.append("**prefill-stall**\n\n" + table([{"server": n, **r} for n, r in ((na, ra[0]), (nb, rb[0]))]))
+        ratio = ra[0]["ratio"]
+        goals.append(("prefill-stall: streams' ITL p99 <= 2x idle while a long prompt prefills",
+                      f"{ratio:.1f}x ({nb}: {rb[0]['ratio']:.1f}x)", ratio <= 2.0))
+    out.append("**goals**\n\n" + table([{"goal": g, "figures": f, "met": "yes" if ok else "no"} for g, f, ok in goals]))
+    return "\n\n".join(out)
+
+
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     """`deltarun serve`, or with --llama-server that binary, on --start MODEL with the same slots and budget.
 
@@ -346,12 +421,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-limit", type=float, default=300, help="seconds per workload (bounds every loop)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare", nargs=2, metavar=("A.json[,A2.json]", "B.json[,B2.json]"),
+                    help="print the --json runs of server A and of server B side by side")
     return ap
 
 
 def main() -> None:
     ap = parser()
     args = ap.parse_args()
+    if args.compare:
+        print(compare(*(merged_runs(files.split(",")) for files in args.compare)))
+        return
     proc = None
     if args.llama_server and args.name == "deltarun":
         args.name = "llama-server"
