@@ -22,8 +22,9 @@ Workloads (`--workloads`, default all), each bounded in requests and by `--time-
   message; evaluated tokens of each.
 - `interleave`: 2 x `--parallel` conversations taking turns round-robin (more than the slots);
   cached-token ratio of turns 2+.
-- `prefill-stall`: `--parallel - 1` streams run; their ITL p99 alone, then while another request
-  prefills a prompt of about `--long-prompt` tokens; the ratio. The client closes the streams afterwards.
+- `prefill-stall`: `--parallel - 1` streams run; their ITL p99 alone (for `--stall-idle` seconds once
+  every stream has started), then while another request prefills a prompt of about `--long-prompt`
+  tokens; the ratio. The client closes the streams afterwards.
 
 Output: markdown tables (or `--json`). Numbers depend on the machine and its load: say both.
 
@@ -234,6 +235,11 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
 
     with cf.ThreadPoolExecutor(n + 1) as pool:
         futs = [pool.submit(stream, i) for i in range(n)]
+        deadline = time.monotonic() + args.time_limit     # idle is timed once every stream runs (the ramp-up
+        while (time.monotonic() < deadline and not all(f.done() for f in futs)   # builds graphs, joins batches)
+               and not all(len(s) >= 2 for s in stamps)):
+            time.sleep(0.05)
+        t_idle = time.perf_counter()
         time.sleep(args.stall_idle)
         t_long = time.perf_counter()
         long_result = pool.submit(c.chat, long_msgs, 1).result()
@@ -245,11 +251,11 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
     idle, busy = [], []
     for s in stamps:
         for a, b in zip(s, s[1:]):
-            (busy if t_long <= b <= t_long_end else idle if b < t_long else []).append(b - a)
+            (busy if t_long <= b <= t_long_end else idle if t_idle <= b < t_long else []).append(b - a)
     return [{"streams": n, "long_prompt_tokens": long_result.n_prompt, "idle_gaps": len(idle), "prefill_gaps": len(busy),
              "idle_itl_p99_ms": 1e3 * pct(idle, 99),
              "during_prefill_itl_p99_ms": 1e3 * pct(busy, 99),
-             "ratio": pct(busy, 99) / pct(idle, 99) if idle and busy else float("nan"),
+             "ratio": pct(busy, 99) / pct(idle, 99) if len(idle) >= 10 and busy else float("nan"),  # else too few
              "prefill_s": t_long_end - t_long, **({"error": long_result.error} if long_result.error else {})}]
 
 
