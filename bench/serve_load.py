@@ -28,11 +28,12 @@ Workloads (`--workloads`, default all), each bounded in requests and by `--time-
 
 Output: markdown tables (or `--json`). Numbers depend on the machine and its load: say both.
 
-    python bench/serve_load.py --compare dr-a.json,dr-b.json ls-a.json,ls-b.json   # side by side + issue 15's goals
+    python bench/serve_load.py --compare dr-a.json,dr-b.json ls-a.json,ls-b.json
 
 `--compare` reads the `--json` outputs of two servers on the same workloads (the first is the server
-under test, the second the reference; several files per server are merged) and prints one table per workload with both servers' figures, then the
-goals of issue 15 that the figures decide, each marked met or not.
+under test, the second the reference; several files per server are merged) and prints one table
+per workload with both servers' figures, then the goals of issue 15 that the figures decide, each
+marked met or not.
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
     for s in stamps:
         for a, b in zip(s, s[1:]):
             (busy if t_long <= b <= t_long_end else idle if t_idle <= b < t_long else []).append(b - a)
-    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt, "idle_gaps": len(idle), "prefill_gaps": len(busy),
-             "idle_itl_p99_ms": 1e3 * pct(idle, 99),
+    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt,
+             "idle_gaps": len(idle), "prefill_gaps": len(busy), "idle_itl_p99_ms": 1e3 * pct(idle, 99),
              "during_prefill_itl_p99_ms": 1e3 * pct(busy, 99),
              "ratio": pct(busy, 99) / pct(idle, 99) if len(idle) >= 10 and busy else float("nan"),  # else too few
              "prefill_s": t_long_end - t_long, **({"error": long_result.error} if long_result.error else {})}]
@@ -292,7 +293,8 @@ def compare(a: dict, b: dict) -> str:
                   "at the start of each run"], []
     ra, rb = map(_turn_rows, _cmp_rows(a, b, "multiturn"))
     if ra and rb:
-        rows = [{"turn": x["turn"], "growth": x["growth"], f"evaluated {na}": x["evaluated"], f"evaluated {nb}": y["evaluated"],
+        rows = [{"turn": x["turn"], "growth": x["growth"],
+                 f"evaluated {na}": x["evaluated"], f"evaluated {nb}": y["evaluated"],
                  f"cached {na}": x["cached"], f"cached {nb}": y["cached"],
                  f"TTFT ms {na}": x["ttft_ms"], f"TTFT ms {nb}": y["ttft_ms"]} for x, y in zip(ra, rb)]
         out.append("**multiturn**\n\n" + table(rows))

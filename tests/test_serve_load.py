@@ -10,6 +10,7 @@ that test is skipped.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -87,3 +88,30 @@ def test_workloads_read_llama_server_accounting():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_compare_puts_runs_side_by_side_and_decides_the_goals(tmp_path):
+    def run(name: str, evaluated: list[int], regen: int, ratio: float, tps8: float, stall: float) -> dict:
+        turns = [{"conversation": 0, "turn": t + 1, "prompt_tokens": 100 * (t + 1), "growth": 100, "cached": 0,
+                  "evaluated": e, "ttft_ms": 50.0} for t, e in enumerate(evaluated)]
+        return {"server": name, "load_avg": [1.0, 1.0, 1.0], "workloads": {
+            "multiturn": turns,
+            "branching": [{"case": "regenerate last answer", "prompt_tokens": 300, "cached": 300 - regen,
+                           "evaluated": regen, "ttft_ms": 5.0}],
+            "interleave": turns + [{"summary": "turns 2+", "cached_ratio": ratio}],
+            "throughput": [{"concurrency": 8, "tokens_per_s": tps8, "ttft_p50_ms": 1.0, "itl_p99_ms": 1.0}],
+            "prefill-stall": [{"streams": 7, "ratio": stall}]}}
+
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(run("deltarun", [100, 60, 60], 0, 0.5, 90.0, 1.5)))
+    b = run("llama-server", [100, 100, 100], 4, 0.6, 100.0, 40.0)
+    merged = serve_load.merged_runs([str(a)])
+    out = serve_load.compare(merged, b)
+    goals = {line.split(" | ")[0].strip("| "): line.rsplit(" | ", 1)[1].strip(" |")
+             for line in out.split("**goals**")[1].splitlines() if line.startswith("| ") and "goal" not in line}
+    assert goals["multiturn: >= 30 % fewer evaluated tokens than llama-server from turn 2"] == "yes"   # 120 vs 200
+    assert goals["branching, regenerate last answer: evaluated <= llama-server's"] == "yes"
+    assert goals["interleave: cached-token ratio >= llama-server's"] == "no"
+    assert goals["throughput at concurrency 8: tokens/s >= llama-server's"] == "no"
+    assert goals["prefill-stall: streams' ITL p99 <= 2x idle while a long prompt prefills"] == "yes"
+    assert "| 2 | 100 | 60 | 100 |" in out          # turn 2: growth, evaluated by each server
