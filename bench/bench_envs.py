@@ -9,14 +9,23 @@
   default; scripts/install.sh turns it on, as llama.cpp does). It inherits the system
   site-packages (deltarun, numpy, gguf, ...) and shadows only `ggml`, so that
   `compare_llamacpp.py --ggml-builds installed,stock` shows what llamafile's kernels are worth.
+- llama-server: the `llama-server` binary of the same sdist's vendored llama.cpp (`tools/server`),
+  CPU only, with the same ggml options as LLAMACPP, for `bench/serve_load.py`. Only that target is
+  built (about 200 compile steps rather than the whole tree's), out of the source tree, without the
+  web UI (no npm, no download: the server then embeds no UI assets, its API is unchanged).
 
     python bench/bench_envs.py llamacpp|ggml-stock     # build (if needed) and print the python
+    python bench/bench_envs.py llama-server [--source SDIST/vendor/llama.cpp] [--build-dir DIR] [--jobs N]
+                                                       # build (if needed) and print the binary
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import subprocess
+import tarfile
 import sys
 import venv
 from dataclasses import dataclass, field
@@ -86,7 +95,51 @@ GGML_STOCK = BuildEnv(
 
 ENVS = {"llamacpp": LLAMACPP, "ggml-stock": GGML_STOCK}
 
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # the sdist whose vendored llama.cpp both LLAMACPP and llama-server use
+LLAMA_SERVER_CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON",
+    "-DGGML_BLAS=OFF", "-DGGML_CUDA=OFF", "-DGGML_VULKAN=OFF", "-DGGML_METAL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",    # no npm build, no download of the web UI
+]
+
+
+def llama_cpp_source(work: Path, log=sys.stderr) -> Path:
+    """The vendored llama.cpp of the llama-cpp-python sdist, fetched with pip into work/ on first use."""
+    root = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    if not (root / "vendor" / "llama.cpp" / "tools" / "server").is_dir():
+        print(f"[bench_envs] pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist)", file=log, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(work)], check=True)
+        (sdist,) = work.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+    return root / "vendor" / "llama.cpp"
+
+
+def build_llama_server(build_dir: Path, source: Path | None = None, jobs: int = 2, log=sys.stderr) -> Path:
+    """Configure and build only the `llama-server` target (if not built yet); the binary's path."""
+    binary = build_dir / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    source = source or llama_cpp_source(build_dir.parent / "llama-cpp-python-sdist", log)
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    print(f"[bench_envs] building llama-server from {source} in {build_dir} (minutes)", file=log, flush=True)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *LLAMA_SERVER_CMAKE_ARGS], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)], check=True)
+    return binary
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ENVS:
-        raise SystemExit(f"usage: {sys.argv[0]} {'|'.join(ENVS)}")
-    print(ENVS[sys.argv[1]].ensure())
+    ap = argparse.ArgumentParser(description="Build a bench environment (if needed) and print its python or binary.")
+    ap.add_argument("what", choices=[*ENVS, "llama-server"])
+    ap.add_argument("--source", type=Path, help="llama-server: a vendored llama.cpp tree [default: pip download the sdist]")
+    ap.add_argument("--build-dir", type=Path, default=HERE.parent / "build" / "llama-server",
+                    help="llama-server: out-of-tree build folder [default: build/llama-server, git-ignored]")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="llama-server: compile jobs")
+    a = ap.parse_args()
+    if a.what == "llama-server":
+        print(build_llama_server(a.build_dir.resolve(), a.source, a.jobs))
+    else:
+        print(ENVS[a.what].ensure())

@@ -1,6 +1,7 @@
 """Load test of an OpenAI-compatible server: deltarun serve, or llama-server, on the same workloads.
 
     python bench/serve_load.py --start model.gguf --parallel 8          # starts `deltarun serve` itself
+    python bench/serve_load.py --start model.gguf --parallel 8 --llama-server build/llama-server/bin/llama-server
     python bench/serve_load.py --url http://127.0.0.1:8080 --name llama-server   # any running server
 
 Every request streams (`stream_options.include_usage`) over plain HTTP (httpx), so the client
@@ -21,10 +22,18 @@ Workloads (`--workloads`, default all), each bounded in requests and by `--time-
   message; evaluated tokens of each.
 - `interleave`: 2 x `--parallel` conversations taking turns round-robin (more than the slots);
   cached-token ratio of turns 2+.
-- `prefill-stall`: `--parallel - 1` streams run; their ITL p99 alone, then while another request
-  prefills a prompt of about `--long-prompt` tokens; the ratio. The client closes the streams afterwards.
+- `prefill-stall`: `--parallel - 1` streams run; their ITL p99 alone (for `--stall-idle` seconds once
+  every stream has started), then while another request prefills a prompt of about `--long-prompt`
+  tokens; the ratio. The client closes the streams afterwards.
 
 Output: markdown tables (or `--json`). Numbers depend on the machine and its load: say both.
+
+    python bench/serve_load.py --compare dr-a.json,dr-b.json ls-a.json,ls-b.json
+
+`--compare` reads the `--json` outputs of two servers on the same workloads (the first is the server
+under test, the second the reference; several files per server are merged) and prints one table
+per workload with both servers' figures, then the goals of issue 15 that the figures decide, each
+marked met or not.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -52,7 +62,7 @@ class Result:
     n_generated: int = 0
     n_prompt: int = 0
     n_cached: int = 0
-    n_evaluated: int = 0
+    n_evaluated: int | None = None   # timings.prompt_n; None when the server sent none
     text: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
@@ -66,6 +76,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def evaluated(r: Result) -> int:
+    """Prompt tokens the server evaluated: its timings.prompt_n, else prompt minus cached tokens."""
+    return r.n_evaluated if r.n_evaluated is not None else r.n_prompt - r.n_cached
+
+
 def text(i: int, n: int) -> str:
     return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n))
 
@@ -73,7 +88,11 @@ def text(i: int, n: int) -> str:
 class Client:
     def __init__(self, url: str, model: str, api_key: str | None, timeout: float):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        # A new connection per request: llama-server (cpp-httplib) closes the connection after a
+        # streamed answer although it sends Keep-Alive, and a pooled connection reused in that race
+        # fails with "Server disconnected". Loopback connects cost both servers the same ~0.1 ms.
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
         self.model = model
 
     def text_of_tokens(self, seed: int, n_tokens: int) -> str:
@@ -158,9 +177,9 @@ def _turns(c: Client, args: argparse.Namespace, conversations: int, turns: int, 
             if r.error:
                 rows.append({"conversation": k, "turn": t + 1, "error": r.error})
                 return rows
-            evaluated = r.n_evaluated or r.n_prompt - r.n_cached
+            n_eval = evaluated(r)
             rows.append({"conversation": k, "turn": t + 1, "prompt_tokens": r.n_prompt,
-                         "growth": r.n_prompt - prev[k], "cached": r.n_cached, "evaluated": evaluated,
+                         "growth": r.n_prompt - prev[k], "cached": r.n_cached, "evaluated": n_eval,
                          "ttft_ms": 1e3 * r.ttft})
             prev[k] = r.n_prompt + r.n_generated
             msgs.append({"role": "assistant", "content": r.text})
@@ -186,14 +205,12 @@ def branching(c: Client, args: argparse.Namespace) -> list[dict]:
         msgs.append({"role": "assistant", "content": r.text})
     rows = []
     last = msgs[:-1]
-    r = c.chat(last, args.max_tokens)
-    rows.append({"case": "regenerate last answer", "prompt_tokens": r.n_prompt, "cached": r.n_cached,
-                 "evaluated": r.n_evaluated or r.n_prompt - r.n_cached, "ttft_ms": 1e3 * r.ttft})
     edited = [dict(m) for m in last]
     edited[2]["content"] = "edited: " + edited[2]["content"]
-    r = c.chat(edited, args.max_tokens)
-    rows.append({"case": "edit second user message", "prompt_tokens": r.n_prompt, "cached": r.n_cached,
-                 "evaluated": r.n_evaluated or r.n_prompt - r.n_cached, "ttft_ms": 1e3 * r.ttft})
+    for case, messages in (("regenerate last answer", last), ("edit second user message", edited)):
+        r = c.chat(messages, args.max_tokens)
+        rows.append({"case": case, **({"error": r.error} if r.error else {
+            "prompt_tokens": r.n_prompt, "cached": r.n_cached, "evaluated": evaluated(r), "ttft_ms": 1e3 * r.ttft})})
     return rows
 
 
@@ -205,16 +222,25 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
 
     def stream(i: int) -> None:
         body = {"model": c.model, "messages": [{"role": "user", "content": text(i + 500, 10)}],
-                "max_tokens": args.stall_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+                "max_tokens": args.stall_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+                "chat_template_kwargs": {"enable_thinking": False}}     # as chat(): llama-server streams
+                                                                        # a think block as reasoning_content
         with c.http.stream("POST", "/v1/chat/completions", json=body) as resp:
             for line in resp.iter_lines():
-                if line.startswith("data: {") and '"content"' in line:
-                    stamps[i].append(time.perf_counter())
+                deltas = [ch.get("delta") or {} for ch in json.loads(line[6:]).get("choices") or []] \
+                    if line.startswith("data: {") else []
+                if any(d.get("content") or d.get("reasoning_content") for d in deltas):
+                    stamps[i].append(time.perf_counter())   # a token's event (not the role-only first chunk)
                 if done.is_set():
                     break          # closing the stream cancels the request
 
     with cf.ThreadPoolExecutor(n + 1) as pool:
         futs = [pool.submit(stream, i) for i in range(n)]
+        deadline = time.monotonic() + args.time_limit     # idle is timed once every stream runs (the ramp-up
+        while (time.monotonic() < deadline and not all(f.done() for f in futs)   # builds graphs, joins batches)
+               and not all(len(s) >= 2 for s in stamps)):
+            time.sleep(0.05)
+        t_idle = time.perf_counter()
         time.sleep(args.stall_idle)
         t_long = time.perf_counter()
         long_result = pool.submit(c.chat, long_msgs, 1).result()
@@ -226,10 +252,11 @@ def prefill_stall(c: Client, args: argparse.Namespace) -> list[dict]:
     idle, busy = [], []
     for s in stamps:
         for a, b in zip(s, s[1:]):
-            (busy if t_long <= b <= t_long_end else idle if b < t_long else []).append(b - a)
-    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt, "idle_itl_p99_ms": 1e3 * pct(idle, 99),
+            (busy if t_long <= b <= t_long_end else idle if t_idle <= b < t_long else []).append(b - a)
+    return [{"streams": n, "long_prompt_tokens": long_result.n_prompt,
+             "idle_gaps": len(idle), "prefill_gaps": len(busy), "idle_itl_p99_ms": 1e3 * pct(idle, 99),
              "during_prefill_itl_p99_ms": 1e3 * pct(busy, 99),
-             "ratio": pct(busy, 99) / pct(idle, 99) if idle and busy else float("nan"),
+             "ratio": pct(busy, 99) / pct(idle, 99) if len(idle) >= 10 and busy else float("nan"),  # else too few
              "prefill_s": t_long_end - t_long, **({"error": long_result.error} if long_result.error else {})}]
 
 
@@ -245,11 +272,111 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def start_deltarun(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _cmp_rows(a: dict, b: dict, workload: str) -> tuple[list[dict], list[dict]]:
+    return a["workloads"].get(workload) or [], b["workloads"].get(workload) or []
+
+
+def _turn_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "turn" in r and "error" not in r]
+
+
+def merged_runs(paths: list[str]) -> dict:
+    """One server's `--json` runs of different workloads (e.g. -np 4 and -np 8) as one."""
+    runs = [json.load(open(p)) for p in paths]
+    return {**runs[0], "workloads": {k: v for r in runs for k, v in r["workloads"].items()}}
+
+
+def compare(a: dict, b: dict) -> str:
+    """Side-by-side markdown tables of two runs (`--json` outputs) and the issue's goals they decide."""
+    na, nb = a["server"], b["server"]
+    out, goals = [f"{na} vs {nb}; 1-minute load average {a['load_avg'][0]:.1f} / {b['load_avg'][0]:.1f} "
+                  "at the start of each run"], []
+    ra, rb = map(_turn_rows, _cmp_rows(a, b, "multiturn"))
+    if ra and rb:
+        rows = [{"turn": x["turn"], "growth": x["growth"],
+                 f"evaluated {na}": x["evaluated"], f"evaluated {nb}": y["evaluated"],
+                 f"cached {na}": x["cached"], f"cached {nb}": y["cached"],
+                 f"TTFT ms {na}": x["ttft_ms"], f"TTFT ms {nb}": y["ttft_ms"]} for x, y in zip(ra, rb)]
+        out.append("**multiturn**\n\n" + table(rows))
+        later = [r for r in rows if r["turn"] >= 2]
+        ea, eb = sum(r[f"evaluated {na}"] for r in later), sum(r[f"evaluated {nb}"] for r in later)
+        goals.append((f"multiturn: >= 30 % fewer evaluated tokens than {nb} from turn 2",
+                      f"{ea} vs {eb} tokens ({100 * (1 - ea / max(eb, 1)):.0f} % fewer)", ea <= 0.7 * eb))
+        faster = sum(r[f"TTFT ms {na}"] < r[f"TTFT ms {nb}"] for r in later)
+        goals.append((f"multiturn: lower TTFT than {nb} from turn 2", f"lower in {faster} of {len(later)} turns",
+                      bool(later) and faster == len(later)))
+    ra, rb = _cmp_rows(a, b, "branching")
+    if ra and rb:
+        rows = [{"case": x["case"], **{f"{k} {n}": r.get(k, r.get("error", "")) for k in ("evaluated", "cached", "ttft_ms")
+                                        for n, r in ((na, x), (nb, y))}} for x, y in zip(ra, rb)]
+        out.append("**branching**\n\n" + table(rows))
+        for r in rows:
+            ea, eb = r[f"evaluated {na}"], r[f"evaluated {nb}"]
+            goals.append((f"branching, {r['case']}: evaluated <= {nb}'s", f"{ea} vs {eb}",
+                          isinstance(ea, int) and isinstance(eb, int) and ea <= eb))
+    ra, rb = _cmp_rows(a, b, "interleave")
+    if ra and rb:
+        ca, cb = ([r for r in rows if "summary" in r][0]["cached_ratio"] for rows in (ra, rb))
+        ta, tb = ([r["ttft_ms"] for r in _turn_rows(rows) if r["turn"] > 1] for rows in (ra, rb))
+        out.append("**interleave** (turns 2+)\n\n" + table([
+            {"server": n, "cached_ratio": c, "evaluated": sum(r["evaluated"] for r in _turn_rows(rows) if r["turn"] > 1),
+             "TTFT p50 ms": pct(t, 50)} for n, c, t, rows in ((na, f"{ca:.3f}", ta, ra), (nb, f"{cb:.3f}", tb, rb))]))
+        goals.append((f"interleave: cached-token ratio >= {nb}'s", f"{ca:.3f} vs {cb:.3f}", ca >= cb))
+    ra, rb = _cmp_rows(a, b, "throughput")
+    if ra and rb:
+        rows = [{"concurrency": x["concurrency"], **{f"{k} {n}": r[k] for k in ("tokens_per_s", "ttft_p50_ms", "itl_p99_ms")
+                                                      for n, r in ((na, x), (nb, y))}} for x, y in zip(ra, rb)]
+        out.append("**throughput**\n\n" + table(rows))
+        for r in rows:
+            if r["concurrency"] in (4, 8):
+                ta, tb = r[f"tokens_per_s {na}"], r[f"tokens_per_s {nb}"]
+                goals.append((f"throughput at concurrency {r['concurrency']}: tokens/s >= {nb}'s", f"{ta:.0f} vs {tb:.0f}",
+                              ta >= tb))
+    ra, rb = _cmp_rows(a, b, "prefill-stall")
+    if ra and rb:
+        out.append("**prefill-stall**\n\n" + table([{"server": n, **r} for n, r in ((na, ra[0]), (nb, rb[0]))]))
+        ratio = ra[0]["ratio"]
+        goals.append(("prefill-stall: streams' ITL p99 <= 2x idle while a long prompt prefills",
+                      f"{ratio:.1f}x ({nb}: {rb[0]['ratio']:.1f}x)", ratio <= 2.0))
+    out.append("**goals**\n\n" + table([{"goal": g, "figures": f, "met": "yes" if ok else "no"} for g, f, ok in goals]))
+    return "\n\n".join(out)
+
+
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`deltarun serve`, or with --llama-server that binary, on --start MODEL with the same slots and budget.
+
+    deltarun's --ctx is per sequence; llama-server's -c is the whole KV cache, which it splits over
+    its -np slots (unified KV off, its default with an explicit -np), so it gets ctx x parallel.
+    Both get --cache-ram MiB of host RAM for their prompt cache and the same --threads."""
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if args.llama_server:
+        return [args.llama_server, "-m", args.start, "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(args.parallel), "-c", str(args.ctx * args.parallel), "--cache-ram", str(args.cache_ram),
+                "--jinja", *threads, *trained_context_override(args.start, args.ctx), *args.serve_args]
+    return [sys.executable, "-m", "deltarun", "serve", args.start, "--port", str(port), "--parallel", str(args.parallel),
+            "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram), *threads, *args.serve_args]
+
+
+def trained_context_override(model: str, ctx: int) -> list[str]:
+    """llama-server caps each slot at the model's training context (`<arch>.context_length`; 256 for
+    the built-in model), deltarun does not: raise the key to ctx so both serve the same context."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(model).fields
+    arch = fields["general.architecture"].contents()
+    key = f"{arch}.context_length"
+    if key in fields and fields[key].contents() >= ctx:
+        return []
+    return ["--override-kv", f"{key}=int:{ctx}"]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = args.port or 8089
-    cmd = [sys.executable, "-m", "deltarun", "serve", args.start, "--port", str(port), "--parallel", str(args.parallel),
-           "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram)] + args.serve_args
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    with socket.socket() as probe:     # else /health below could be answered by whatever holds the port
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise SystemExit(f"port {port} is already in use: give another --port")
+    log = open(args.server_log, "ab") if args.server_log else subprocess.DEVNULL
+    proc = subprocess.Popen(server_command(args, port), stdout=log, stderr=log, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -259,24 +386,38 @@ def start_deltarun(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"deltarun serve exited with {proc.returncode}")
+            raise SystemExit(f"the server exited with {proc.returncode}")
         time.sleep(0.3)
     proc.kill()
-    raise SystemExit("deltarun serve did not come up in 300 s")
+    raise SystemExit("the server did not come up in 300 s")
 
 
-def main() -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s (llama-server sometimes outlives SIGTERM after cancelled streams)."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server (e.g. llama-server)")
-    ap.add_argument("--start", metavar="MODEL.gguf", help="start `deltarun serve MODEL` on --port")
+    ap.add_argument("--start", metavar="MODEL.gguf", help="start `deltarun serve MODEL` (or --llama-server) on --port")
+    ap.add_argument("--llama-server", metavar="BIN", help="with --start: start this llama-server binary instead, "
+                    "same slots, per-slot context, --cache-ram and --threads (bench/bench_envs.py llama-server builds it)")
+    ap.add_argument("--threads", type=int, help="with --start: threads of the server [default: the server's]")
+    ap.add_argument("--server-log", help="with --start: append the server's output to this file")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--name", default="deltarun", help="label in the output")
     ap.add_argument("--model", default="model")
     ap.add_argument("--api-key")
     ap.add_argument("--parallel", type=int, default=4, help="slots of the server (for interleave and prefill-stall)")
-    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--ctx", type=int, default=8192, help="with --start: context per slot")
     ap.add_argument("--cache-ram", type=int, default=2048)
-    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `deltarun serve` options")
+    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more options of the started server")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
@@ -288,10 +429,22 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=300, help="seconds per workload (bounds every loop)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare", nargs=2, metavar=("A.json[,A2.json]", "B.json[,B2.json]"),
+                    help="print the --json runs of server A and of server B side by side")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
+    if args.compare:
+        print(compare(*(merged_runs(files.split(",")) for files in args.compare)))
+        return
     proc = None
+    if args.llama_server and args.name == "deltarun":
+        args.name = "llama-server"
     if args.start:
-        proc, url = start_deltarun(args)
+        proc, url = start_server(args)
     elif args.url:
         url = args.url
     else:
@@ -310,8 +463,7 @@ def main() -> None:
             print(f"\nload average before/after: {out['load_avg']} / {out['load_avg_after']}")
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+            stop_server(proc)
 
 
 if __name__ == "__main__":
