@@ -39,8 +39,10 @@ class ServeSettings:
     checkpoint_every: int = 1024
     max_body_mib: int = 8
     model_name: str = "deltarun"
-    draft: str | None = None          # "ngram": prompt-lookup drafts for a lone decoding sequence
+    draft: str | None = None          # speculative decoding: "ngram", "mtp" or a draft GGUF's path
     draft_max: int = 8
+    #: opens the draft GGUF with one sequence per slot (n_seq_max = parallel), when draft is a path
+    open_draft: Callable[[], Any] | None = None
 
 
 def _eog_ids(model: Any) -> list[int]:
@@ -54,7 +56,7 @@ def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerS
     worker = Worker(open_model, s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
                     chunk=s.chunk, checkpoint_every=s.checkpoint_every, metrics=Metrics(),
                     grammar_factory=lambda m: GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m)),
-                    draft=s.draft, draft_max=s.draft_max)
+                    draft=s.draft, draft_max=s.draft_max, open_draft=s.open_draft)
 
     def make_builder(w: Worker) -> PromptBuilder:
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
