@@ -62,14 +62,15 @@ class NgramDraft:
         for size in range(min(self.n_max, len(h) - 1), self.n_min - 1, -1):
             suffix = h[-size:]
             best: list[int] = []
-            # earlier occurrences, latest first; the latest with a full n tokens after it wins
-            for start in range(len(h) - size - 1, -1, -1):
-                if np.array_equal(h[start:start + size], suffix):
-                    follow = h[start + size:start + size + n].tolist()
-                    if len(follow) > len(best):
-                        best = follow
-                    if len(best) == n:
-                        break
+            # earlier occurrences (all windows compared at once), latest first; the latest with a
+            # full n tokens after it wins
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], size)
+            for start in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+                follow = h[start + size:start + size + n].tolist()
+                if len(follow) > len(best):
+                    best = follow
+                if len(best) == n:
+                    break
             if best:
                 return Draft(best, [None] * len(best))
         return Draft([], [])
