@@ -103,7 +103,8 @@ def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_
         verified = [e for e in trace if e[0] == "verify"]
         assert len({e[1] for e in verified if e[3] > 0}) > 1
         assert len([e for e in trace if e[0] == "batch"]) < 20      # fewer verification steps than tokens
-        drafted, accepted = _metric(h, "deltarun_draft_tokens_total"), _metric(h, "deltarun_draft_tokens_accepted_total")
+        drafted = _metric(h, "deltarun_draft_tokens_total")
+        accepted = _metric(h, "deltarun_draft_tokens_accepted_total")
         assert drafted > 0 and 0 < accepted <= drafted
         spec = httpx.get(h.base_url + "/props", timeout=30).json()["speculative"]
         assert spec["n_drafted"] == drafted and spec["n_accepted"] == accepted and spec["draft_max"] == DRAFT_MAX
@@ -206,3 +207,74 @@ def test_cli_bad_draft_is_one_line_error_before_loading(tiny_model_path, tmp_pat
         assert res.exit_code != 0, res.output
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], res.stderr
+
+
+def test_draft_model_state_follows_conversations_across_slots_and_host_ram(tiny_model_path, monkeypatch):
+    """Three conversations take turns on two slots (one goes through host RAM each round) with a
+    draft GGUF that has the target's trunk: after every proposal the draft model's sequence holds
+    exactly the conversation's tokens (reused when it held a prefix, evaluated again otherwise),
+    every answer is the plain server's and every draft is accepted."""
+    from deltarun.apps.speculative import ModelDraft
+
+    target, draft = tiny_model_path("tiny-mtp"), tiny_model_path("tiny")
+    wrong, propose = [], ModelDraft.propose
+
+    def checked(self, history, n, sampler):
+        out = propose(self, history, n, sampler)
+        if self.model.tokens(self.seq) != history:
+            wrong.append((self.seq, len(history)))
+        return out
+    monkeypatch.setattr(ModelDraft, "propose", checked)
+    convs = [[{"role": "user", "content": f"conversation {i}: " + "word " * (3 + i)}] for i in range(3)]
+
+    def run(h: ServeHandle) -> list[tuple[str, int, int, int]]:
+        c, out = _client(h), []
+        talks = [list(m) for m in convs]
+        for turn in range(3):
+            for msgs in talks:
+                if turn:
+                    msgs.append({"role": "user", "content": f"and then {turn}"})
+                r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+                t = r.model_extra["timings"]
+                out.append((r.choices[0].message.content, t.get("draft_n", 0), t.get("draft_n_accepted", 0),
+                            r.usage.prompt_tokens_details.cached_tokens))
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        return out
+
+    with _server(target, parallel=2) as h:
+        plain = run(h)
+    with _server(target, "draft.gguf", draft_path=draft, parallel=2) as h:
+        spec = run(h)
+        assert h.worker.cache.n_evictions > 0          # some conversation went to host RAM and came back
+    assert all(cached > 0 for *_, cached in spec[3:])    # later turns resumed from the cache
+    assert not wrong
+    assert [a for a, *_ in spec] == [a for a, *_ in plain]
+    assert all(n > 0 and ok == n for _, n, ok, _ in spec), spec
+
+
+def test_mtp_rows_after_a_resume_from_host_ram(tiny_model_path):
+    """One slot, two conversations: the first returns from host RAM, resuming at the start of its
+    re-rendered answer (thinking off), where the next token differs from the one the slot had; the
+    MTP block's KV rows then equal those of a fresh server (the KV copy in host RAM holds them, the
+    entry keeps the hidden row before the resume point)."""
+    kw = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    path = tiny_model_path("tiny-mtp")
+    a = [{"role": "user", "content": "first conversation " + "alpha " * 6}]
+    b = [{"role": "user", "content": "second conversation " + "beta " * 6}]
+    with _server(path, draft="mtp", parallel=1, chunk=32) as h:
+        c = _client(h)
+        for msgs in (a, b):
+            r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, **kw)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "more"}]
+        r = c.chat.completions.create(model="tiny", messages=a, max_tokens=6, temperature=0, **kw)
+        assert h.worker.cache.n_evictions >= 2 and r.usage.prompt_tokens_details.cached_tokens > 10
+        held = h.worker.model.tokens(0)
+        n, rows = _mtp_rows(h, held)
+    with _server(path, draft="mtp", parallel=1, chunk=32) as fresh:
+        r2 = _client(fresh).chat.completions.create(model="tiny", messages=a, max_tokens=6, temperature=0, **kw)
+        assert r2.choices[0].message.content == r.choices[0].message.content
+        n2, fresh_rows = _mtp_rows(fresh, held)
+    assert n == n2 == len(held)
+    for x, y in zip(rows, fresh_rows):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)

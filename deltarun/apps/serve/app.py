@@ -271,8 +271,8 @@ def create_app(state: ServerState) -> Starlette:
                                        shutdown_grace_period=5.0)
 
         def choice(text: Delta, lps: list[dict[str, Any]], reason: str) -> dict[str, Any]:
-            return {"index": 0, "text": echo + text.content, "logprobs": _legacy_logprobs(lps) if req.logprobs else None,
-                    "finish_reason": reason}
+            return {"index": 0, "text": echo + text.content,
+                    "logprobs": _legacy_logprobs(lps) if req.logprobs else None, "finish_reason": reason}
         return await _answer(relay, request, "text_completion", cid, model, created, choice)
 
     async def _completion_stream(relay: _Relay, cid: str, model: str, created: int, include_usage: bool,
