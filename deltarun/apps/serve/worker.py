@@ -15,14 +15,16 @@ the model. The worker loops over steps; each step
    they are not consecutive, because a finished job left a hole or a job reading its prompt sits
    between them, the running sequences are first rearranged with `PromptCache.swap`), then each
    job samples its next token. With `--draft` (speculative decoding) each generating job first
-   gets its own drafts, and the ubatch verifies every job's pending token plus its drafts: all
-   rows hold the same number L of tokens (1 + the most drafts any job has, within the context
-   and the rollback slots), a job with fewer drafts (or none: one whose sampling the drafts
-   cannot be verified with, such as a json_schema constraint, logprobs or logit_bias) is padded
-   with filler tokens, and after verification each job rolls back what it did not keep (rejected
-   drafts and filler, at most L-1 <= rs_slots-1 tokens). One ubatch of L x n_seqs tokens costs
-   little more than one of n_seqs tokens while decoding is bound by reading the weights, which is
-   why padding beats a second ubatch for the jobs that cannot speculate.
+   gets its own drafts (as many as it had accepted last time plus one, up to draft_max), and the
+   ubatch verifies every job's pending token plus its drafts: all rows hold the same number L of
+   tokens (1 + the most drafts any job has, within the context and the rollback slots), a job
+   with fewer drafts (or none: one whose sampling the drafts cannot be verified with, such as a
+   json_schema constraint, logprobs or logit_bias) is padded with filler tokens, and after
+   verification each job rolls back what it did not keep (rejected drafts and filler, at most
+   L-1 <= rs_slots-1 tokens). While decoding is bound by reading the weights, one ubatch of
+   L x n_seqs tokens costs little more than one of n_seqs tokens, which is why padding is chosen
+   over a second ubatch for the jobs that cannot speculate (on a small model on the CPU rows are
+   not free: hence the adaptive draft length).
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
@@ -96,6 +98,7 @@ class Job:
         self.speculates = False           # drafts are verified for it (else it only keeps the MTP rows up)
         self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
         self.n_drafted = self.n_accepted = 0
+        self.k_next = 0                   # drafts to ask for next step (see Worker._settle)
         self.generated: list[int] = []
         self.history: list[int] = []
         self.output: OutputStream | None = None
@@ -352,6 +355,7 @@ class Worker:
         from deltarun.apps.speculative import ModelDraft, MtpDraft
 
         job.speculates = self._can_speculate(job)
+        job.k_next = self.k_max
         if self.draft == "mtp":
             job.draft = MtpDraft(self.model, seq=job.cell)
             job.mtp_tail = (resume_hidden, job.pos - 1) if resume_hidden is not None and job.pos > 0 else None
@@ -573,7 +577,7 @@ class Worker:
             k = 0
             if j.speculates:
                 room = model.n_ctx - model.n_past(j.cell) - 1
-                k = max(0, min(self.k_max, j.params.max_tokens - len(j.generated) - 1, room))
+                k = max(0, min(j.k_next, j.params.max_tokens - len(j.generated) - 1, room))
             try:
                 proposals[j.id] = j.draft.propose(j.history, k, j.sampler) if k else Draft([], [])
             except Exception as e:  # noqa: BLE001 - a failing draft ends its job, not the server
@@ -635,6 +639,10 @@ class Worker:
         if job.draft is not None and job.draft.needs_hidden:     # the MTP block's rows follow the kept tokens
             job.draft.commit(kept, rows[:n_ok + 1], model.n_past(job.cell) - n_ok - 1)
             self.cache.note_hidden(job.cell, rows[:n_ok + 1])
+        if job.speculates and n_draft:
+            # the next step's draft length follows acceptance: one more after all were accepted, one
+            # past the accepted ones after a rejection (rows of the verification ubatch are not free)
+            job.k_next = min(self.k_max, max(job.k_next, n_draft) + 1) if n_ok == n_draft else n_ok + 1
         if job.speculates:
             job.n_drafted += n_draft
             job.n_accepted += n_ok
