@@ -62,14 +62,15 @@ class NgramDraft:
         for size in range(min(self.n_max, len(h) - 1), self.n_min - 1, -1):
             suffix = h[-size:]
             best: list[int] = []
-            # earlier occurrences, latest first; the latest with a full n tokens after it wins
-            for start in range(len(h) - size - 1, -1, -1):
-                if np.array_equal(h[start:start + size], suffix):
-                    follow = h[start + size:start + size + n].tolist()
-                    if len(follow) > len(best):
-                        best = follow
-                    if len(best) == n:
-                        break
+            # earlier occurrences (all windows compared at once), latest first; the latest with a
+            # full n tokens after it wins
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], size)
+            for start in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+                follow = h[start + size:start + size + n].tolist()
+                if len(follow) > len(best):
+                    best = follow
+                if len(best) == n:
+                    break
             if best:
                 return Draft(best, [None] * len(best))
         return Draft([], [])
@@ -81,48 +82,57 @@ class NgramDraft:
         pass
 
 
+def check_draft_vocab(draft_vocab: int, target_vocab: int) -> None:
+    """A draft model must share the target's vocabulary: its tokens are the target's tokens."""
+    if draft_vocab != target_vocab:
+        raise DeltarunError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the "
+                            f"target's ({target_vocab}): drafts must share the vocabulary")
+
+
 class ModelDraft:
     """A second, smaller model with the same vocabulary drafts greedily (or by sampling).
 
-    Sequence 0 of the draft model holds only committed tokens; each round drafts on a copy in
-    sequence 1, so rejected guesses never need undoing there.
+    Sequence `seq` of the draft model holds the tokens so far (the last one included, which the
+    target has yet to verify). Each round drafts on in that sequence from a host checkpoint of its
+    recurrent state and returns to the checkpoint afterwards (the KV rows past it are overwritten
+    later), so rejected guesses never need undoing and no sequence is copied. A server gives each
+    slot its own sequence of one draft model.
     """
 
     needs_hidden = False
 
-    def __init__(self, draft: Model, target_vocab: int):
-        if draft.hp.n_vocab != target_vocab:
-            raise DeltarunError(f"the draft model's vocabulary ({draft.hp.n_vocab} tokens) differs from the "
-                                f"target's ({target_vocab}): drafts must share the vocabulary")
-        if draft.memory.n_cells < 2:
-            raise DeltarunError("the draft model must be opened with n_seq_max=2")
-        self.model = draft
+    def __init__(self, draft: Model, target_vocab: int, seq: int = 0):
+        check_draft_vocab(draft.hp.n_vocab, target_vocab)
+        if not 0 <= seq < draft.memory.n_cells:
+            raise DeltarunError(f"draft sequence {seq} out of range (the draft model has {draft.memory.n_cells})")
+        self.model, self.seq = draft, seq
 
     def start(self, prompt: list[int]) -> None:
-        self.model.reset()
+        self.model.memory.clear_seq(self.seq)
 
     def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
-        m = self.model
-        committed = history[:-1]
-        have = m.n_past(0)
-        if m.tokens(0) != committed[:have]:
-            m.reset()
-            have = 0
-        if len(committed) > have:
-            m.eval(committed[have:], seq=0)
-        if m.n_past(0) + n + 1 > m.n_ctx:
+        m, seq = self.model, self.seq
+        held = m.tokens(seq)
+        if len(held) >= len(history) or held != history[:len(held)]:
+            m.memory.clear_seq(seq)        # another conversation, or one that changed: evaluate it again
+            held = []
+        if len(history) > m.n_ctx:
             return Draft([], [])
-        m.copy_seq(0, 1)
-        tokens, probs = [], []
-        tok = history[-1]
+        logits = m.eval(history[len(held):], seq)
+        n = min(n, m.n_ctx - len(history) + 1)
+        cp = m.checkpoint(seq) if n > 1 else None
+        tokens: list[int] = []
+        probs: list[np.ndarray | None] = []
         local = list(history)
-        for _ in range(n):
-            logits = m.eval([tok], seq=1)
-            q = sampler.distribution(logits, local)
-            tok = int(np.argmax(q)) if sampler.params.greedy else int(sampler.rng.choice(q.size, p=q))
+        for i in range(n):
+            tok, q = _draw(sampler, logits, local)
             tokens.append(tok)
-            probs.append(None if sampler.params.greedy else q)
+            probs.append(q)
             local.append(tok)
+            if i + 1 < n:
+                logits = m.eval([tok], seq)
+        if cp is not None:
+            m.restore(cp)
         return Draft(tokens, probs)
 
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
@@ -130,6 +140,14 @@ class ModelDraft:
 
     def close(self) -> None:
         self.model.close()
+
+
+def _draw(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
+    """One drafted token and the distribution it was drawn from (None: greedy, a point mass)."""
+    q = sampler.distribution(logits, history)
+    if sampler.params.greedy:
+        return int(np.argmax(q)), None
+    return int(sampler.rng.choice(q.size, p=q)), q
 
 
 class MtpDraft:
@@ -152,7 +170,7 @@ class MtpDraft:
             raise DeltarunError("MTP drafts need a model with an MTP block opened with mtp=True")
         self.model = target
         self.in_graph = in_graph
-        self.seq = seq
+        self.seq = seq      # the target sequence whose MTP KV rows this source fills (a server moves it)
         self.first: tuple[np.ndarray, np.ndarray] | None = None   # logits and output of the last row
 
     def start(self, prompt: list[int]) -> None:

@@ -198,12 +198,39 @@ def draft_options(f: F) -> F:
     ])
 
 
+def check_draft(model: Path, draft: str | None) -> None:
+    """Refuse a --draft that cannot work from the GGUF headers alone, before any model loads: a
+    missing draft file, a draft model with another vocabulary, mtp on a model without an MTP block."""
+    if draft is None or draft == "ngram":
+        return
+    from deltarun.apps.speculative import check_draft_vocab
+    from deltarun.graphs.interface import graph_family_for
+    from deltarun.runner.gguf_file import GGUFFile
+
+    target = graph_family_for(GGUFFile(model)).hp
+    if draft == "mtp":
+        if not target.n_mtp:
+            raise DeltarunError(f"{model}: --draft mtp needs a model with an MTP block (nextn_predict_layers is 0)")
+        return
+    path = Path(draft)
+    if not path.is_file():
+        raise DeltarunError(f"--draft {draft}: no such draft model file (give ngram, mtp or a GGUF path)")
+    check_draft_vocab(graph_family_for(GGUFFile(path)).hp.n_vocab, target.n_vocab)
+
+
+def draft_model_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The model options a draft GGUF is opened with: the target's, without rollback slots (its drafts
+    are never rolled back, see ModelDraft)."""
+    return dict(opts, rs_slots=1)
+
+
 def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int, **opts: Any):
     """Open the target (with enough rollback slots and its MTP block if asked) and the draft source."""
     from deltarun.apps.speculative import ModelDraft, MtpDraft, NgramDraft
 
     if draft is None:
         return open_model(model, **opts), None
+    check_draft(resolve_model(model, quiet=True), draft)
     opts = dict(opts)
     opts["rs_slots"] = max(int(opts.get("rs_slots") or 1), draft_max + 1)
     opts["batch"] = max(int(opts.get("batch") or MODEL_DEFAULTS["batch"]), draft_max + 1)
@@ -213,8 +240,7 @@ def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int,
             return target, NgramDraft()
         if draft == "mtp":
             return target, MtpDraft(target)
-        draft_opts = dict(opts, rs_slots=1)
-        source = ModelDraft(open_model(Path(draft), n_seq_max=2, quiet=True, **draft_opts), target.hp.n_vocab)
+        source = ModelDraft(open_model(Path(draft), quiet=True, **draft_model_options(opts)), target.hp.n_vocab)
         return target, source
     except BaseException:
         target.close()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from deltarun.cli.options import model_argument, model_options, open_model, resolve_model
+from deltarun.cli.options import (check_draft, draft_model_options, draft_options, model_argument, model_options,
+                                  open_model, resolve_model)
 from deltarun.runner.errors import DeltarunError
 
 
@@ -59,11 +60,7 @@ def check_port(host: str, port: int) -> None:
 @click.option("--max-body", type=click.IntRange(min=1), default=8, show_default=True, metavar="MiB",
               help="Largest request body accepted.")
 @click.option("--alias", default=None, help="Model id reported by /v1/models [default: the file name].")
-@click.option("--draft", type=click.Choice(["ngram"]), default=None,
-              help="Speculative decoding with prompt-lookup drafts while a single request is generating "
-                   "(several requests decode together instead); greedy output is unchanged.")
-@click.option("--draft-max", type=click.IntRange(min=1, max=64), default=8, show_default=True,
-              help="Most drafted tokens per verification (raises --rs-slots to N+1).")
+@draft_options
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True)
 @model_options
@@ -83,16 +80,21 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     if not is_loopback(host):
         click.secho(f"warning: listening on {host}: anyone who can reach this address can use the model"
                     + ("" if api_key else " (no --api-key set)"), fg="yellow", err=True)
+    check_draft(path, draft)
+    open_draft = None
     if draft is not None:      # a rejected draft is rolled back within the recurrent-state slots
         opts["rs_slots"] = max(int(opts["rs_slots"]), draft_max + 1)
         opts["batch"] = max(int(opts["batch"]), draft_max + 1)
+        if draft not in ("ngram", "mtp"):      # a draft GGUF: one sequence per slot (a partial: it pickles)
+            open_draft = functools.partial(open_model, Path(draft), n_seq_max=parallel, quiet=True,
+                                           **draft_model_options(opts))
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
                              chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
-                             rpc=tuple(parse_endpoints(opts.get("rpc"))))
+                             rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft)
 
     # a partial, not a closure: with --rpc the model opens in a spawned child process (supervisor.py)
-    load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, **opts)
+    load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, mtp=draft == "mtp", **opts)
 
     def ready() -> None:
         click.echo(f"serving {path.name} on http://{host}:{port}/v1 ({parallel} slots)", err=True)

@@ -194,18 +194,20 @@ def create_app(state: ServerState) -> Starlette:
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "deltarun",
              "meta": meta}]})
 
-    async def chat_completions(request: Request) -> Response:
+    async def _submit(request: Request, parse: Callable[[Any], Any], build: Callable[[Any], Callable[[Any], Any]],
+                      prefix: str) -> tuple[Any, GenParams, _Relay, str, int, str]:
+        """What both completion endpoints do first: parse the body, build the prompt (in the thread
+        pool), submit the job; returns (request, params, relay, id, created, model name)."""
         body = await _read_json(request, state.max_body)
-        req = parse_chat(body)
-        builder = state.builder
-        params = await run_in_threadpool(builder.chat, req)
+        req = parse(body)
+        params = await run_in_threadpool(build(state.builder), req)
         relay = _Relay(state, params)
-        cid = "chatcmpl-" + secrets.token_hex(12)
-        created = int(time.time())
-        model = req.model or state.model_name
-        if req.stream:
-            return EventSourceResponse(_chat_stream(relay, cid, model, created, req.include_usage),
-                                       shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
+        return req, params, relay, prefix + secrets.token_hex(12), int(time.time()), req.model or state.model_name
+
+    async def _answer(relay: _Relay, request: Request, obj: str, cid: str, model: str, created: int,
+                      choice: Callable[[Delta, list[dict[str, Any]], str], dict[str, Any]]) -> Response:
+        """A non-streaming answer: gather the job's text and logprobs, then one JSON body with the
+        `choice(text, logprobs, finish_reason)`, usage and timings."""
         text = Delta()
         logprobs: list[dict[str, Any]] = []
         async for ev in relay.events(request):
@@ -217,15 +219,23 @@ def create_app(state: ServerState) -> Starlette:
                 logprobs.extend(ev.logprobs)
             if ev.finish_reason is not None:
                 r = ev.result
-                out = envelope("chat.completion", cid, model, created)
-                out["choices"] = [{"index": 0, "message": chat_message(text.content, text.reasoning, text.tool_calls),
-                                   "logprobs": {"content": logprobs} if req.logprobs else None,
-                                   "finish_reason": ev.finish_reason}]
+                out = envelope(obj, cid, model, created)
+                out["choices"] = [choice(text, logprobs, ev.finish_reason)]
                 out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
-                out["timings"] = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"],
-                                         r["generate_s"])
+                out["timings"] = _timings(r)
                 return JSONResponse(out)
         return Response(status_code=499)   # the client went away
+
+    async def chat_completions(request: Request) -> Response:
+        req, params, relay, cid, created, model = await _submit(request, parse_chat, lambda b: b.chat, "chatcmpl-")
+        if req.stream:
+            return EventSourceResponse(_chat_stream(relay, cid, model, created, req.include_usage),
+                                       shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
+
+        def choice(text: Delta, logprobs: list[dict[str, Any]], reason: str) -> dict[str, Any]:
+            return {"index": 0, "message": chat_message(text.content, text.reasoning, text.tool_calls),
+                    "logprobs": {"content": logprobs} if req.logprobs else None, "finish_reason": reason}
+        return await _answer(relay, request, "chat.completion", cid, model, created, choice)
 
     async def _chat_stream(relay: _Relay, cid: str, model: str, created: int,
                            include_usage: bool) -> AsyncIterator[dict[str, str]]:
@@ -245,7 +255,7 @@ def create_app(state: ServerState) -> Starlette:
                 r = ev.result
                 last = _chunk(cid, model, created, {"index": 0, "delta": {}, "logprobs": None,
                                                     "finish_reason": ev.finish_reason}, "chat.completion.chunk")
-                t = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"], r["generate_s"])
+                t = _timings(r)
                 if include_usage:
                     yield {"data": json.dumps(last)}
                     last = _chunk(cid, model, created, None, "chat.completion.chunk")
@@ -255,37 +265,18 @@ def create_app(state: ServerState) -> Starlette:
         yield {"data": "[DONE]"}
 
     async def completions(request: Request) -> Response:
-        body = await _read_json(request, state.max_body)
-        req = parse_completion(body)
-        builder = state.builder
-        params = await run_in_threadpool(builder.completion, req)
-        relay = _Relay(state, params)
-        cid = "cmpl-" + secrets.token_hex(12)
-        created = int(time.time())
-        model = req.model or state.model_name
+        req, params, relay, cid, created, model = await _submit(request, parse_completion, lambda b: b.completion,
+                                                                "cmpl-")
         tok = state.worker.model.tokenizer
         echo = tok.decode(params.prompt) if req.echo else ""
         if req.stream:
             return EventSourceResponse(_completion_stream(relay, cid, model, created, req.include_usage, echo),
                                        shutdown_grace_period=5.0)
-        text, lps = echo, []
-        async for ev in relay.events(request):
-            if ev.error is not None:
-                return _error_response(ev.error)
-            if ev.delta is not None:
-                text += ev.delta.content
-            if ev.logprobs:
-                lps.extend(ev.logprobs)
-            if ev.finish_reason is not None:
-                r = ev.result
-                out = envelope("text_completion", cid, model, created)
-                out["choices"] = [{"index": 0, "text": text, "logprobs": _legacy_logprobs(lps) if req.logprobs else None,
-                                   "finish_reason": ev.finish_reason}]
-                out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
-                out["timings"] = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"],
-                                         r["generate_s"])
-                return JSONResponse(out)
-        return Response(status_code=499)
+
+        def choice(text: Delta, lps: list[dict[str, Any]], reason: str) -> dict[str, Any]:
+            return {"index": 0, "text": echo + text.content,
+                    "logprobs": _legacy_logprobs(lps) if req.logprobs else None, "finish_reason": reason}
+        return await _answer(relay, request, "text_completion", cid, model, created, choice)
 
     async def _completion_stream(relay: _Relay, cid: str, model: str, created: int, include_usage: bool,
                                  echo: str) -> AsyncIterator[dict[str, str]]:
@@ -303,8 +294,7 @@ def create_app(state: ServerState) -> Starlette:
                 out = _chunk(cid, model, created, choice, "text_completion")
                 if ev.finish_reason is not None:
                     r = ev.result
-                    out["timings"] = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"],
-                                             r["generate_s"])
+                    out["timings"] = _timings(r)
                     if include_usage:
                         yield {"data": json.dumps(out)}
                         out = _chunk(cid, model, created, None, "text_completion")
@@ -368,6 +358,8 @@ def create_app(state: ServerState) -> Starlette:
             "build_info": "deltarun",
             "rs_slots": m.rs_slots,
             "cache_ram_bytes": state.worker.cache_bytes,
+            "speculative": {"draft": state.worker.draft, "draft_max": state.worker.draft_max,
+                            "n_drafted": state.worker.n_drafted, "n_accepted": state.worker.n_accepted},
         })
 
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -417,6 +409,14 @@ class ApiKeyMiddleware:
                 await _error_response(e)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _timings(r: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's `timings` of a finished job's result, with its draft counts when it drafted."""
+    t = timings(r["n_cached"], r["n_evaluated"], r["prompt_s"], r["n_generated"], r["generate_s"])
+    if r.get("n_drafted"):
+        t["draft_n"], t["draft_n_accepted"] = r["n_drafted"], r["n_accepted"]
+    return t
 
 
 def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

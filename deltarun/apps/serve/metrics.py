@@ -30,6 +30,10 @@ class Metrics:
         self.prompt_tps = Gauge("deltarun_prompt_tokens_seconds", "Prompt evaluation throughput, tokens/s", registry=r)
         self.predicted_tps = Gauge("deltarun_predicted_tokens_seconds",
                                    "Generation throughput over all running sequences, tokens/s", registry=r)
+        self.drafted_tokens = Counter("deltarun_draft_tokens", "Drafted tokens verified by the model (--draft)",
+                                      registry=r)
+        self.accepted_tokens = Counter("deltarun_draft_tokens_accepted", "Drafted tokens the model agreed with",
+                                       registry=r)
         self.cache_bytes = Gauge("deltarun_prompt_cache_bytes", "Host RAM held by the prompt cache", registry=r)
         self._lock = threading.Lock()
         self._prompt = [0, 0.0]     # tokens, seconds
@@ -53,6 +57,10 @@ class Metrics:
             self._decode[0] += n_tokens
             self._decode[1] += seconds
             self.predicted_tps.set(self._decode[0] / self._decode[1] if self._decode[1] > 0 else 0.0)
+
+    def drafts(self, n_drafted: int, n_accepted: int) -> None:
+        self.drafted_tokens.inc(n_drafted)
+        self.accepted_tokens.inc(n_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

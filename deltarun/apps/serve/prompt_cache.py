@@ -57,10 +57,15 @@ class CellInfo:
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     answer_start: int = 0     # where the next turn is expected to diverge from the last prompt
     last_used: float = 0.0
+    #: trunk hidden rows by prefix length L (the row of token L-1), for the lengths a request can
+    #: resume at (the last rs_slots lengths and the checkpoints): an MTP draft needs the row before
+    #: the resume point to fill its KV row there (see `note_hidden`)
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)
 
     def truncate(self, n: int) -> None:
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= n}
         self.answer_start = min(self.answer_start, n)
+        self.hidden = {p: h for p, h in self.hidden.items() if p <= n}
 
 
 @dataclass
@@ -70,6 +75,7 @@ class HostEntry:
     checkpoints: dict[int, Checkpoint]
     answer_start: int
     last_used: float
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)   # as CellInfo.hidden
 
 
 @dataclass
@@ -82,6 +88,7 @@ class Resume:
     entry: HostEntry | None = None       # for host
     checkpoint: Checkpoint | None = None
     logits: np.ndarray | None = None
+    hidden: np.ndarray | None = None     # the trunk hidden row of token pos-1, when the cache kept it
 
 
 KEEP_PER_CELL = 2
@@ -142,6 +149,8 @@ class PromptCache:
             if cp is not None and cp.pos > best.pos:
                 best = Resume(cp.pos, "host", entry=e, checkpoint=cp,
                               logits=cp.logits if cp.pos == len(prompt) else None)
+        rows = self.cells[best.cell].hidden if best.cell is not None else best.entry.hidden if best.entry else {}
+        best.hidden = rows.get(best.pos)
         return best
 
     def pick_cell(self, idle: list[int]) -> int:
@@ -178,7 +187,8 @@ class PromptCache:
             model.memory.write_recurrent(cell, r.checkpoint.state)
             model.memory.set_tokens(cell, e.tokens[:r.pos])
             self.cells[cell] = CellInfo({p: c for p, c in e.checkpoints.items() if p <= r.pos},
-                                        min(e.answer_start, r.pos))
+                                        min(e.answer_start, r.pos),
+                                        hidden={p: h for p, h in e.hidden.items() if p <= r.pos})
             self.host.remove(e)
         self.cells[cell].last_used = time.monotonic()
 
@@ -187,6 +197,17 @@ class PromptCache:
         cp = Checkpoint(self.model.memory.read_recurrent(cell), None if logits is None else np.array(logits))
         self.cells[cell].checkpoints[cp.pos] = cp
         self._enforce_budget(protect=cell)
+
+    def note_hidden(self, cell: int, rows: np.ndarray) -> None:
+        """Remember the trunk hidden rows of the last len(rows) tokens of `cell` (called after each
+        ubatch when the server drafts with the MTP block); those of the lengths a rollback reaches
+        and of the checkpoints are kept, so a request resuming here can fill the MTP block's KV row
+        at the resume point as a fresh evaluation would have."""
+        info, n = self.cells[cell], self.model.n_past(cell)
+        for i, row in enumerate(rows):
+            info.hidden[n - len(rows) + 1 + i] = np.array(row, dtype=np.float32)
+        oldest = n - self.model.rs_slots + 1
+        info.hidden = {p: h for p, h in info.hidden.items() if p <= n and (p >= oldest or p in info.checkpoints)}
 
     def finished(self, cell: int, answer_start: int) -> None:
         info = self.cells[cell]
@@ -222,7 +243,8 @@ class PromptCache:
         if n not in cps:
             cps[n] = Checkpoint(model.memory.read_recurrent(cell))
         kv = model.memory.read_kv(cell, n)
-        entry = HostEntry(model.tokens(cell), kv, cps, info.answer_start, info.last_used)
+        entry = HostEntry(model.tokens(cell), kv, cps, info.answer_start, info.last_used,
+                          {p: h for p, h in info.hidden.items() if p in cps})
         if self._entry_bytes(entry) > self.budget:
             return
         self.host.append(entry)
@@ -233,14 +255,14 @@ class PromptCache:
 
     @staticmethod
     def _entry_bytes(e: HostEntry) -> int:
-        return e.kv.nbytes + sum(c.nbytes for c in e.checkpoints.values())
+        return e.kv.nbytes + sum(c.nbytes for c in e.checkpoints.values()) + sum(h.nbytes for h in e.hidden.values())
 
     def nbytes(self) -> int:
         """Host bytes held: KV copies plus every distinct checkpoint."""
         seen: dict[int, int] = {}
         total = 0
         for e in self.host:
-            total += e.kv.nbytes
+            total += e.kv.nbytes + sum(h.nbytes for h in e.hidden.values())
             for c in e.checkpoints.values():
                 seen[id(c)] = c.nbytes
         for info in self.cells:

@@ -39,10 +39,12 @@ class ServeSettings:
     checkpoint_every: int = 1024
     max_body_mib: int = 8
     model_name: str = "deltarun"
-    draft: str | None = None          # "ngram": prompt-lookup drafts for a lone decoding sequence
+    draft: str | None = None          # speculative decoding: "ngram", "mtp" or a draft GGUF's path
     draft_max: int = 8
     rpc: tuple[str, ...] = ()         # RPC endpoints of the model: it then runs in a supervised child process
     supervise: bool = False           # the supervised child process without RPC too (supervisor.py)
+    #: opens the draft GGUF with one sequence per slot (n_seq_max = parallel), when draft is a path
+    open_draft: Callable[[], Any] | None = None
 
 
 def _eog_ids(model: Any) -> list[int]:
@@ -63,7 +65,7 @@ def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerS
     """
     kwargs = dict(n_parallel=s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
                   chunk=s.chunk, checkpoint_every=s.checkpoint_every, grammar_factory=_grammar_factory,
-                  draft=s.draft, draft_max=s.draft_max)
+                  draft=s.draft, draft_max=s.draft_max, open_draft=s.open_draft)
     if s.rpc or s.supervise:
         from deltarun.apps.serve.supervisor import SupervisedWorker
 

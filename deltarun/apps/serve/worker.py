@@ -14,7 +14,17 @@ the model. The worker loops over steps; each step
    (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when
    they are not consecutive, because a finished job left a hole or a job reading its prompt sits
    between them, the running sequences are first rearranged with `PromptCache.swap`), then each
-   job samples its next token.
+   job samples its next token. With `--draft` (speculative decoding) each generating job first
+   gets its own drafts (as many as it had accepted last time plus one, up to draft_max), and the
+   ubatch verifies every job's pending token plus its drafts: all rows hold the same number L of
+   tokens (1 + the most drafts any job has, within the context and the rollback slots), a job
+   with fewer drafts (or none: one whose sampling the drafts cannot be verified with, such as a
+   json_schema constraint, logprobs or logit_bias) is padded with filler tokens, and after
+   verification each job rolls back what it did not keep (rejected drafts and filler, at most
+   L-1 <= rs_slots-1 tokens). While decoding is bound by reading the weights, one ubatch of
+   L x n_seqs tokens costs little more than one of n_seqs tokens, which is why padding is chosen
+   over a second ubatch for the jobs that cannot speculate (on a small model on the CPU rows are
+   not free: hence the adaptive draft length).
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
@@ -84,6 +94,11 @@ class Job:
         self.n_cached = 0
         self.n_evaluated = 0
         self.pending: int | None = None   # sampled, not yet evaluated
+        self.draft: Any = None            # its DraftSource (speculative decoding), see Worker._attach_draft
+        self.speculates = False           # drafts are verified for it (else it only keeps the MTP rows up)
+        self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
+        self.n_drafted = self.n_accepted = 0
+        self.k_next = 0                   # drafts to ask for next step (see Worker._settle)
         self.generated: list[int] = []
         self.history: list[int] = []
         self.output: OutputStream | None = None
@@ -106,7 +121,7 @@ class Worker:
     def __init__(self, open_model: Callable[[], Any], n_parallel: int, *, max_queue: int = 64,
                  cache_bytes: int = 2 << 30, chunk: int = 512, checkpoint_every: int = 1024,
                  metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None,
-                 draft: str | None = None, draft_max: int = 8):
+                 draft: str | None = None, draft_max: int = 8, open_draft: Callable[[], Any] | None = None):
         self._open_model = open_model
         self.n_parallel = n_parallel
         self.max_queue = max_queue
@@ -117,12 +132,18 @@ class Worker:
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
         self._grammar_factory = grammar_factory
-        if draft not in (None, "ngram"):
-            raise ValueError(f"the server drafts with 'ngram' only, not {draft!r}")
+        if draft not in (None, "ngram", "mtp") and open_draft is None:
+            raise ValueError(f"--draft {draft!r}: a draft model needs open_draft (a function opening it "
+                             f"with one sequence per slot)")
         from deltarun.apps.speculative import NgramDraft
 
-        self.draft = NgramDraft() if draft == "ngram" else None   # stateless: shared by every job
+        #: None, "ngram", "mtp" or the draft model's path
+        self.draft = draft
+        self._ngram = NgramDraft()        # stateless: shared by every job
+        self._open_draft = open_draft
+        self.draft_model: Any = None      # the draft GGUF, opened with one sequence per slot
         self.draft_max = draft_max
+        self.k_max = 0                    # drafts per verification: min(draft_max, rs_slots - 1)
         self.n_drafted = self.n_accepted = 0
         self.grammars: Any = None
         self.model: Any = None
@@ -188,8 +209,12 @@ class Worker:
             self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
             if self._grammar_factory is not None:
                 self.grammars = self._grammar_factory(self.model)
+            if self.draft is not None:
+                self._open_drafts()
         except BaseException as e:   # reported by /health and the CLI
             self.load_error = e
+            if self.draft_model is not None:
+                self.draft_model.close()
             self.ready.set()
             return
         self.ready.set()
@@ -202,6 +227,22 @@ class Worker:
                     break
         finally:
             self.model.close()
+            if self.draft_model is not None:
+                self.draft_model.close()
+
+    def _open_drafts(self) -> None:
+        """Check the model can verify drafts and open the draft model (one sequence per slot)."""
+        from deltarun.apps.speculative import _slots_for, check_draft_vocab
+
+        self.k_max = _slots_for(self.model, self.draft_max)
+        if self.draft == "mtp" and not self.model.memory.mtp_layers:
+            raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
+        if self.draft not in ("ngram", "mtp"):
+            self.draft_model = self._open_draft()
+            check_draft_vocab(self.draft_model.hp.n_vocab, self.model.hp.n_vocab)
+            if self.draft_model.memory.n_cells < self.n_parallel:
+                raise DeltarunError(f"the draft model must be opened with n_seq_max={self.n_parallel} "
+                                    f"(one sequence per slot)")
 
     def _step(self) -> bool:
         with self._cond:
@@ -289,13 +330,70 @@ class Worker:
                                   starts_thinking=p.starts_thinking, tools=p.tools)
         if p.grammar is not None:
             job.constraint = self.grammars.matcher(p.grammar)
+        self._attach_draft(job, resume.hidden)
         self._active.append(job)
         self.metrics.prompt_done(len(p.prompt), job.n_cached)
         if resume.logits is not None:       # the whole prompt was cached with its logits
             job.state = "decode"
             self._advance(job, resume.logits)
+            self._flush_mtp_tail(job)
         else:
             job.state = "prefill"
+
+    # --- draft sources -------------------------------------------------------------------------------
+    def _attach_draft(self, job: Job, resume_hidden: np.ndarray | None) -> None:
+        """Give an admitted job its draft source.
+
+        ngram: the shared stateless one. mtp: an MtpDraft on the job's cell, for every job (one that
+        cannot speculate still fills the MTP block's KV rows of its cell, so a later request
+        resuming from this cell through the prompt cache finds them as a fresh evaluation leaves
+        them); the row before the resume point is filled from the hidden row the cache kept.
+        A draft model: the free sequence of the draft model holding the longest prefix of the
+        prompt (a returning conversation only evaluates what is new to the draft model; any other
+        sequence is evaluated again from the start by `ModelDraft.propose`).
+        """
+        from deltarun.apps.speculative import ModelDraft, MtpDraft
+
+        job.speculates = self._can_speculate(job)
+        job.k_next = self.k_max
+        if self.draft == "mtp":
+            job.draft = MtpDraft(self.model, seq=job.cell)
+            job.mtp_tail = (resume_hidden, job.pos - 1) if resume_hidden is not None and job.pos > 0 else None
+        elif not job.speculates:
+            return
+        elif self.draft == "ngram":
+            job.draft = self._ngram
+        else:
+            m = self.draft_model
+            taken = {j.draft.seq for j in self._active if isinstance(j.draft, ModelDraft)}
+            free = [s for s in range(self.n_parallel) if s not in taken]
+
+            def reuse(s: int) -> int:
+                held = m.tokens(s)
+                return len(held) if held == job.params.prompt[:len(held)] else -1
+            job.draft = ModelDraft(m, self.model.hp.n_vocab, seq=max(free, key=reuse))
+
+    def _feed_mtp(self, job: Job, rows: np.ndarray, start: int) -> None:
+        """Hand the MTP draft the hidden rows of positions start.. of the job's prompt: each row
+        whose next token is known becomes an MTP KV row; the last one waits (`mtp_tail`) for the
+        first sampled token when it ends the prompt."""
+        prompt = job.params.prompt
+        if job.mtp_tail is not None and job.mtp_tail[1] == start - 1:
+            rows = np.concatenate([job.mtp_tail[0][None], rows])
+            start -= 1
+        job.mtp_tail = None
+        n_known = min(len(rows), len(prompt) - 1 - start)
+        if n_known > 0:
+            job.draft.commit(prompt[start + 1:start + 1 + n_known], rows[:n_known], start)
+        if n_known < len(rows):
+            job.mtp_tail = (rows[-1], start + len(rows) - 1)
+
+    def _flush_mtp_tail(self, job: Job) -> None:
+        """The first token was sampled: the prompt's last row gets its MTP KV row (and the first draft)."""
+        if job.mtp_tail is not None and job.pending is not None:
+            row, pos = job.mtp_tail
+            job.draft.commit([job.pending], row[None], pos)
+        job.mtp_tail = None
 
     def _prefill_chunk(self, job: Job) -> None:
         p = job.params
@@ -304,7 +402,13 @@ class Worker:
         others = any(j.state == "decode" for j in self._active)
         end = min(job.pos + (self._shared_chunk if others else self.chunk), nxt, n)
         t0 = time.perf_counter()
-        logits = self.model.eval(p.prompt[job.pos:end], job.cell)
+        wants_hidden = job.draft is not None and job.draft.needs_hidden
+        logits = self.model.eval(p.prompt[job.pos:end], job.cell, all_logits=wants_hidden)
+        if wants_hidden:                   # the MTP block's KV rows follow the prompt chunk by chunk
+            rows = self.model.last_hidden[0]
+            logits = logits[-1]
+            self._feed_mtp(job, rows, job.pos)
+            self.cache.note_hidden(job.cell, rows)
         if others and self._decode_s > 0:
             self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
         if self.trace is not None:
@@ -318,6 +422,7 @@ class Worker:
         if end == n:
             job.state = "decode"
             self._advance(job, logits)
+            self._flush_mtp_tail(job)
 
     def _adapt_chunk(self, n: int, seconds: float) -> None:
         """Halve or double the shared chunk so that one takes about STALL_FACTOR decode steps."""
@@ -343,6 +448,9 @@ class Worker:
             job.cell = target
             if other is not None:
                 other.cell = src
+            for j in (job, other):        # an MTP draft's KV rows moved with the cell
+                if j is not None and j.draft is not None and j.draft.needs_hidden:
+                    j.draft.seq = j.cell
             if self.trace is not None:
                 self.trace.append(("move", job.id, target))
 
@@ -356,15 +464,10 @@ class Worker:
                     self._fail(j, _server_error(e))
                 return
         jobs = sorted((j for j in jobs if j.pending is not None and j.state == "decode"), key=lambda j: j.cell)
-        if len(jobs) == 1 and self._can_speculate(jobs[0]):
-            self._guard(jobs[0], self._speculate)
+        if self.draft is not None:
+            self._decode_speculative(jobs)
             return
-        runs: list[list[Job]] = []
-        for j in jobs:
-            if runs and runs[-1][-1].cell + 1 == j.cell:
-                runs[-1].append(j)
-            else:
-                runs.append([j])
+        runs = _runs(jobs)
         t_step = time.perf_counter()
         for run in runs:
             t0 = time.perf_counter()
@@ -455,37 +558,102 @@ class Worker:
     def _can_speculate(self, job: Job) -> bool:
         """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
         r = job.params.req
-        return (self.draft is not None and job.constraint is None and not r.logprobs and not r.logit_bias
-                and not r.presence_penalty and not r.frequency_penalty and not r.ignore_eos)
+        return (self.draft is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
+                and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
 
-    def _speculate(self, job: Job) -> None:
-        """One verification ubatch for a lone decoding job: its pending token plus up to draft_max
-        prompt-lookup drafts; the longest agreeing prefix is kept, the rest rolled back (greedy
-        output is the same as without drafts)."""
-        from deltarun.apps.speculative import Draft, _accept
+    def _decode_speculative(self, jobs: list[Job]) -> None:
+        """One verification step for every generating job (see the module docstring): drafts per
+        job, one ubatch per run of consecutive cells, then per job the longest agreeing prefix
+        (greedy) or speculative sampling's min(1, p/q) rule (`apps.speculative._accept`), and a
+        rollback of the rest."""
+        from deltarun.apps.speculative import Draft
 
         model = self.model
-        if job.cancelled:
-            self._release(job)
-            return
-        k_max = min(self.draft_max, model.rs_slots - 1)
-        room = model.n_ctx - model.n_past(job.cell) - 1
-        k = max(0, min(k_max, job.params.max_tokens - len(job.generated) - 1, room))
-        proposal = self.draft.propose(job.history, k, job.sampler) if k else Draft([], [])
+        proposals: dict[int, Draft] = {}
+        for j in list(jobs):
+            if j.cancelled:
+                self._release(j)
+                continue
+            k = 0
+            if j.speculates:
+                room = model.n_ctx - model.n_past(j.cell) - 1
+                k = max(0, min(j.k_next, j.params.max_tokens - len(j.generated) - 1, room))
+            try:
+                proposals[j.id] = j.draft.propose(j.history, k, j.sampler) if k else Draft([], [])
+            except Exception as e:  # noqa: BLE001 - a failing draft ends its job, not the server
+                self._fail(j, _server_error(e))
+        jobs = [j for j in jobs if j.id in proposals and j.state == "decode"]
+        runs = _runs(jobs)
+        t_step = time.perf_counter()
+        for run in runs:
+            self._verify_run(run, proposals)
+        step = time.perf_counter() - t_step
+        self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
+
+    def _verify_run(self, run: list[Job], proposals: dict[int, Any]) -> None:
+        from deltarun.apps.speculative import Draft
+
+        model = self.model
+        width = 1 + max(len(proposals[j.id].tokens) for j in run)
+        width = min([width] + [model.n_ctx - model.n_past(j.cell) for j in run])
+        for j in run:
+            d = proposals[j.id]
+            proposals[j.id] = Draft(d.tokens[:width - 1], d.probs[:width - 1])
+        batch = {j.cell: ([j.pending] + proposals[j.id].tokens + [j.pending] * width)[:width] for j in run}
         t0 = time.perf_counter()
-        out = model.eval([job.pending] + proposal.tokens, job.cell, all_logits=True)
-        n_ok, nxt = _accept(job.sampler, out, proposal, job.history)
-        if len(proposal.tokens) > n_ok:
-            model.rollback(len(proposal.tokens) - n_ok, job.cell)
-        self.metrics.decode_step(n_ok + 1, time.perf_counter() - t0)
-        self.n_drafted += len(proposal.tokens)
-        self.n_accepted += n_ok
+        try:
+            out = model.eval_batch(batch, all_logits=True)
+        except Exception as e:  # noqa: BLE001
+            for j in run:
+                self._fail(j, _server_error(e))
+            return
+        hidden = model.last_hidden     # [len(run), width, n_embd]: one ubatch (width <= rs_slots)
         if self.trace is not None:
-            self.trace.append(("verify", job.id, len(proposal.tokens), n_ok))
-        job.pending = None
+            self.trace.append(("batch", tuple(j.id for j in run), width))
+        before = sum(len(j.generated) for j in run)
+        for i, j in enumerate(run):
+            self._guard(j, lambda job, lg=out[j.cell], rows=hidden[i]: self._settle(job, proposals[job.id], lg, rows))
+        self.metrics.decode_step(sum(len(j.generated) for j in run) - before, time.perf_counter() - t0)
+
+    def _settle(self, job: Job, proposal: Any, logits: np.ndarray, rows: np.ndarray) -> None:
+        """Accept what the target agrees with, roll back the rest of the job's row, stream the kept tokens."""
+        from deltarun.apps.speculative import _accept
+
+        model = self.model
+        n_draft = len(proposal.tokens)
+        info = None
+        if job.speculates:
+            if job.params.req.ignore_eos:          # as _pick does: end-of-generation tokens are never chosen
+                logits = logits.copy()
+                logits[:, self._eog_ids()] = -np.inf
+            n_ok, nxt = _accept(job.sampler, logits[:n_draft + 1], proposal, job.history)
+        else:
+            n_ok = 0
+        model.rollback(len(logits) - 1 - n_ok, job.cell)
+        if not job.speculates:
+            if job.cancelled:
+                self._release(job)
+                return
+            nxt, info = self._pick(job, logits[0])
         kept = proposal.tokens[:n_ok] + [nxt]
+        if job.draft is not None and job.draft.needs_hidden:     # the MTP block's rows follow the kept tokens
+            job.draft.commit(kept, rows[:n_ok + 1], model.n_past(job.cell) - n_ok - 1)
+            self.cache.note_hidden(job.cell, rows[:n_ok + 1])
+        if job.speculates and n_draft:
+            # the next step's draft length follows acceptance: one more after all were accepted, one
+            # past the accepted ones after a rejection (rows of the verification ubatch are not free)
+            job.k_next = min(self.k_max, max(job.k_next, n_draft) + 1) if n_ok == n_draft else n_ok + 1
+        if job.speculates:
+            job.n_drafted += n_draft
+            job.n_accepted += n_ok
+            self.n_drafted += n_draft
+            self.n_accepted += n_ok
+            self.metrics.drafts(n_draft, n_ok)
+        if self.trace is not None:
+            self.trace.append(("verify", job.id, n_draft, n_ok))
+        job.pending = None
         for i, t in enumerate(kept):
-            if not self._take(job, t, None):
+            if not self._take(job, t, info):
                 return
             if i < len(kept) - 1:
                 job.pending = None           # a kept draft: already evaluated
@@ -499,9 +667,21 @@ class Worker:
         gen_s = job.t_end - (job.t_first or job.t_end)
         result = {"n_prompt": len(job.params.prompt), "n_cached": job.n_cached, "n_evaluated": job.n_evaluated,
                   "prompt_s": prompt_s, "n_generated": len(job.generated), "generate_s": gen_s,
-                  "text": job.output.text, "tokens": list(job.generated)}
+                  "text": job.output.text, "tokens": list(job.generated), "n_drafted": job.n_drafted,
+                  "n_accepted": job.n_accepted}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
+
+
+def _runs(jobs: list[Job]) -> list[list[Job]]:
+    """Jobs (sorted by cell) grouped into runs of consecutive cells: each run is one ubatch."""
+    runs: list[list[Job]] = []
+    for j in jobs:
+        if runs and runs[-1][-1].cell + 1 == j.cell:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return runs
 
 
 def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int]) -> int:

@@ -1,0 +1,280 @@
+"""`deltarun serve --draft ngram|mtp|DRAFT.gguf` over real HTTP with the openai client.
+
+Speculative decoding must not change greedy output, alone or with several requests verified in one
+ubatch; drafts get accepted (the echo preset repeats its input, so n-gram and MTP drafts are right;
+a draft model with the target's trunk is always right); the prompt cache stays exact (the MTP
+block's KV rows after a cached resume equal those of a fresh evaluation); a bad --draft is a
+one-line error before any model loads. Tiny F32 models with an F32 KV cache, so equality is exact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from deltarun.apps.chat import common_prefix_length
+from deltarun.apps.serve.server import ServeHandle, ServeSettings
+from deltarun.runner.model import Model
+
+N_CTX = 512
+DRAFT_MAX = 3
+PROMPTS = [f"say {' '.join(['one two three four'] * (i + 1))} {i} one two" for i in range(4)]
+
+
+def _server(target, draft=None, draft_path=None, parallel=4, **settings) -> ServeHandle:
+    def target_model():
+        return Model(target, n_ctx=N_CTX, n_seq_max=parallel, n_batch=64, rs_slots=DRAFT_MAX + 1, n_threads=1,
+                     kv_type="f32", mtp=draft == "mtp")
+
+    def draft_model():
+        return Model(draft_path, n_ctx=N_CTX, n_seq_max=parallel, n_batch=64, n_threads=1, kv_type="f32")
+
+    return ServeHandle(target_model, ServeSettings(parallel=parallel, draft=draft, draft_max=DRAFT_MAX,
+                                                   open_draft=draft_model if draft_path else None, **settings))
+
+
+def _client(h: ServeHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _ask(c: openai.OpenAI, text: str, **kw):
+    kw.setdefault("max_tokens", 20)
+    kw.setdefault("temperature", 0)
+    return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                     extra_body={"ignore_eos": True}, **kw)
+
+
+def _together(h: ServeHandle, c: openai.OpenAI, prompts: list[str], **kw) -> list:
+    """The prompts as concurrent requests, admitted in the same step (so they decode together)."""
+    gate, admit = threading.Event(), h.worker._admit
+    h.worker._admit = lambda job: (gate.wait(60), admit(job))
+    try:
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(_ask, c, p, **kw) for p in prompts]
+            deadline = time.monotonic() + 60
+            while sum(h.worker.counts) < len(prompts) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            return [f.result() for f in futures]
+    finally:
+        h.worker._admit = admit
+
+
+def _metric(h: ServeHandle, name: str) -> float:
+    text = httpx.get(h.base_url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.fixture(scope="module")
+def plain_answers(tiny_model_path):
+    """Greedy answers without drafts, each request alone, for the two targets."""
+    out = {}
+    for preset in ("tiny-echo", "tiny-mtp"):
+        with _server(tiny_model_path(preset)) as h:
+            c = _client(h)
+            out[preset] = [_ask(c, p).choices[0].message.content for p in PROMPTS]
+    return out
+
+
+@pytest.mark.parametrize("draft", ["ngram", "mtp", "model"])
+def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_answers, draft):
+    # ngram and mtp on the echo preset (drafts right); a draft GGUF with the target's trunk (always right)
+    preset = "tiny-mtp" if draft == "model" else "tiny-echo"
+    kw = {"draft": draft} if draft != "model" else {"draft": "draft.gguf", "draft_path": tiny_model_path("tiny")}
+    with _server(tiny_model_path(preset), **kw) as h:
+        c = _client(h)
+        alone = _ask(c, PROMPTS[0])
+        assert alone.choices[0].message.content == plain_answers[preset][0]
+        t = alone.model_extra["timings"]
+        assert t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
+        h.worker.trace = trace = []
+        together = _together(h, c, PROMPTS)
+        h.worker.trace = None
+        assert [r.choices[0].message.content for r in together] == plain_answers[preset]
+        assert all(r.usage.completion_tokens == 20 for r in together)
+        # several sequences verified in one ubatch, each with its own drafts
+        assert any(len(ids) > 1 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
+        verified = [e for e in trace if e[0] == "verify"]
+        assert len({e[1] for e in verified if e[3] > 0}) > 1
+        assert len([e for e in trace if e[0] == "batch"]) < 20      # fewer verification steps than tokens
+        drafted = _metric(h, "deltarun_draft_tokens_total")
+        accepted = _metric(h, "deltarun_draft_tokens_accepted_total")
+        assert drafted > 0 and 0 < accepted <= drafted
+        spec = httpx.get(h.base_url + "/props", timeout=30).json()["speculative"]
+        assert spec["n_drafted"] == drafted and spec["n_accepted"] == accepted and spec["draft_max"] == DRAFT_MAX
+        # sampled decoding with drafts (min(1, p/q) acceptance) runs alongside
+        sampled = _together(h, c, PROMPTS[:2], temperature=0.9, seed=3)
+        assert all(r.usage.completion_tokens == 20 for r in sampled)
+
+
+def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_path, plain_answers):
+    """A logprobs request (its sampling is not the plain sampler's) shares the verification ubatch:
+    padded with filler, rolled back, same greedy tokens."""
+    with _server(tiny_model_path("tiny-echo"), draft="mtp") as h:
+        c = _client(h)
+        h.worker.trace = trace = []
+        gate, admit = threading.Event(), h.worker._admit
+        h.worker._admit = lambda job: (gate.wait(60), admit(job))
+        with cf.ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(_ask, c, PROMPTS[0], logprobs=True)
+            fb = pool.submit(_ask, c, PROMPTS[1])
+            deadline = time.monotonic() + 60
+            while sum(h.worker.counts) < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            a, b = fa.result(), fb.result()
+        h.worker.trace = None
+    assert a.choices[0].message.content == plain_answers["tiny-echo"][0]
+    assert b.choices[0].message.content == plain_answers["tiny-echo"][1]
+    assert len(a.choices[0].logprobs.content) == 20
+    assert "draft_n" not in a.model_extra["timings"] and b.model_extra["timings"]["draft_n"] > 0
+    assert any(len(ids) == 2 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
+
+
+def _mtp_rows(h: ServeHandle, tokens: list[int]) -> tuple[int, list[np.ndarray]]:
+    """The MTP block's KV rows of the cell holding `tokens` (positions 0..len-2: the last pairs with
+    a token the cell has not evaluated)."""
+    m = h.worker.model
+    cell = max(range(m.memory.n_cells), key=lambda s: common_prefix_length(m.tokens(s), tokens))
+    n = common_prefix_length(m.tokens(cell), tokens)
+    kv = m.memory.read_kv(cell, n)
+    return n, [np.frombuffer(kv.rows[il][0], dtype=np.float32).reshape(n, -1)[:n - 1] for il in m.memory.mtp_layers]
+
+
+def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_rows(tiny_model_path):
+    """Multi-turn (the Qwen3 template re-renders the previous answer, so each turn resumes from the
+    checkpoint at the answer's start): only tokens the cells do not hold are evaluated with drafts
+    on (rolled-back drafts are not held, so they never count as cached), and the MTP block's KV rows
+    after the resume equal those a fresh server computes for the same conversation (the row before
+    the resume point comes from the hidden row the cache kept)."""
+    from deltarun.runner.chat_template import ChatTemplate
+    from deltarun.runner.gguf_file import GGUFFile
+
+    path = tiny_model_path("tiny-mtp")      # random weights: answers that are not just white space
+    f = GGUFFile(path)
+    tok, template = f.tokenizer(), ChatTemplate(f.get("tokenizer.chat_template"))
+    msgs = [{"role": "system", "content": "Repeat after me."}]
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0) as h:
+        c, model = _client(h), h.worker.model
+        held: list[int] = []
+        for turn in range(3):
+            msgs.append({"role": "user", "content": f"turn {turn}: " + "one two three " * (turn + 2)})
+            prompt = tok.encode(template.render(msgs, add_generation_prompt=True, enable_thinking=False),
+                                parse_special=True)
+            r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                          extra_body=kwargs)
+            t = r.model_extra["timings"]
+            assert r.usage.prompt_tokens == len(prompt)
+            assert r.usage.prompt_tokens_details.cached_tokens == len(prompt) - t["prompt_n"]
+            if turn:
+                assert t["prompt_n"] == len(prompt) - common_prefix_length(held, prompt)
+                assert r.usage.prompt_tokens_details.cached_tokens > 20
+            assert t.get("draft_n", 0) > 0
+            held = max((model.tokens(i) for i in range(2)), key=lambda ts: common_prefix_length(ts, prompt))
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        n_cached, rows = _mtp_rows(h, held)
+    with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0) as fresh:
+        r2 = _client(fresh).chat.completions.create(model="tiny", messages=msgs[:-1], max_tokens=10, temperature=0,
+                                                    extra_body=kwargs)
+        assert r2.usage.prompt_tokens_details.cached_tokens == 0
+        assert r2.choices[0].message.content == msgs[-1]["content"]
+        n_fresh, fresh_rows = _mtp_rows(fresh, held)
+    assert n_cached == n_fresh == len(held)
+    for a, b in zip(rows, fresh_rows):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_bad_draft_is_one_line_error_before_loading(tiny_model_path, tmp_path):
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+    from deltarun.cli.options import resolve_model
+
+    tiny = str(tiny_model_path("tiny"))
+    other_vocab = str(resolve_model(None, quiet=True))      # the built-in model: 4,096 tokens, not 2,330
+    cases = [(["--draft", "mtp"], "an MTP block"),      # "tiny" has none
+             (["--draft", str(tmp_path / "missing.gguf")], "no such draft model file"),
+             (["--draft", other_vocab], "vocabulary")]
+    for args, words in cases:
+        res = CliRunner().invoke(cli, ["serve", tiny, "--port", "0", *args])
+        assert res.exit_code != 0, res.output
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], res.stderr
+
+
+def test_draft_model_state_follows_conversations_across_slots_and_host_ram(tiny_model_path, monkeypatch):
+    """Three conversations take turns on two slots (one goes through host RAM each round) with a
+    draft GGUF that has the target's trunk: after every proposal the draft model's sequence holds
+    exactly the conversation's tokens (reused when it held a prefix, evaluated again otherwise),
+    every answer is the plain server's and every draft is accepted."""
+    from deltarun.apps.speculative import ModelDraft
+
+    target, draft = tiny_model_path("tiny-mtp"), tiny_model_path("tiny")
+    wrong, propose = [], ModelDraft.propose
+
+    def checked(self, history, n, sampler):
+        out = propose(self, history, n, sampler)
+        if self.model.tokens(self.seq) != history:
+            wrong.append((self.seq, len(history)))
+        return out
+    monkeypatch.setattr(ModelDraft, "propose", checked)
+    convs = [[{"role": "user", "content": f"conversation {i}: " + "word " * (3 + i)}] for i in range(3)]
+
+    def run(h: ServeHandle) -> list[tuple[str, int, int, int]]:
+        c, out = _client(h), []
+        talks = [list(m) for m in convs]
+        for turn in range(3):
+            for msgs in talks:
+                if turn:
+                    msgs.append({"role": "user", "content": f"and then {turn}"})
+                r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+                t = r.model_extra["timings"]
+                out.append((r.choices[0].message.content, t.get("draft_n", 0), t.get("draft_n_accepted", 0),
+                            r.usage.prompt_tokens_details.cached_tokens))
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        return out
+
+    with _server(target, parallel=2) as h:
+        plain = run(h)
+    with _server(target, "draft.gguf", draft_path=draft, parallel=2) as h:
+        spec = run(h)
+        assert h.worker.cache.n_evictions > 0          # some conversation went to host RAM and came back
+    assert all(cached > 0 for *_, cached in spec[3:])    # later turns resumed from the cache
+    assert not wrong
+    assert [a for a, *_ in spec] == [a for a, *_ in plain]
+    assert all(n > 0 and ok == n for _, n, ok, _ in spec), spec
+
+
+def test_mtp_rows_after_a_resume_from_host_ram(tiny_model_path):
+    """One slot, two conversations: the first returns from host RAM, resuming at the start of its
+    re-rendered answer (thinking off), where the next token differs from the one the slot had; the
+    MTP block's KV rows then equal those of a fresh server (the KV copy in host RAM holds them, the
+    entry keeps the hidden row before the resume point)."""
+    kw = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    path = tiny_model_path("tiny-mtp")
+    a = [{"role": "user", "content": "first conversation " + "alpha " * 6}]
+    b = [{"role": "user", "content": "second conversation " + "beta " * 6}]
+    with _server(path, draft="mtp", parallel=1, chunk=32) as h:
+        c = _client(h)
+        for msgs in (a, b):
+            r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, **kw)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "more"}]
+        r = c.chat.completions.create(model="tiny", messages=a, max_tokens=6, temperature=0, **kw)
+        assert h.worker.cache.n_evictions >= 2 and r.usage.prompt_tokens_details.cached_tokens > 10
+        held = h.worker.model.tokens(0)
+        n, rows = _mtp_rows(h, held)
+    with _server(path, draft="mtp", parallel=1, chunk=32) as fresh:
+        r2 = _client(fresh).chat.completions.create(model="tiny", messages=a, max_tokens=6, temperature=0, **kw)
+        assert r2.choices[0].message.content == r.choices[0].message.content
+        n2, fresh_rows = _mtp_rows(fresh, held)
+    assert n == n2 == len(held)
+    for x, y in zip(rows, fresh_rows):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
