@@ -542,14 +542,24 @@ def test_branching_regenerate_and_edit(model_path, chat_tokens):
         edited = [dict(m) for m in msgs]
         edited[1]["content"] = "First question, edited"
         r = _ask(c, edited, max_tokens=6)
-        system_only = chat_tokens(msgs[:1], gen=False)
-        # resumed from the checkpoint at the start of the edited message (right after the system prompt)
-        assert r.usage.prompt_tokens_details.cached_tokens == len(system_only)
+        # resumed from the checkpoint where the edited message's content starts
+        assert r.usage.prompt_tokens_details.cached_tokens == _content_start(chat_tokens, msgs[:1], chat_tokens(edited))
         assert r.usage.prompt_tokens == len(chat_tokens(edited))
         # the old branch went to host RAM: asking it again resumes from there
         back = _ask(c, msgs, max_tokens=6)
         assert back.usage.prompt_tokens_details.cached_tokens == back.usage.prompt_tokens
         assert back.choices[0].message.content == first.choices[0].message.content
+        # editing the second user message keeps the earlier answer: the checkpoint at that message's
+        # start is found with the answer rendered as an earlier one (no think block), as in the prompt
+        edited2 = [dict(m) for m in msgs]
+        edited2[3]["content"] = "Second question, edited"
+        r2 = _ask(c, edited2, max_tokens=6)
+        assert r2.usage.prompt_tokens_details.cached_tokens == _content_start(chat_tokens, msgs[:3], chat_tokens(edited2))
+
+
+def _content_start(chat_tokens, before: list[dict], prompt: list[int]) -> int:
+    """Prompt tokens before the content of the user message that follows `before`."""
+    return common_prefix_length(chat_tokens(before + [{"role": "user", "content": ""}], gen=False), prompt)
 
 
 def test_more_conversations_than_slots_resume_from_host_ram(model_path):

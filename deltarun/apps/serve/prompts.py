@@ -4,7 +4,7 @@ Runs in the handlers' thread pool (rendering and tokenizing are CPU work), readi
 model's tokenizer, hyperparameters and chat template, which never change after loading.
 
 Checkpoint positions are found by rendering, not by knowing the template: a message boundary
-is where the prompt and the rendering of the first i messages stop agreeing; the answer boundary
+is where the prompt and the rendering of the first i messages and a stand-in message stop agreeing; the answer boundary
 is where the prompt and the rendering of the conversation followed by an answer and another user
 message stop agreeing, which is exactly where the next turn's prompt will differ from this one
 (Qwen3 templates render an earlier answer without its think block).
@@ -23,6 +23,8 @@ from deltarun.runner.errors import TokenizerError
 
 #: Message boundaries are looked for among the last this many messages only (each costs a render).
 BOUNDARY_MESSAGES = 8
+#: The message rendered after the first i to find where message i starts (content no prompt has).
+STAND_IN = {"role": "user", "content": "\u0001"}
 
 
 class PromptBuilder:
@@ -80,8 +82,12 @@ class PromptBuilder:
         boundaries = []
         msgs = req.messages
         for i in range(max(1, len(msgs) - BOUNDARY_MESSAGES), len(msgs)):
+            # msgs[:i] followed by a stand-in message: rendered as not the last, message i-1 looks as
+            # it does in the prompt (the Qwen3 templates give the last assistant message a think
+            # block, earlier ones none), so the two agree up to where message i's content starts
             try:
-                boundaries.append(self._boundary(text, self._render(msgs[:i], req, tools, False), prompt))
+                boundaries.append(self._boundary(text, self._render(msgs[:i] + [STAND_IN], req, tools, False),
+                                                 prompt))
             except TokenizerError:
                 pass
         try:
