@@ -10,6 +10,7 @@ one-line error before any model loads. Tiny F32 models with an F32 KV cache, so 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 import time
 
@@ -278,3 +279,17 @@ def test_mtp_rows_after_a_resume_from_host_ram(tiny_model_path):
     assert n == n2 == len(held)
     for x, y in zip(rows, fresh_rows):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_supervised_server_drafts_and_counts(tiny_model_path, plain_answers):
+    """The model in the supervised child process (serve --rpc runs it there) speculates the same
+    way; /props's draft counts come back through the replayed metric calls."""
+    open_model = functools.partial(Model, tiny_model_path("tiny-echo"), n_ctx=N_CTX, n_seq_max=2, n_batch=64,
+                                   rs_slots=DRAFT_MAX + 1, n_threads=1, kv_type="f32", mtp=True)
+    with ServeHandle(open_model, ServeSettings(parallel=2, draft="mtp", draft_max=DRAFT_MAX, supervise=True)) as h:
+        r = _ask(_client(h), PROMPTS[0])
+        assert r.choices[0].message.content == plain_answers["tiny-echo"][0]
+        spec = httpx.get(h.base_url + "/props", timeout=30).json()["speculative"]
+        assert spec["draft"] == "mtp" and spec["draft_max"] == DRAFT_MAX
+        assert spec["n_drafted"] == _metric(h, "deltarun_draft_tokens_total") > 0
+        assert 0 < spec["n_accepted"] == _metric(h, "deltarun_draft_tokens_accepted_total") <= spec["n_drafted"]
