@@ -116,6 +116,28 @@ def test_graphs_coming_back_give_the_same_logits(tiny_model_path):
     assert p.stdout.split() == ["0.0", "0.0"]
 
 
+def test_rollback_slots_match_the_cpu(tiny_model_path):
+    """The states are read in place and slot 0 is overwritten by the snapshot store after the
+    start state was copied to slot n (n < K): the node order carries that, also on Vulkan (whose
+    graph optimiser reorders nodes). Slots after a 2-token ubatch with K = 4 equal the CPU's."""
+    script = (
+        "import sys, numpy as np\n"
+        "from deltarun.runner.model import Model\n"
+        "slots = {}\n"
+        "for be in ('cpu', 'vulkan'):\n"
+        "    for dn in ('fused', 'primitive'):\n"
+        "        with Model(sys.argv[1], backend=be, n_ctx=64, n_threads=1, kv_type='f32', rs_slots=4, delta_net=dn) as m:\n"
+        "            m.eval(list(range(5, 13))); m.eval([40, 41])\n"
+        "            slots[be, dn] = [np.concatenate([m.memory.conv_slots(il)[:3].ravel(), m.memory.ssm_slots(il)[:3].ravel()])\n"
+        "                             for il in m.hp.linear_layers]\n"
+        "for dn in ('fused', 'primitive'):\n"
+        "    print(max(float(np.abs(a - b).max()) for a, b in zip(slots['cpu', dn], slots['vulkan', dn])))\n")
+    p = subprocess.run([sys.executable, "-c", script, str(tiny_model_path("tiny", "f32"))], env=_env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert all(float(x) < 1e-4 for x in p.stdout.split()), p.stdout
+
+
 def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
     rep = compare(tiny_model_path("tiny", "f32"), "--tokens", "16", "-n", "8")
     assert rep["passed"], rep["failures"]

@@ -194,19 +194,18 @@ class AttentionKVInput(GraphInput):
 
 
 class RecurrentStateInput(GraphInput):
-    """The recurrent-state cells of the ubatch's sequences (`rs_s_copy`) and the order in which the
-    last Kw conv windows go to the rollback slots (`rs_s_slot_rev` = {Kw-1..0}: newest to slot 0)."""
+    """The order in which the last Kw conv windows go to the rollback slots (`rs_s_slot_rev` =
+    {Kw-1..0}: newest to slot 0). The sequences' states are read in place: their cells are
+    seq_head.. (Memory keeps each sequence in its own cell and copies states between cells itself),
+    so no `s_copy` gather as in llama.cpp's build_rs is needed."""
 
     constant = True
 
     def __init__(self, ctx: Any, ub: UbatchShape, rs_slots: int):
         super().__init__()
         self.kw = min(ub.n_seq_tokens + 1, rs_slots)
-        self.s_copy = self.new(ctx, "rs_s_copy", ggml.GGML_TYPE_I32, ub.n_seqs)
         self.slot_rev = self.new(ctx, "rs_s_slot_rev", ggml.GGML_TYPE_I32, self.kw)
 
     def prepare(self, shape: UbatchShape) -> None:
-        if "rs_s_copy" in self.host:
-            self.host["rs_s_copy"][:] = np.arange(shape.seq_head, shape.seq_head + shape.n_seqs)
         if "rs_s_slot_rev" in self.host:
             self.host["rs_s_slot_rev"][:] = np.arange(self.kw - 1, -1, -1)

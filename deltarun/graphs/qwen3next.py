@@ -84,9 +84,9 @@ class Qwen3NextGraph(HybridFamily):
         residual = x
         cur = g.rms_norm(x, g.w[f"blk.{il}.attn_norm.weight"], "attn_norm", il)
         # Emit the previous layer and this norm before the state reads below, so the graph runs
-        # layer by layer: ggml's scheduler then puts this layer's state gather on this layer's
-        # device, not the previous one's (a layer split over devices or RPC servers would copy
-        # the whole state across and back on every ubatch).
+        # layer by layer: ggml's scheduler then puts the ops reading this layer's state on this
+        # layer's device, not the previous one's (a layer split over devices or RPC servers would
+        # copy the whole state across and back on every ubatch).
         g.expand(cur)
         if il < hp.n_layer and hp.recurrent[il]:
             cur = linear_attention(g, cur, il, self.delta_net_layout)

@@ -131,11 +131,12 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     beta, gate = beta_and_gate(g, cur, il, kind)
     rs = recurrent_input(g)
 
-    # conv state: gather this ubatch's cells (all K slots), read slot 0 as the live state
+    # conv state: slot 0 of this ubatch's cells, read in place (the sequences' cells are
+    # consecutive from seq_head: Memory keeps them there, so nothing is gathered)
     conv_all = g.mem.conv[il]                                   # [(d_conv-1)*K*conv_dim, n_cells]
     dc1, ch = hp.ssm_d_conv - 1, hp.conv_dim
-    gathered = ggml.ggml_get_rows(c, conv_all, rs.s_copy)        # [(d_conv-1)*K*conv_dim, N]
-    conv_states = g.cb(g.view(gathered, (dc1, ch, N), (K * dc1 * f32, nb(gathered)[1]), 0),
+    cell = nb(conv_all)[1]
+    conv_states = g.cb(g.view(conv_all, (dc1, ch, N), (K * dc1 * f32, cell), ub.seq_head * cell),
                        "conv_states", il)
     conv_input = ggml.ggml_concat(c, conv_states, ggml.ggml_transpose(c, qkv), 0)
     g.cb(conv_input, "conv_input", il)                          # [d_conv-1+T, conv_dim, N]
@@ -164,24 +165,25 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
 
     ssm_all = g.mem.ssm[il]                                     # [D, n_cells, K]
     D = hp.ssm_state_size
-    live = g.view(ssm_all, (D, g.mem.n_cells), (nb(ssm_all)[1],), 0)
-    state = ggml.ggml_reshape_4d(c, ggml.ggml_get_rows(c, live, rs.s_copy), S, S, nv, N)
-    g.cb(state, "state_predelta", il)
+    slot0 = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), ub.seq_head * nb(ssm_all)[1])   # in place, contiguous
+    state = g.cb(ggml.ggml_reshape_4d(c, slot0, S, S, nv, N), "state_predelta", il)
+    if T < K:
+        # slot T: the state the ubatch started from (its conv window is slot T too), so that the
+        # whole ubatch can be rolled back; slots beyond stay unwritten. Expanded before the delta
+        # rule: it reads slot 0, which the snapshot store below overwrites.
+        start = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
+        g.expand(g.cb(ggml.ggml_cpy(c, slot0, start), "ssm_state_store_start", il))
 
     if ub.delta_net == "fused":
         out, snaps = delta_net_fused(g, q, k, v, gate, beta, state, K)
     else:
         out, snaps = delta_net_primitive(g, q, k, v, gate, beta, state, K, il)
-    g.cb(out, "attn_output", il)
+    # the output before the snapshot store: the primitive form reads slot 0 (the start state)
+    # in branches the snapshots do not depend on, and the store overwrites slot 0
+    g.expand(g.cb(out, "attn_output", il))
     n_written = min(T, K)
     dst = g.view(ssm_all, (D, N, n_written), (nb(ssm_all)[1], nb(ssm_all)[2]), ub.seq_head * nb(ssm_all)[1])
     g.expand(g.cb(ggml.ggml_cpy(c, snaps, dst), "ssm_state_store", il))
-    if T < K:
-        # slot T: the state the ubatch started from (its conv window is slot T too), so that
-        # the whole ubatch can be rolled back; slots beyond stay unwritten
-        start = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
-        g.expand(g.cb(ggml.ggml_cpy(c, ggml.ggml_reshape_2d(c, state, D, N), start),
-                      "ssm_state_store_start", il))
 
     z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
     normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
