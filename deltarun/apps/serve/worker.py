@@ -54,6 +54,7 @@ from deltarun.runner.sampling import Sampler
 _ids = itertools.count(1)
 MIN_CHUNK = 16
 STALL_FACTOR = 0.8
+STEP_GRAPHS = 3      # decode graphs kept allocated at once (see Model.keep_step_graphs)
 
 
 @dataclass
@@ -206,6 +207,9 @@ class Worker:
     def _run(self) -> None:
         try:
             self.model = self._open_model()
+            keep = getattr(self.model, "keep_step_graphs", None)
+            if keep is not None:         # decode steps between prompt chunks, runs of cells: no re-allocation
+                keep(STEP_GRAPHS)
             self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
             if self._grammar_factory is not None:
                 self.grammars = self._grammar_factory(self.model)
@@ -434,25 +438,41 @@ class Worker:
 
     # --- decoding ----------------------------------------------------------------------------------
     def _compact(self) -> None:
-        """Move the running jobs into the lowest cells, generating ones first (by cell), then the
-        ones still reading their prompt (in admission order), so the generating ones form one run
-        and the next to finish its prompt joins its end."""
-        order = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.cell) + \
-            [j for j in self._active if j.state != "decode"]
-        for target, job in enumerate(order):
-            if job.cell == target:
-                continue
-            src = job.cell
-            other = next((j for j in self._active if j.cell == target), None)
-            self.cache.swap(src, target)
-            job.cell = target
-            if other is not None:
-                other.cell = src
-            for j in (job, other):        # an MTP draft's KV rows moved with the cell
-                if j is not None and j.draft is not None and j.draft.needs_hidden:
-                    j.draft.seq = j.cell
-            if self.trace is not None:
-                self.trace.append(("move", job.id, target))
+        """Move the running jobs into the lowest cells, generating ones first, then the ones still
+        reading their prompt (in admission order), so the generating ones form one run and the next
+        to finish its prompt joins its end.
+
+        With as few moves as that takes (each is a `PromptCache.swap`: two cells' KV rows and
+        states through the host): a generating job already in the first cells stays where it is,
+        one outside them swaps with the lowest cell there no generating job holds. When a request
+        took the cell a finished one left in the middle, that is one swap (with the last
+        generating job), not a cascade through every cell after the hole.
+        """
+        decoding = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.cell)
+        reading = [j for j in self._active if j.state != "decode"]
+        n = len(decoding)
+        held = {j.cell for j in decoding if j.cell < n}
+        free = iter(c for c in range(n) if c not in held)
+        for job in decoding:
+            if job.cell >= n:
+                self._move(job, next(free))
+        for target, job in enumerate(reading, start=n):
+            if job.cell != target:
+                self._move(job, target)
+
+    def _move(self, job: Job, target: int) -> None:
+        """Swap `job`'s cell with cell `target` (and whichever running job holds it)."""
+        src = job.cell
+        other = next((j for j in self._active if j.cell == target), None)
+        self.cache.swap(src, target)
+        job.cell = target
+        if other is not None:
+            other.cell = src
+        for j in (job, other):        # an MTP draft's KV rows moved with the cell
+            if j is not None and j.draft is not None and j.draft.needs_hidden:
+                j.draft.seq = j.cell
+        if self.trace is not None:
+            self.trace.append(("move", job.id, target))
 
     def _decode(self, jobs: list[Job]) -> None:
         cells = sorted(j.cell for j in jobs if j.pending is not None)
