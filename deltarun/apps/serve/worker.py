@@ -49,7 +49,7 @@ from deltarun.apps.serve.output import Delta, OutputStream
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.runner.errors import DeltarunError
-from deltarun.runner.sampling import Sampler
+from deltarun.runner.sampling import Sampler, sample_rows
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
@@ -500,11 +500,42 @@ class Worker:
             self.metrics.decode_step(len(run), time.perf_counter() - t0)
             if self.trace is not None:
                 self.trace.append(("decode", tuple(j.id for j in run)))
-            for j in run:
-                j.pending = None
-                self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
+            self._advance_run(run, out)
         step = time.perf_counter() - t_step
         self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
+
+    def _advance_run(self, run: list[Job], out: dict[int, np.ndarray]) -> None:
+        """`_advance` for every job of a decoded run, the jobs sampled by their sampler alone (no
+        penalties but the repetition one, no bias, grammar or logprobs: `_pick` would add nothing)
+        together through `sample_rows`, in cell order as one by one."""
+        together = [j for j in run if self._sampler_only(j)] if len(run) > 1 else []
+        tokens: dict[int, int] = {}
+        if len(together) > 1:
+            try:
+                x = np.stack([out[j.cell] for j in together])
+                masked = [k for k, j in enumerate(together) if j.params.req.ignore_eos]
+                if masked:                     # as _pick: end-of-generation tokens are never chosen
+                    x[np.ix_(masked, self._eog_ids())] = -np.inf
+                picked = sample_rows([j.sampler for j in together], x, [j.history for j in together],
+                                     draw=sample_top_k)
+                tokens = {j.id: t for j, t in zip(together, picked)}
+            except Exception:  # noqa: BLE001 - each job then samples alone, and reports its own error
+                tokens = {}
+        for j in run:
+            j.pending = None
+            t = tokens.get(j.id)
+            if t is None:
+                self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
+            elif j.cancelled:
+                self._release(j)
+            else:
+                self._guard(j, lambda job, t=t: self._take(job, t, None))
+
+    @staticmethod
+    def _sampler_only(job: Job) -> bool:
+        r = job.params.req
+        return (job.constraint is None and not r.logprobs and not r.logit_bias and not r.presence_penalty
+                and not r.frequency_penalty)
 
     def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
         """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
