@@ -54,7 +54,7 @@ from deltarun.runner.sampling import Sampler, sample_rows
 _ids = itertools.count(1)
 MIN_CHUNK = 16
 STALL_FACTOR = 0.8
-STEP_GRAPHS = 3      # decode graphs kept allocated at once (see Model.keep_step_graphs)
+STEP_GRAPHS = 2      # decode graphs kept allocated at once (see Model.keep_step_graphs)
 
 
 @dataclass
