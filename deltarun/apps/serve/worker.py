@@ -505,9 +505,10 @@ class Worker:
         self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
 
     def _advance_run(self, run: list[Job], out: dict[int, np.ndarray]) -> None:
-        """`_advance` for every job of a decoded run, the jobs sampled by their sampler alone (no
-        penalties but the repetition one, no bias, grammar or logprobs: `_pick` would add nothing)
-        together through `sample_rows`, in cell order as one by one."""
+        """`_advance` for every job of a decoded run. The jobs that their sampler alone samples (no
+        penalty but the repetition one, no bias, grammar or logprobs: `_pick` would add nothing)
+        get their tokens together from `sample_rows`; then every job streams its token in cell
+        order, as `_advance` job by job would."""
         together = [j for j in run if self._sampler_only(j)] if len(run) > 1 else []
         tokens: dict[int, int] = {}
         if len(together) > 1:
@@ -533,6 +534,7 @@ class Worker:
 
     @staticmethod
     def _sampler_only(job: Job) -> bool:
+        """Whether `_pick` would only mask end-of-generation tokens (ignore_eos) and call the sampler."""
         r = job.params.req
         return (job.constraint is None and not r.logprobs and not r.logit_bias and not r.presence_penalty
                 and not r.frequency_penalty)
