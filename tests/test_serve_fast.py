@@ -286,3 +286,17 @@ def test_a_decode_steps_jobs_sampled_together_as_each_alone(tiny_model_path):
         for c in ev1:
             assert [(e.delta.content if e.delta else None, e.finish_reason) for e in ev1[c]] == \
                 [(e.delta.content if e.delta else None, e.finish_reason) for e in ev2[c]]
+
+
+def test_text_chunks_spliced_into_their_json_are_the_json():
+    import json
+
+    from deltarun.apps.serve.app import _chunk, _ContentChunk, _sse
+
+    def choice(text):
+        return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    for model in ("deltarun", 'a "content": "" model'):          # a model name cannot fool the split
+        fast = _ContentChunk(_chunk("chatcmpl-1", model, 1700000000, choice(""), "chat.completion.chunk"))
+        for text in ("hello", ' "quoted" ', "caf\u00e9 \u2603\n\t", "</s>", "\\"):
+            want = _sse(json.dumps(_chunk("chatcmpl-1", model, 1700000000, choice(text), "chat.completion.chunk")))
+            assert fast.encode(text) == want
