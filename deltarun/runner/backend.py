@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from deltarun.runner.errors import BackendError
 from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml
 
@@ -512,6 +514,63 @@ def forget_addresses(ctx: Any) -> None:
         t = ggml.ggml_get_next_tensor(ctx, t)
 
 
+class GraphLayout:
+    """`restore_srcs` + `forget_addresses` of one graph as two numpy assignments.
+
+    Both are a ctypes call or two per node / tensor (about 0.5 ms for the built-in model's 318-node
+    decode graph, more than ggml's own allocation of it): a server whose graphs alternate pays
+    that at every step. Every tensor of a graph context, the graph's nodes included, is a struct
+    in the context's one memory buffer, so the words to rewrite are found once: each node's src
+    pointers (put back from the snapshot) and each tensor's data and buffer pointers (cleared).
+    `matches` checks that the graph is still the one measured (same buffer, node count, first and
+    last node) before each use.
+    """
+
+    def __init__(self, gf: Any, ctx: Any, snapshot: dict[int, bytes]):
+        self.base = int(ggml.ggml_get_mem_buffer(ctx) or 0)
+        size = int(ggml.ggml_get_mem_size(ctx)) // 8
+        self.words = np.ctypeslib.as_array((ctypes.c_uint64 * size).from_address(self.base))
+        off, span = _src_span()
+        nodes = np.fromiter(snapshot.keys(), dtype=np.int64, count=len(snapshot))
+        self.n_nodes = len(nodes)
+        self.ends = (int(nodes[0]), int(nodes[-1])) if len(nodes) else (0, 0)
+        self.src_idx = ((nodes - self.base + off) // 8)[:, None] + np.arange(span // 8)[None, :]
+        self.src_saved = np.frombuffer(b"".join(snapshot.values()), dtype=np.uint64).reshape(len(nodes), span // 8)
+        tensors = []
+        t = ggml.ggml_get_first_tensor(ctx)
+        while t:
+            tensors.append(ctypes.addressof(t.contents))
+            t = ggml.ggml_get_next_tensor(ctx, t)
+        addrs = np.asarray(tensors, dtype=np.int64) - self.base
+        self.ptr_idx = np.concatenate([(addrs + ggml.ggml_tensor.data.offset) // 8,
+                                       (addrs + ggml.ggml_tensor.buffer.offset) // 8])
+        aligned = (off % 8 == 0 and span % 8 == 0 and ggml.ggml_tensor.data.offset % 8 == 0
+                   and ggml.ggml_tensor.buffer.offset % 8 == 0 and not (addrs % 8).any()
+                   and not ((nodes - self.base) % 8).any())
+        inside = bool(len(addrs)) and addrs.min() >= 0 and addrs.max() + ctypes.sizeof(ggml.ggml_tensor) <= 8 * size \
+            and (nodes >= self.base).all() and (nodes - self.base + off + span <= 8 * size).all()
+        self.usable = aligned and inside
+
+    @classmethod
+    def of(cls, gf: Any, ctx: Any, snapshot: dict[int, bytes]) -> "GraphLayout | None":
+        try:
+            layout = cls(gf, ctx, snapshot)
+        except (ValueError, TypeError):
+            return None
+        return layout if layout.usable else None
+
+    def matches(self, gf: Any, ctx: Any) -> bool:
+        n = int(ggml.ggml_graph_n_nodes(gf))
+        return (n == self.n_nodes and n > 0 and int(ggml.ggml_get_mem_buffer(ctx) or 0) == self.base
+                and ctypes.addressof(ggml.ggml_graph_node(gf, 0).contents) == self.ends[0]
+                and ctypes.addressof(ggml.ggml_graph_node(gf, n - 1).contents) == self.ends[1])
+
+    def reset(self) -> None:
+        """restore_srcs(gf, snapshot) and forget_addresses(ctx)."""
+        self.words[self.src_idx] = self.src_saved
+        self.words[self.ptr_idx] = 0
+
+
 EvalCallback = Callable[[Any, bool, Any], bool]
 
 
@@ -553,6 +612,7 @@ class Scheduler:
             raise BackendError("ggml_backend_sched_new failed")
         self._allocated: Any = None
         self._pristine: dict[int, dict[int, bytes]] = {}   # graph address -> its nodes' own srcs
+        self._layouts: dict[int, GraphLayout | None] = {}  # graph address -> where those srcs lie
         self._c_callback: Any = None          # the installed ctypes callback (kept alive)
 
     def set_eval_callback(self, fn: EvalCallback) -> None:
@@ -587,15 +647,34 @@ class Scheduler:
         key = ctypes.addressof(gf.contents)
         if self._allocated is not None and ctypes.addressof(self._allocated.contents) == key:
             return
-        saved = self._pristine.get(key)
-        if saved is None or not restore_srcs(gf, saved):
-            self._pristine[key] = snapshot_srcs(gf)   # never allocated: its srcs are its own
-        forget_addresses(ctx)
+        layout = self._layouts.get(key)
+        if layout is not None and layout.matches(gf, ctx):
+            layout.reset()                # restore_srcs + forget_addresses, see GraphLayout
+        else:
+            saved = self._pristine.get(key)
+            if saved is None or not restore_srcs(gf, saved):
+                saved = self._pristine[key] = snapshot_srcs(gf)   # never allocated: its srcs are its own
+            forget_addresses(ctx)
+            self._layouts[key] = GraphLayout.of(gf, ctx, saved)
         ggml.ggml_backend_sched_reset(self.handle)
         if not ggml.ggml_backend_sched_alloc_graph(self.handle, gf):
             size = self.compute_buffer_size()
             raise BackendError(f"the backend could not allocate the compute graph (compute buffers {size} bytes)")
         self._allocated = gf
+
+    def holds(self, gf: Any) -> bool:
+        """Whether `gf` is the graph this scheduler allocated last (its addresses point here)."""
+        return self._allocated is not None and ctypes.addressof(self._allocated.contents) == ctypes.addressof(gf.contents)
+
+    def share_snapshots(self, other: "Scheduler") -> None:
+        """Use `other`'s snapshots of graphs' own src pointers: a graph that moves between the two
+        schedulers is restored to the srcs it had before either rewrote them."""
+        self._pristine = other._pristine
+        self._layouts = other._layouts
+
+    def forget_graph(self) -> None:
+        """Another scheduler is about to allocate the graph allocated here last: allocate anew next time."""
+        self._allocated = None
 
     def compute(self, gf: Any) -> None:
         status = ggml.ggml_backend_sched_graph_compute(self.handle, gf)
@@ -606,6 +685,7 @@ class Scheduler:
         """Drop the record of the allocated graph (its context is about to be freed)."""
         self._allocated = None
         self._pristine.clear()
+        self._layouts.clear()
         ggml.ggml_backend_sched_reset(self.handle)
 
     def n_splits(self) -> int:

@@ -261,8 +261,14 @@ class Memory:
             self._write_bytes(k, k_part[:n * k_row], seq * self.n_ctx * k_row)
             width = int(v.contents.ne[1]) // self.n_cells
             elem = v_row // self.n_ctx
+            if not n:
+                continue
+            part = np.ascontiguousarray(v_part[:, :n * elem])
+            addr, stride = part.ctypes.data, part.strides[0]
             for ch in range(width):                    # the first n positions of each channel's row
-                self._write_bytes(v, v_part[ch, :n * elem], (seq * width + ch) * v_row)
+                # one raw call per row: numpy slicing per row cost more than the copy (a server moves
+                # cells with this: PromptCache.swap, resuming from host RAM)
+                ggml.ggml_backend_tensor_set(v, addr + ch * stride, (seq * width + ch) * v_row, n * elem)
 
     def set_tokens(self, seq: int, tokens: list[int]) -> None:
         """Set the bookkeeping of `seq` to hold `tokens` (its state must already match them).

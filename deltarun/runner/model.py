@@ -150,6 +150,7 @@ class Model:
         self._reserve_compute_buffers(largest)
         self._graphs: dict[UbatchShape, _Graph] = {}
         self._mtp_sched: Scheduler | None = None   # small MTP graphs (drafts), made on first use
+        self._step_scheds: list[Scheduler] = []    # see keep_step_graphs (most recently used first)
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
@@ -287,6 +288,50 @@ class Model:
             self._mtp_sched = sched
         return self._mtp_sched
 
+    def keep_step_graphs(self, n_graphs: int = 3) -> None:
+        """Keep up to `n_graphs` step graphs allocated side by side, each on a scheduler of its own.
+
+        A step graph is a ubatch of at most rs_slots tokens per sequence: a server's decode (or
+        draft verification) step. ggml's scheduler holds one allocated graph, so a server that
+        interleaves prompt chunks with decode steps, or decodes two runs of cells, re-allocated
+        graphs every step (`Scheduler.allocate`: 0.6 ms for the built-in model's decode graph before
+        `backend.GraphLayout`, two decode steps of one sequence). Each extra scheduler reserves compute buffers for the largest step graph
+        (rs_slots tokens of every cell): small next to the prompt graphs'. Off by default: tools
+        that profile or dump `model.sched` see every graph there.
+        """
+        largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=self.memory.n_cells,
+                              n_outputs=self.memory.rs_slots * self.memory.n_cells, n_kv=self.n_ctx,
+                              delta_net=self.delta_net)
+        while len(self._step_scheds) < n_graphs:
+            sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
+            try:
+                self._reserve_compute_buffers(largest, sched)
+            except BaseException:
+                sched.free()
+                raise
+            # a graph moves between schedulers: the snapshot of its nodes' own srcs (taken on its
+            # first allocation, see Scheduler.allocate) must be the one every scheduler restores
+            sched.share_snapshots(self.sched)
+            self._step_scheds.append(sched)
+
+    def _sched_for(self, g: "_Graph", shape: UbatchShape) -> Scheduler:
+        """The scheduler to allocate and compute `g` on: `sched`, or with `keep_step_graphs` for a
+        step graph the step scheduler holding it (else the least recently used one). A graph is
+        valid on one scheduler only: any other that last allocated it (also `sched`, through a
+        graph dump) is told to forget it."""
+        if not self._step_scheds or shape.n_seq_tokens > self.memory.rs_slots or shape.mtp_argmax:
+            return self.sched
+        holders = [s for s in [self.sched] + self._step_scheds if s.holds(g.gf)]
+        if len(holders) == 1 and holders[0] is not self.sched:
+            chosen = holders[0]
+        else:
+            for s in holders:
+                s.forget_graph()
+            chosen = self._step_scheds[-1]
+        self._step_scheds.remove(chosen)
+        self._step_scheds.insert(0, chosen)
+        return chosen
+
     def logits_for(self, tokens: list[int]) -> np.ndarray:
         """Logits of every token of a fresh sequence (resets the model); handy for tests and perplexity."""
         self.reset()
@@ -299,6 +344,9 @@ class Model:
         self.sched.free()
         if self._mtp_sched is not None:
             self._mtp_sched.free()
+        for sched in self._step_scheds:
+            sched.free()
+        self._step_scheds.clear()
         self.memory.free()
         self.weights.free()
         self.placement.free()
@@ -387,9 +435,10 @@ class Model:
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax)
         g = self.graph(shape)
-        self.sched.allocate(g.gf, g.ctx)
+        sched = self._sched_for(g, shape)
+        sched.allocate(g.gf, g.ctx)
         self._set_inputs(g, tokens, starts, shape)
-        self.sched.compute(g.gf)
+        sched.compute(g.gf)
         self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
         _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)

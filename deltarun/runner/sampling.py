@@ -7,6 +7,7 @@ after penalties). Works on the single logits row it is given; never copies more 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -84,3 +85,35 @@ class Sampler:
             return int(np.argmax(self.penalized(np.asarray(logits), history or [])))
         probs = self.distribution(logits, history)
         return int(self.rng.choice(probs.size, p=probs))
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[list[int]],
+                draw: Callable[[Sampler, np.ndarray, list[int]], int] | None = None) -> list[int]:
+    """The next token of several sequences at once: row i of `logits` [n, vocab] with samplers[i]
+    and histories[i], the same tokens as `samplers[i].sample(logits[i], histories[i])` row by row.
+
+    A server step decodes one token for every running sequence; the greedy rows (the usual load)
+    get their repetition penalty (when they have one) and then one argmax over all of them, instead
+    of a Python call chain and an argmax per row. The other rows are drawn in row order, each with
+    its own sampler's generator (so a seed gives the same tokens as sampling that sequence alone),
+    by `draw` (default `Sampler.sample`; the server passes its top-k-by-partition variant).
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] != len(samplers) or len(histories) != len(samplers):
+        raise ValueError(f"sample_rows: {len(samplers)} samplers and {len(histories)} histories for logits "
+                         f"of shape {x.shape}")
+    out = [0] * len(samplers)
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    if greedy:
+        rows = x[greedy]                                     # a copy: penalties go into it
+        for k, i in enumerate(greedy):
+            p = samplers[i].params
+            if p.repeat_penalty != 1.0 and histories[i] and p.repeat_last_n != 0:
+                rows[k] = samplers[i].penalized(rows[k], histories[i])
+        for i, t in zip(greedy, rows.argmax(axis=1).tolist()):
+            out[i] = t
+    one = draw or Sampler.sample
+    for i, s in enumerate(samplers):
+        if not s.params.greedy:
+            out[i] = int(one(s, x[i], histories[i]))
+    return out

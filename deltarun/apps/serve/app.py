@@ -140,14 +140,42 @@ class _Relay:
         self.job = Job(params, lambda ev: mailbox.post(queue, ev))
         state.worker.submit(self.job)
         self.finished = False
+        self._held: Event | None = None     # taken from the queue by _merge_queued, not yet yielded
+
+    def _merge_queued(self, ev: Event) -> Event:
+        """`ev` plus the text events already queued behind it, as one event (a stream only).
+
+        While the event loop keeps up, each step's token is its own event; when it falls behind
+        (both cores busy), a stream's tokens of several steps are sent as one chunk instead of one
+        chunk, JSON encoding and socket write each, as a client reading the socket late would have
+        received them in one read anyway. The end of the job (finish, error) stays its own event.
+        """
+        if not _plain(ev):
+            return ev
+        while not self.queue.empty() and self._held is None:
+            nxt = self.queue.get_nowait()
+            if not _plain(nxt):
+                self._held = nxt
+                break
+            if nxt.delta is not None:
+                if ev.delta is None:
+                    ev.delta = Delta()
+                ev.delta.add(nxt.delta)
+            if nxt.logprobs:
+                ev.logprobs = (ev.logprobs or []) + nxt.logprobs
+        return ev
 
     async def events(self, request: Request | None = None) -> AsyncIterator[Event]:
-        """Events until the job ends; with `request`, a client disconnect cancels the job."""
+        """Events until the job ends; with `request`, a client disconnect cancels the job. A stream
+        (no `request`: its response notices the disconnect) gets queued text events merged
+        (`_merge_queued`)."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
             while True:
-                if request is None:
+                if request is None and self._held is not None:
+                    ev, self._held = self._held, None
+                elif request is None:
                     ev = await self.queue.get()
                 else:                # events may keep coming: check the connection every so often
                     try:
@@ -160,6 +188,8 @@ class _Relay:
                             return
                     if ev is None:
                         continue
+                if request is None:
+                    ev = self._merge_queued(ev)
                 yield ev
                 if ev.finish_reason is not None or ev.error is not None:
                     self.finished = True
@@ -167,6 +197,29 @@ class _Relay:
         finally:
             if not self.finished:
                 self.job.cancel()
+
+
+def _plain(ev: Event) -> bool:
+    """A text (or logprobs) event that is neither the end of the job nor an error."""
+    return ev.finish_reason is None and ev.error is None and ev.result is None
+
+
+class _ContentChunk:
+    """A stream's text-only chunk as bytes, from its JSON with the text spliced in: the same bytes
+    as `_sse(json.dumps(chunk))` with that text, at a tenth of the cost (5 us a token)."""
+
+    def __init__(self, chunk: dict[str, Any]):
+        head, tail = json.dumps(chunk).split('"content": ""', 1)    # the one empty string: in the delta
+        self.head, self.tail = b"data: " + head.encode() + b'"content": ', tail.encode() + b"\r\n\r\n"
+
+    def encode(self, text: str) -> bytes:
+        return self.head + json.dumps(text).encode() + self.tail
+
+
+def _sse(data: str) -> bytes:
+    """One server-sent event, encoded as sse-starlette encodes `{"data": data}` (no newline in
+    `data`: JSON text or [DONE]); handing it bytes skips its per-event ServerSentEvent."""
+    return b"data: " + data.encode() + b"\r\n\r\n"
 
 
 def _chunk(cid: str, model: str, created: int, choice: dict[str, Any] | None, obj: str) -> dict[str, Any]:
@@ -238,31 +291,36 @@ def create_app(state: ServerState) -> Starlette:
         return await _answer(relay, request, "chat.completion", cid, model, created, choice)
 
     async def _chat_stream(relay: _Relay, cid: str, model: str, created: int,
-                           include_usage: bool) -> AsyncIterator[dict[str, str]]:
+                           include_usage: bool) -> AsyncIterator[bytes]:
         first = True
+        text_chunk = _ContentChunk(_chunk(cid, model, created, {"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                                                "finish_reason": None}, "chat.completion.chunk"))
         async for ev in relay.events():
             if ev.error is not None:
-                yield {"data": json.dumps(ev.error.body())}
+                yield _sse(json.dumps(ev.error.body()))
                 break
-            if ev.delta or ev.logprobs or first:
+            if not first and not ev.logprobs and ev.delta and ev.delta.content and not ev.delta.reasoning \
+                    and not ev.delta.tool_calls:
+                yield text_chunk.encode(ev.delta.content)     # the usual chunk: text only
+            elif ev.delta or ev.logprobs or first:
                 delta = ev.delta or Delta()
                 choice = {"index": 0, "delta": chat_delta(delta, first), "logprobs": None, "finish_reason": None}
                 if ev.logprobs:
                     choice["logprobs"] = {"content": ev.logprobs}
                 first = False
-                yield {"data": json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk"))}
+                yield _sse(json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk")))
             if ev.finish_reason is not None:
                 r = ev.result
                 last = _chunk(cid, model, created, {"index": 0, "delta": {}, "logprobs": None,
                                                     "finish_reason": ev.finish_reason}, "chat.completion.chunk")
                 t = _timings(r)
                 if include_usage:
-                    yield {"data": json.dumps(last)}
+                    yield _sse(json.dumps(last))
                     last = _chunk(cid, model, created, None, "chat.completion.chunk")
                     last["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
                 last["timings"] = t
-                yield {"data": json.dumps(last)}
-        yield {"data": "[DONE]"}
+                yield _sse(json.dumps(last))
+        yield _sse("[DONE]")
 
     async def completions(request: Request) -> Response:
         req, params, relay, cid, created, model = await _submit(request, parse_completion, lambda b: b.completion,
@@ -279,13 +337,13 @@ def create_app(state: ServerState) -> Starlette:
         return await _answer(relay, request, "text_completion", cid, model, created, choice)
 
     async def _completion_stream(relay: _Relay, cid: str, model: str, created: int, include_usage: bool,
-                                 echo: str) -> AsyncIterator[dict[str, str]]:
+                                 echo: str) -> AsyncIterator[bytes]:
         if echo:
-            yield {"data": json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": None,
-                                                                   "finish_reason": None}, "text_completion"))}
+            yield _sse(json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": None,
+                                                                "finish_reason": None}, "text_completion")))
         async for ev in relay.events():
             if ev.error is not None:
-                yield {"data": json.dumps(ev.error.body())}
+                yield _sse(json.dumps(ev.error.body()))
                 break
             text = ev.delta.content if ev.delta is not None else ""
             if text or ev.logprobs or ev.finish_reason is not None:
@@ -296,11 +354,11 @@ def create_app(state: ServerState) -> Starlette:
                     r = ev.result
                     out["timings"] = _timings(r)
                     if include_usage:
-                        yield {"data": json.dumps(out)}
+                        yield _sse(json.dumps(out))
                         out = _chunk(cid, model, created, None, "text_completion")
                         out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
-                yield {"data": json.dumps(out)}
-        yield {"data": "[DONE]"}
+                yield _sse(json.dumps(out))
+        yield _sse("[DONE]")
 
     async def metrics(request: Request) -> Response:
         running, queued = state.worker.counts

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,9 @@ class Checkpoint:
     def pos(self) -> int:
         return self.state.n_past
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
+        """Host bytes (a checkpoint never changes; the cache adds these up after every prompt)."""
         return self.state.nbytes + (self.logits.nbytes if self.logits is not None else 0)
 
 
@@ -76,6 +78,11 @@ class HostEntry:
     answer_start: int
     last_used: float
     hidden: dict[int, np.ndarray] = field(default_factory=dict)   # as CellInfo.hidden
+
+    @cached_property
+    def own_bytes(self) -> int:
+        """Host bytes of the KV copy and hidden rows (fixed once the entry is made), checkpoints apart."""
+        return self.kv.nbytes + sum(h.nbytes for h in self.hidden.values())
 
 
 @dataclass
@@ -255,14 +262,14 @@ class PromptCache:
 
     @staticmethod
     def _entry_bytes(e: HostEntry) -> int:
-        return e.kv.nbytes + sum(c.nbytes for c in e.checkpoints.values()) + sum(h.nbytes for h in e.hidden.values())
+        return e.own_bytes + sum(c.nbytes for c in e.checkpoints.values())
 
     def nbytes(self) -> int:
         """Host bytes held: KV copies plus every distinct checkpoint."""
         seen: dict[int, int] = {}
         total = 0
         for e in self.host:
-            total += e.kv.nbytes + sum(h.nbytes for h in e.hidden.values())
+            total += e.own_bytes
             for c in e.checkpoints.values():
                 seen[id(c)] = c.nbytes
         for info in self.cells:

@@ -252,6 +252,8 @@ class SupervisedWorker:
         self.n_parallel = int(self._kwargs["n_parallel"])
         self.max_queue = int(self._kwargs.get("max_queue", 64))
         self.cache_bytes = int(self._kwargs.get("cache_bytes", 2 << 30))
+        self.draft = self._kwargs.get("draft")                 # /props reports these, as Worker's
+        self.draft_max = int(self._kwargs.get("draft_max", 8))
         self.metrics = metrics or Metrics()
         self.draft = self._kwargs.get("draft")
         self.draft_max = int(self._kwargs.get("draft_max", 8))
@@ -280,6 +282,15 @@ class SupervisedWorker:
         self._thread = threading.Thread(target=self._supervise, name="deltarun-supervisor", daemon=True)
 
     # --- the Worker surface ------------------------------------------------------------------------
+    @property
+    def n_drafted(self) -> int:
+        """Drafted tokens verified so far (every child's, replayed on this process's Metrics)."""
+        return int(self.metrics.registry.get_sample_value("deltarun_draft_tokens_total") or 0)
+
+    @property
+    def n_accepted(self) -> int:
+        return int(self.metrics.registry.get_sample_value("deltarun_draft_tokens_accepted_total") or 0)
+
     def start(self) -> None:
         self._thread.start()
 

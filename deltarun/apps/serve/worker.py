@@ -49,11 +49,12 @@ from deltarun.apps.serve.output import Delta, OutputStream
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.runner.errors import DeltarunError
-from deltarun.runner.sampling import Sampler
+from deltarun.runner.sampling import Sampler, sample_rows
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
 STALL_FACTOR = 0.8
+STEP_GRAPHS = 2      # decode graphs kept allocated at once (see Model.keep_step_graphs)
 
 
 @dataclass
@@ -206,6 +207,9 @@ class Worker:
     def _run(self) -> None:
         try:
             self.model = self._open_model()
+            keep = getattr(self.model, "keep_step_graphs", None)
+            if keep is not None:         # decode steps between prompt chunks, runs of cells: no re-allocation
+                keep(STEP_GRAPHS)
             self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
             if self._grammar_factory is not None:
                 self.grammars = self._grammar_factory(self.model)
@@ -434,25 +438,41 @@ class Worker:
 
     # --- decoding ----------------------------------------------------------------------------------
     def _compact(self) -> None:
-        """Move the running jobs into the lowest cells, generating ones first (by cell), then the
-        ones still reading their prompt (in admission order), so the generating ones form one run
-        and the next to finish its prompt joins its end."""
-        order = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.cell) + \
-            [j for j in self._active if j.state != "decode"]
-        for target, job in enumerate(order):
-            if job.cell == target:
-                continue
-            src = job.cell
-            other = next((j for j in self._active if j.cell == target), None)
-            self.cache.swap(src, target)
-            job.cell = target
-            if other is not None:
-                other.cell = src
-            for j in (job, other):        # an MTP draft's KV rows moved with the cell
-                if j is not None and j.draft is not None and j.draft.needs_hidden:
-                    j.draft.seq = j.cell
-            if self.trace is not None:
-                self.trace.append(("move", job.id, target))
+        """Move the running jobs into the lowest cells, generating ones first, then the ones still
+        reading their prompt (in admission order), so the generating ones form one run and the next
+        to finish its prompt joins its end.
+
+        With as few moves as that takes (each is a `PromptCache.swap`: two cells' KV rows and
+        states through the host): a generating job already in the first cells stays where it is,
+        one outside them swaps with the lowest cell there no generating job holds. When a request
+        took the cell a finished one left in the middle, that is one swap (with the last
+        generating job), not a cascade through every cell after the hole.
+        """
+        decoding = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.cell)
+        reading = [j for j in self._active if j.state != "decode"]
+        n = len(decoding)
+        held = {j.cell for j in decoding if j.cell < n}
+        free = iter(c for c in range(n) if c not in held)
+        for job in decoding:
+            if job.cell >= n:
+                self._move(job, next(free))
+        for target, job in enumerate(reading, start=n):
+            if job.cell != target:
+                self._move(job, target)
+
+    def _move(self, job: Job, target: int) -> None:
+        """Swap `job`'s cell with cell `target` (and whichever running job holds it)."""
+        src = job.cell
+        other = next((j for j in self._active if j.cell == target), None)
+        self.cache.swap(src, target)
+        job.cell = target
+        if other is not None:
+            other.cell = src
+        for j in (job, other):        # an MTP draft's KV rows moved with the cell
+            if j is not None and j.draft is not None and j.draft.needs_hidden:
+                j.draft.seq = j.cell
+        if self.trace is not None:
+            self.trace.append(("move", job.id, target))
 
     def _decode(self, jobs: list[Job]) -> None:
         cells = sorted(j.cell for j in jobs if j.pending is not None)
@@ -480,11 +500,44 @@ class Worker:
             self.metrics.decode_step(len(run), time.perf_counter() - t0)
             if self.trace is not None:
                 self.trace.append(("decode", tuple(j.id for j in run)))
-            for j in run:
-                j.pending = None
-                self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
+            self._advance_run(run, out)
         step = time.perf_counter() - t_step
         self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
+
+    def _advance_run(self, run: list[Job], out: dict[int, np.ndarray]) -> None:
+        """`_advance` for every job of a decoded run. The jobs that their sampler alone samples (no
+        penalty but the repetition one, no bias, grammar or logprobs: `_pick` would add nothing)
+        get their tokens together from `sample_rows`; then every job streams its token in cell
+        order, as `_advance` job by job would."""
+        together = [j for j in run if self._sampler_only(j)] if len(run) > 1 else []
+        tokens: dict[int, int] = {}
+        if len(together) > 1:
+            try:
+                x = np.stack([out[j.cell] for j in together])
+                masked = [k for k, j in enumerate(together) if j.params.req.ignore_eos]
+                if masked:                     # as _pick: end-of-generation tokens are never chosen
+                    x[np.ix_(masked, self._eog_ids())] = -np.inf
+                picked = sample_rows([j.sampler for j in together], x, [j.history for j in together],
+                                     draw=sample_top_k)
+                tokens = {j.id: t for j, t in zip(together, picked)}
+            except Exception:  # noqa: BLE001 - each job then samples alone, and reports its own error
+                tokens = {}
+        for j in run:
+            j.pending = None
+            t = tokens.get(j.id)
+            if t is None:
+                self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
+            elif j.cancelled:
+                self._release(j)
+            else:
+                self._guard(j, lambda job, t=t: self._take(job, t, None))
+
+    @staticmethod
+    def _sampler_only(job: Job) -> bool:
+        """Whether `_pick` would only mask end-of-generation tokens (ignore_eos) and call the sampler."""
+        r = job.params.req
+        return (job.constraint is None and not r.logprobs and not r.logit_bias and not r.presence_penalty
+                and not r.frequency_penalty)
 
     def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
         """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
