@@ -255,10 +255,6 @@ class SupervisedWorker:
         self.draft = self._kwargs.get("draft")                 # /props reports these, as Worker's
         self.draft_max = int(self._kwargs.get("draft_max", 8))
         self.metrics = metrics or Metrics()
-        self.draft = self._kwargs.get("draft")
-        self.draft_max = int(self._kwargs.get("draft_max", 8))
-        #: drafted / accepted tokens over every child (the child's `metrics.drafts` calls, summed here)
-        self.n_drafted = self.n_accepted = 0
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.model: ModelInfo | None = None
@@ -465,9 +461,6 @@ class SupervisedWorker:
 
     def _deliver(self, events: list[tuple[int, Event]], calls: list, counts: tuple[int, int]) -> None:
         for path, args, kwargs in calls:
-            if path == ("drafts",):
-                self.n_drafted += args[0]
-                self.n_accepted += args[1]
             target: Any = self.metrics
             for name in path:
                 target = getattr(target, name)
