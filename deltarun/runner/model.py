@@ -279,14 +279,18 @@ class Model:
         if self._mtp_sched is None:
             largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=1, n_outputs=self.memory.rs_slots,
                                   n_kv=self.n_ctx, delta_net=self.delta_net, mtp=True)
-            sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
-            try:
-                self._reserve_compute_buffers(largest, sched)
-            except BaseException:
-                sched.free()
-                raise
-            self._mtp_sched = sched
+            self._mtp_sched = self._scheduler_for(largest)
         return self._mtp_sched
+
+    def _scheduler_for(self, largest: UbatchShape) -> Scheduler:
+        """A scheduler of its own with compute buffers reserved for graphs up to `largest`."""
+        sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
+        try:
+            self._reserve_compute_buffers(largest, sched)
+        except BaseException:
+            sched.free()
+            raise
+        return sched
 
     def keep_step_graphs(self, n_graphs: int = 3) -> None:
         """Keep up to `n_graphs` step graphs allocated side by side, each on a scheduler of its own.
@@ -303,12 +307,7 @@ class Model:
                               n_outputs=self.memory.rs_slots * self.memory.n_cells, n_kv=self.n_ctx,
                               delta_net=self.delta_net)
         while len(self._step_scheds) < n_graphs:
-            sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
-            try:
-                self._reserve_compute_buffers(largest, sched)
-            except BaseException:
-                sched.free()
-                raise
+            sched = self._scheduler_for(largest)
             # a graph moves between schedulers: the snapshot of its nodes' own srcs (taken on its
             # first allocation, see Scheduler.allocate) must be the one every scheduler restores
             sched.share_snapshots(self.sched)
