@@ -4,10 +4,11 @@ Runs in the handlers' thread pool (rendering and tokenizing are CPU work), readi
 model's tokenizer, hyperparameters and chat template, which never change after loading.
 
 Checkpoint positions are found by rendering, not by knowing the template: a message boundary
-is where the prompt and the rendering of the first i messages and a stand-in message stop agreeing; the answer boundary
-is where the prompt and the rendering of the conversation followed by an answer and another user
-message stop agreeing, which is exactly where the next turn's prompt will differ from this one
-(Qwen3 templates render an earlier answer without its think block).
+is where the prompt and the rendering of the first i messages and a stand-in message stop
+agreeing; the answer boundary is where the prompt and the rendering of the conversation followed
+by an answer and another user message stop agreeing, which is exactly where the next turn's
+prompt will differ from this one (Qwen3 templates render an earlier answer without its think
+block).
 """
 
 from __future__ import annotations
