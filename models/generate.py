@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.vocab import VOCABS, TinyVocab, tiny_vocab
+from deltarun.model_files.vocab import TinyVocab, vocab_named
 
 ARCH = "qwen3next"
 
@@ -245,9 +245,7 @@ def write_model(path: str | Path, config: ModelConfig | str = "tiny", wtype: str
     cfg = PRESETS[config] if isinstance(config, str) else config
     if wtype not in WEIGHT_TYPES:
         raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    if cfg.vocab not in VOCABS:
-        raise ValueError(f"unknown vocabulary {cfg.vocab!r}; choose from {', '.join(VOCABS)}")
-    vocab = tiny_vocab() if cfg.vocab == "tiny" else VOCABS[cfg.vocab]()
+    vocab = vocab_named(cfg.vocab)
     tensors = model_tensors(cfg, len(vocab.tokens), seed)
     return write_gguf(path, cfg, tensors, vocab, wtype, name or f"deltarun synthetic qwen3next {wtype}")
 

@@ -39,7 +39,7 @@ import gguf
 import numpy as np
 
 from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, finish_gguf
-from deltarun.model_files.vocab import VOCABS
+from deltarun.model_files.vocab import vocab_named
 
 CHAT_TEMPLATE_RESOURCE = "data/qwen35-chat-template.jinja"
 
@@ -414,7 +414,7 @@ def write_model(path: str | Path, config: Qwen35Config | str = "tiny-qwen35", wt
     cfg = PRESETS[config] if isinstance(config, str) else config
     if wtype not in WEIGHT_TYPES:
         raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = VOCABS[cfg.vocab]()
+    vocab = vocab_named(cfg.vocab)
     tensors = model_tensors(cfg, vocab.n_vocab, seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -129,3 +129,10 @@ def qwen2_vocab_qwen35_size() -> TinyVocab:
 
 #: Vocabularies a generator preset can name (ModelConfig.vocab, Qwen35Config.vocab).
 VOCABS = {"tiny": tiny_vocab, "qwen2": qwen2_vocab, "qwen2-248k": qwen2_vocab_qwen35_size}
+
+
+def vocab_named(name: str) -> TinyVocab:
+    """The vocabulary a generator config names (`VOCABS`), or a ValueError listing the names."""
+    if name not in VOCABS:
+        raise ValueError(f"unknown vocabulary {name!r}; choose from {', '.join(VOCABS)}")
+    return VOCABS[name]()
