@@ -24,6 +24,7 @@ import pytest
 
 from deltarun.apps.chat import common_prefix_length
 from deltarun.apps.serve.server import ServeHandle, ServeSettings, free_port
+from deltarun.apps.serve.worker import CAPTURE_SLOTS
 from deltarun.runner.chat_template import ChatTemplate
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.model import Model
@@ -32,11 +33,12 @@ N_CTX = 1024
 RS_SLOTS = 4
 
 
-def _server(path, parallel: int = 4, **settings) -> ServeHandle:
+def _server(path, parallel: int = 4, capture_slots: int = CAPTURE_SLOTS, **settings) -> ServeHandle:
+    """A server on `path` opened as `deltarun serve` opens its model (capture slots included)."""
     ctx = settings.pop("n_ctx", N_CTX)
     rs = max(RS_SLOTS, settings.get("draft_max", 0) + 1)
     return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=rs,
-                                       n_threads=1),
+                                       n_threads=1, capture_slots=capture_slots),
                        ServeSettings(parallel=parallel, **settings))
 
 
@@ -500,11 +502,15 @@ def test_health_is_503_while_loading(model_path):
 
 
 # --------------------------------------------------------------------------------------------- prompt cache
-def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens):
+@pytest.mark.parametrize("capture_slots", [CAPTURE_SLOTS, 0])
+def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens, capture_slots):
     """Qwen3 template, thinking off: each turn re-renders the previous answer without the empty
     think block, so the new prompt differs from what the cell holds right after `assistant\\n`.
-    The server resumes from the checkpoint taken there and evaluates only the new tokens."""
-    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
+    The server resumes from the checkpoint taken there and evaluates only the new tokens. With
+    capture slots (as `serve` opens its model) the checkpoints inside a prompt chunk (the new
+    message's start, the answer's start) are taken by the chunk's own graph evaluation; without,
+    the chunk ends at each of them."""
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0, capture_slots=capture_slots) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
         model = h.worker.model
         msgs = [{"role": "system", "content": "You are a terse assistant."}]
@@ -514,9 +520,15 @@ def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens):
             msgs.append({"role": "user", "content": f"Question {turn}: what about {'this ' * (turn + 3)}?"})
             prompt = chat_tokens(msgs, **kwargs)
             new = len(prompt) - common_prefix_length(held, prompt)
-            before = model.stats.n_eval_tokens
+            before, calls = model.stats.n_eval_tokens, model.stats.n_eval_calls
             r = _ask(c, msgs, max_tokens=12, extra_body={"chat_template_kwargs": kwargs})
             evaluated = r.model_extra["timings"]["prompt_n"]
+            decoded = model.stats.n_eval_tokens - before - evaluated      # one token per decode step
+            prompt_calls = model.stats.n_eval_calls - calls - decoded
+            if capture_slots:
+                assert prompt_calls == -(-evaluated // 32)                # chunks of 32, none cut short
+            elif turn:
+                assert prompt_calls > -(-evaluated // 32)                 # cut at the checkpoints
             assert r.usage.prompt_tokens == len(prompt)
             assert r.usage.prompt_tokens_details.cached_tokens == len(prompt) - evaluated
             # the model evaluated the new prompt tokens and the answer's tokens but the last
@@ -530,8 +542,9 @@ def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens):
             msgs.append({"role": "assistant", "content": r.choices[0].message.content})
 
 
-def test_branching_regenerate_and_edit(model_path, chat_tokens):
-    with _server(model_path, parallel=1, chunk=32, checkpoint_every=0) as h:
+@pytest.mark.parametrize("capture_slots", [CAPTURE_SLOTS, 0])
+def test_branching_regenerate_and_edit(model_path, chat_tokens, capture_slots):
+    with _server(model_path, parallel=1, chunk=32, checkpoint_every=0, capture_slots=capture_slots) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
         msgs = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": "First question here"},
                 {"role": "assistant", "content": "First answer"}, {"role": "user", "content": "Second question"}]

@@ -173,7 +173,8 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
-               mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, **_other: Any):
+               mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, capture_slots: int = 0,
+               **_other: Any):
     """Open `model` (or the built-in model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
@@ -183,7 +184,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
         note_gpu_layers([backend], gpu_layers)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp,
-                 rpc=rpc, tensor_split=tensor_split)
+                 rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots)
 
 
 def draft_options(f: F) -> F:

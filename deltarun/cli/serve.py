@@ -70,6 +70,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     try:
         from deltarun.apps.serve.server import ServeSettings, serve_forever
+        from deltarun.apps.serve.worker import CAPTURE_SLOTS
         from deltarun.runner.rpc import parse_endpoints
     except ImportError as e:   # pragma: no cover - the dependencies are in pyproject.toml
         raise DeltarunError(f"the server needs its dependencies: pip install -e . ({e})") from e
@@ -94,7 +95,8 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
                              rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft)
 
     # a partial, not a closure: with --rpc the model opens in a spawned child process (supervisor.py)
-    load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, mtp=draft == "mtp", **opts)
+    load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, mtp=draft == "mtp",
+                             capture_slots=CAPTURE_SLOTS, **opts)
 
     def ready() -> None:
         click.echo(f"serving {path.name} on http://{host}:{port}/v1 ({parallel} slots)", err=True)

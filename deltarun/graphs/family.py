@@ -75,7 +75,9 @@ class HybridFamily:
         if ub.delta_net == "primitive" and ub.n_seq_tokens > 1:
             n_chunks = -(-ub.n_seq_tokens // CHUNK_SIZE)
             chunks = len(hp.linear_layers) * (32 * n_chunks + 16 * min(ub.n_seq_tokens, 64))
-        return 2048 + per_layer + chunks
+        # each capture point: two copies, a delta-rule segment (a chunk more in the primitive form)
+        captures = len(ub.captures) * len(hp.linear_layers) * (64 if ub.delta_net == "primitive" else 8)
+        return 2048 + per_layer + chunks + captures
 
     def tensor_names(self) -> list[str]:
         """Names of every weight the graph may read (optional ones included)."""

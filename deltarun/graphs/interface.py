@@ -37,6 +37,9 @@ class UbatchShape:
     #: the trunk, then in the same graph the MTP block on every row's (hidden, argmax of its logits):
     #: a greedy verification step's rows and the next first draft in one evaluation (all outputs)
     mtp_argmax: bool = False
+    #: token offsets 0 < t < n_seq_tokens (one sequence) whose recurrent state the graph also copies
+    #: to capture slot i (Memory.capture_conv / capture_ssm): checkpoints inside one evaluation
+    captures: tuple[int, ...] = ()
 
     @property
     def n_tokens(self) -> int:

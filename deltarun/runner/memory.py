@@ -88,18 +88,24 @@ class Memory:
     """Backend tensors of the KV cache and recurrent state, plus per-sequence positions."""
 
     def __init__(self, hp: HParams, backend: Backend, n_ctx: int, n_seq_max: int = 1, rs_slots: int = 1,
-                 kv_type: str = "f16", mtp: bool = False, placement: Placement | None = None):
+                 kv_type: str = "f16", mtp: bool = False, placement: Placement | None = None,
+                 n_capture: int = 0):
         self.hp = hp
         self.n_ctx = n_ctx
         self.n_cells = n_seq_max
         self.rs_slots = rs_slots
         self.kv_type = kv_type
         layers = hp.n_layer
-        self.ctx = new_context(4 * (layers + hp.n_mtp) + 4)
+        self.ctx = new_context(6 * (layers + hp.n_mtp) + 4)
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
         self.conv: dict[int, Tensor] = {}
         self.ssm: dict[int, Tensor] = {}
+        #: capture slots: rows laid out as a cell's, where a graph copies the recurrent state at
+        #: chosen tokens inside a ubatch (UbatchShape.captures; read with `read_capture`)
+        self.n_capture = n_capture
+        self.capture_conv: dict[int, Tensor] = {}
+        self.capture_ssm: dict[int, Tensor] = {}
         kv_rows = n_ctx * n_seq_max
         self.mtp_layers = list(range(hp.n_layer, hp.n_layer + hp.n_mtp)) if mtp else []
         width = hp.head_dim * hp.n_head_kv
@@ -115,6 +121,11 @@ class Memory:
                 self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.rs_slots, n_seq_max), f"cache_r_l{il}")
             self.ssm[il] = set_name(ggml.ggml_new_tensor_3d(
                 self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_seq_max, self.rs_slots), f"cache_s_l{il}")
+            if n_capture:
+                self.capture_conv[il] = set_name(ggml.ggml_new_tensor_2d(
+                    self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.rs_slots, n_capture), f"capture_r_l{il}")
+                self.capture_ssm[il] = set_name(ggml.ggml_new_tensor_2d(
+                    self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_capture), f"capture_s_l{il}")
         self.buffers = self._allocate(backend, placement)
         self.buffer = self.buffers[0]
         self.seqs = [SeqState() for _ in range(n_seq_max)]
@@ -126,7 +137,8 @@ class Memory:
         """Place each layer's tensors in its backend's buffer (one buffer per backend used)."""
         groups: dict[int, tuple[Backend, list[Tensor]]] = {}
         for il, ts in [(il, (self.k[il], self.v[il])) for il in self.k] + \
-                      [(il, (self.conv[il], self.ssm[il])) for il in self.conv]:
+                      [(il, (self.conv[il], self.ssm[il])) for il in self.conv] + \
+                      [(il, (self.capture_conv[il], self.capture_ssm[il])) for il in self.capture_conv]:
             be = placement.layer(il) if placement is not None else backend
             groups.setdefault(be.handle, (be, []))[1].extend(ts)
         if not groups:
@@ -142,7 +154,8 @@ class Memory:
         return buffers
 
     def nbytes_expected(self) -> int:
-        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.rs_slots, self.kv_type, bool(self.mtp_layers))
+        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.rs_slots, self.kv_type, bool(self.mtp_layers),
+                            self.n_capture)
 
     @property
     def nbytes(self) -> int:
@@ -231,6 +244,13 @@ class Memory:
         conv = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.conv.items()}
         ssm = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.ssm.items()}
         return RecurrentState(self.seqs[seq].n_past, conv, ssm)
+
+    def read_capture(self, i: int, n_past: int) -> RecurrentState:
+        """Host copy of capture slot i (the state after n_past tokens, as `read_recurrent` gives it:
+        only slot 0 of its conv row is written)."""
+        conv = {il: self._read_bytes(t, i * t.contents.nb[1], t.contents.nb[1]) for il, t in self.capture_conv.items()}
+        ssm = {il: self._read_bytes(t, i * t.contents.nb[1], t.contents.nb[1]) for il, t in self.capture_ssm.items()}
+        return RecurrentState(n_past, conv, ssm)
 
     def write_recurrent(self, seq: int, state: RecurrentState) -> None:
         """Make `state` the live recurrent state of `seq` (any cell of the same model)."""
@@ -354,9 +374,10 @@ class Memory:
 
 
 def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, rs_slots: int, kv_type: str = "f16",
-                 mtp: bool = False) -> int:
+                 mtp: bool = False, n_capture: int = 0) -> int:
     """Bytes the KV cache and recurrent state take (what `inspect` reports)."""
     kv_elem = 2 if kv_type == "f16" else 4
     kv = 2 * (len(hp.attention_layers) + (hp.n_mtp if mtp else 0)) * hp.head_dim * hp.n_head_kv * n_ctx * n_seq_max * kv_elem
     rs = len(hp.linear_layers) * (hp.conv_state_size + hp.ssm_state_size) * rs_slots * n_seq_max * 4
+    rs += len(hp.linear_layers) * (hp.conv_state_size * rs_slots + hp.ssm_state_size) * n_capture * 4
     return kv + rs

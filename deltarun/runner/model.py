@@ -22,7 +22,7 @@ from deltarun.runner.backend import Backend, Scheduler, init_backend
 from deltarun.runner.errors import ContextFullError, DeltarunError
 from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.ggml_util import ggml, new_context, tensor_to_numpy
-from deltarun.runner.memory import Memory, StateCheckpoint
+from deltarun.runner.memory import Memory, RecurrentState, StateCheckpoint
 from deltarun.runner.weights import Weights
 
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
@@ -114,7 +114,8 @@ class Model:
     def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_batch: int = 512,
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
-                 rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None):
+                 rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
+                 capture_slots: int = 0):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_batch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
@@ -141,10 +142,13 @@ class Model:
         if mtp and not self.hp.n_mtp:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
-                             placement=self.placement)
+                             placement=self.placement, n_capture=capture_slots)
         self.placement.on_loaded()
         n_ub = min(n_batch, n_ctx)
-        largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net)
+        spread = tuple(sorted({max(1, n_ub * (i + 1) // (capture_slots + 1)) for i in range(capture_slots)}
+                              - {n_ub})) if self.hp.linear_layers else ()
+        largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net,
+                              captures=spread)
         self.sched = Scheduler(self.placement.sched_backends,   # [devices..., CPU] or [CPU]
                                graph_size=self.graph_builder.graph_size(largest))
         self._reserve_compute_buffers(largest)
@@ -154,6 +158,7 @@ class Model:
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
+        self.last_captures: dict[int, RecurrentState] = {}   # eval(captures=...): length -> state
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -183,9 +188,15 @@ class Model:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
         self.memory.restore(cp)
 
-    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False) -> np.ndarray:
+    def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False,
+             captures: Sequence[int] = ()) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
         token [n, vocab].
+
+        `captures` (0 < t < len(tokens), a model opened with capture_slots): also keep the recurrent
+        state after the first t tokens, in `last_captures` by sequence length, without ending a
+        graph evaluation there (at most capture_slots per ubatch; a server's checkpoints at the
+        message boundaries inside a prompt).
 
         `mtp_argmax` (all_logits, one ubatch, a model opened with mtp=True): the same graph also
         runs the MTP block on every row's (argmax token, hidden state) and leaves them in
@@ -193,6 +204,13 @@ class Model:
         """
         toks = [int(t) for t in tokens]
         self._check_tokens(toks, seq)
+        caps = sorted({int(t) for t in captures})
+        if caps and (caps[0] < 1 or caps[-1] >= len(toks)):
+            raise DeltarunError(f"capture points must lie inside the {len(toks)} tokens (1..{len(toks) - 1})")
+        if caps and (mtp_argmax or not self.hp.linear_layers):
+            raise DeltarunError("captures need a model with recurrent layers and no mtp_argmax")
+        self.last_captures = {}
+        start = self.memory.seqs[seq].n_past
         if mtp_argmax:
             if not self.memory.mtp_layers:
                 raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
@@ -201,10 +219,21 @@ class Model:
             return self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
         outs, hiddens = [], []
         done = 0
-        for size in self.split_ubatches(len(toks)):
+        sizes = self.split_ubatches(len(toks))
+        bounds = np.cumsum([0] + sizes)
+        most = max(sum(1 for t in caps if a < t < b) for a, b in zip(bounds, bounds[1:]))
+        if most > self.memory.n_capture:
+            raise DeltarunError(f"{most} capture points in one ubatch; the model has {self.memory.n_capture} "
+                                f"capture slots")
+        for size in sizes:
             last = done + size == len(toks)
-            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits)[0]
+            inner = tuple(t - done for t in caps if done < t < done + size)
+            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits, captures=inner)[0]
+            for i, t in enumerate(inner):
+                self.last_captures[start + done + t] = self.memory.read_capture(i, start + done + t)
             done += size
+            if done in caps:
+                self.last_captures[start + done] = self.memory.read_recurrent(seq)
             if all_logits or last:
                 outs.append(logits)
                 hiddens.append(self.last_hidden[0])
@@ -423,7 +452,7 @@ class Model:
                 f"context full: {state.n_past} tokens + {len(toks)} new exceed the context size {self.n_ctx}")
 
     def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
-                     mtp_argmax: bool = False) -> np.ndarray:
+                     mtp_argmax: bool = False, captures: tuple[int, ...] = ()) -> np.ndarray:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab]."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
@@ -432,7 +461,7 @@ class Model:
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
-                            seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax)
+                            seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)

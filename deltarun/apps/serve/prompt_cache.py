@@ -199,9 +199,11 @@ class PromptCache:
             self.host.remove(e)
         self.cells[cell].last_used = time.monotonic()
 
-    def checkpoint(self, cell: int, logits: np.ndarray | None = None) -> None:
-        """Save the live recurrent state of `cell` at its current length."""
-        cp = Checkpoint(self.model.memory.read_recurrent(cell), None if logits is None else np.array(logits))
+    def checkpoint(self, cell: int, logits: np.ndarray | None = None, state: RecurrentState | None = None) -> None:
+        """Save the live recurrent state of `cell` at its current length, or `state` (captured
+        inside the evaluation that just ended, at an earlier length)."""
+        state = state if state is not None else self.model.memory.read_recurrent(cell)
+        cp = Checkpoint(state, None if logits is None else np.array(logits))
         self.cells[cell].checkpoints[cp.pos] = cp
         self._enforce_budget(protect=cell)
 

@@ -4,12 +4,14 @@ Request handlers (on the event loop) submit a `Job` and read `Event`s back; noth
 the model. The worker loops over steps; each step
 
 1. admits waiting jobs into idle cells (sequence slots), resuming each from the prompt cache;
-2. evaluates one prompt chunk (ending at the next checkpoint position) of the oldest job still
-   prefilling, so a long prompt delays the running streams by one chunk. With nobody decoding a
-   chunk is `chunk` tokens; while others decode, its size (a power of two, >= MIN_CHUNK, so few
-   graph shapes) is adjusted after each chunk so that it takes about STALL_FACTOR decode steps:
-   the streams' inter-token latency stays within about (1 + STALL_FACTOR) x what it is without
-   the prefill;
+2. evaluates one prompt chunk of the oldest job still prefilling, so a long prompt delays the
+   running streams by one chunk. The checkpoint positions inside a chunk (message boundaries)
+   are captured by the same graph evaluation when the model has capture slots (`serve` opens it
+   with CAPTURE_SLOTS; a chunk then ends early only past that many), else the chunk ends there.
+   With nobody decoding a chunk is `chunk` tokens; while others decode, its size (a power of
+   two, >= MIN_CHUNK, so few graph shapes) is adjusted after each chunk so that it takes about
+   STALL_FACTOR decode steps: the streams' inter-token latency stays within about
+   (1 + STALL_FACTOR) x what it is without the prefill;
 3. decodes one token for every generating job: their last tokens go into one ubatch
    (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when
    they are not consecutive, because a finished job left a hole or a job reading its prompt sits
@@ -53,6 +55,10 @@ from deltarun.runner.sampling import Sampler, sample_rows
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
+#: Capture slots `serve` opens its model with: the checkpoints a prompt chunk takes inside one graph
+#: evaluation (a turn's new user message and answer start are two; each slot holds one sequence's
+#: recurrent state on the device)
+CAPTURE_SLOTS = 4
 STALL_FACTOR = 0.8
 STEP_GRAPHS = 2      # decode graphs kept allocated at once (see Model.keep_step_graphs)
 
@@ -402,12 +408,18 @@ class Worker:
     def _prefill_chunk(self, job: Job) -> None:
         p = job.params
         n = len(p.prompt)
-        nxt = min((c for c in p.checkpoints if c > job.pos), default=n)
         others = any(j.state == "decode" for j in self._active)
-        end = min(job.pos + (self._shared_chunk if others else self.chunk), nxt, n)
+        end = min(job.pos + (self._shared_chunk if others else self.chunk), n)
+        inside = [c for c in p.checkpoints if job.pos < c < end]
+        slots = self.model.memory.n_capture
+        if len(inside) > slots:            # the chunk ends at the first checkpoint it cannot capture
+            end, inside = inside[slots], inside[:slots]
         t0 = time.perf_counter()
         wants_hidden = job.draft is not None and job.draft.needs_hidden
-        logits = self.model.eval(p.prompt[job.pos:end], job.cell, all_logits=wants_hidden)
+        logits = self.model.eval(p.prompt[job.pos:end], job.cell, all_logits=wants_hidden,
+                                 captures=[c - job.pos for c in inside])
+        for c in inside:
+            self.cache.checkpoint(job.cell, state=self.model.last_captures[c])
         if wants_hidden:                   # the MTP block's KV rows follow the prompt chunk by chunk
             rows = self.model.last_hidden[0]
             logits = logits[-1]

@@ -174,10 +174,11 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
         start = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
         g.expand(g.cb(ggml.ggml_cpy(c, slot0, start), "ssm_state_store_start", il))
 
-    if ub.delta_net == "fused":
-        out, snaps = delta_net_fused(g, q, k, v, gate, beta, state, K)
+    if ub.captures:
+        store_conv_captures(g, conv_input, il)
+        out, snaps = delta_rule_segments(g, q, k, v, gate, beta, state, K, il)
     else:
-        out, snaps = delta_net_primitive(g, q, k, v, gate, beta, state, K, il)
+        out, snaps = delta_rule(g, q, k, v, gate, beta, state, K, il)
     # the output before the snapshot store: the primitive form reads slot 0 (the start state)
     # in branches the snapshots do not depend on, and the store overwrites slot 0
     g.expand(g.cb(out, "attn_output", il))
@@ -238,11 +239,74 @@ def write_conv_slots(g: GraphContext, rs: RecurrentStateInput, conv_all: Tensor,
     g.expand(g.cb(ggml.ggml_set_rows(c, dst, src, rs.slot_rev), "conv_state_store", il))
 
 
+def delta_rule(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int) -> tuple[Tensor, Tensor]:
+    """The delta rule over the tokens of q..beta (the ubatch's, or a segment of them) from `state`:
+    the output [S, H, T, N] and the snapshots of the last min(T, K) states [D, N, min(T, K)]."""
+    if g.ub.delta_net == "fused":
+        return delta_net_fused(g, q, k, v, gate, beta, state, K)
+    return delta_net_primitive(g, q, k, v, gate, beta, state, K, il)
+
+
+def capture_splits(T: int, K: int, captures: tuple[int, ...]) -> list[int]:
+    """The capture points the delta rule is split at: those more than K-1 tokens before the end.
+    The others are states the last segment's K snapshots hold anyway (slot T - t)."""
+    return [t for t in captures if t <= T - K]
+
+
+def delta_rule_segments(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int) -> tuple[Tensor, Tensor]:
+    """The delta rule in segments ending at the ubatch's capture points (one sequence), each
+    segment starting from the state the previous one ended with; each capture point's state is
+    copied to its capture slot (`Memory.capture_ssm`). The recurrence is sequential anyway: the
+    segments compute what one call would, and a prompt whose message boundaries must be
+    checkpointed is still one graph evaluation (llama.cpp ends a ubatch there instead)."""
+    c, ub = g.ctx, g.ub
+    T, caps = ub.n_seq_tokens, ub.captures
+    cap_all = g.mem.capture_ssm[il]                                  # [D, n_capture]
+    D, row = ne(cap_all)[0], nb(cap_all)[1]
+
+    def tokens(x: Tensor, a: int, b: int) -> Tensor:                 # tokens a..b-1 of [_, _, T, 1]
+        part = g.view(x, (ne(x)[0], ne(x)[1], b - a, ne(x)[3]), nb(x)[1:], a * nb(x)[2])
+        return part if ub.delta_net == "fused" else ggml.ggml_cont(c, part)   # primitive ops reshape
+
+    def capture(i: int, snap: Tensor) -> None:                       # snap: [D, 1] state
+        g.expand(g.cb(ggml.ggml_cpy(c, snap, g.view(cap_all, (D, 1), (row,), i * row)), f"ssm_capture{i}", il))
+
+    outs = []
+    a = 0
+    for t in capture_splits(T, K, caps) + [T]:
+        args = [tokens(x, a, t) for x in (q, k, v, gate, beta)]
+        out, snaps = delta_rule(g, *args, state, K if t == T else 1, il)
+        outs.append(out)
+        if t < T:
+            capture(caps.index(t), g.view(snaps, (D, 1), (nb(snaps)[1],), 0))
+            state = ggml.ggml_reshape_4d(c, g.view(snaps, (D, 1), (nb(snaps)[1],), 0), *ne(state))
+        a = t
+    for t in caps:
+        if t > T - K:                                                # within the last K states
+            capture(caps.index(t), g.view(snaps, (D, 1), (nb(snaps)[1],), (T - t) * nb(snaps)[2]))
+    out = outs[0]
+    for part in outs[1:]:
+        out = ggml.ggml_concat(c, out, part, 2)
+    return out, snaps
+
+
+def store_conv_captures(g: GraphContext, conv_input: Tensor, il: int) -> None:
+    """Copy the conv window of each capture point t (conv input columns t..t+d_conv-2, the inputs
+    before token t) to slot 0 of its capture row (`Memory.capture_conv`, laid out as a cell's)."""
+    hp, c = g.hp, g.ctx
+    dc1, ch, f32 = hp.ssm_d_conv - 1, hp.conv_dim, 4
+    cap_all = g.mem.capture_conv[il]                                 # [(d_conv-1)*K*conv_dim, n_capture]
+    K = g.mem.rs_slots
+    for i, t in enumerate(g.ub.captures):
+        src = g.view(conv_input, (dc1, ch), (nb(conv_input)[1],), t * f32)
+        dst = g.view(cap_all, (dc1, ch), (K * dc1 * f32,), i * nb(cap_all)[1])
+        g.expand(g.cb(ggml.ggml_cpy(c, src, dst), f"conv_capture{i}", il))
+
+
 def delta_net_fused(g: GraphContext, q, k, v, gate, beta, state, K: int) -> tuple[Tensor, Tensor]:
     """ggml's fused op; returns the output [S, H, T, N] and the snapshots [D, N, min(T, K)]."""
-    c, ub = g.ctx, g.ub
-    S, H = ne(v)[0], ne(v)[1]
-    T, N = ub.n_seq_tokens, ub.n_seqs
+    c = g.ctx
+    S, H, T, N = ne(v)
     res = ggml.ggml_gated_delta_net(c, q, k, v, gate, beta, state, K)
     f32 = 4
     out = g.view(res, (S, H, T, N), (S * f32, S * H * f32, S * H * T * f32), 0)
@@ -253,7 +317,7 @@ def delta_net_fused(g: GraphContext, q, k, v, gate, beta, state, K: int) -> tupl
 
 def delta_net_primitive(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int) -> tuple[Tensor, Tensor]:
     """The delta rule from elementary ops: the one-token recurrence, or the chunked form."""
-    if g.ub.n_seq_tokens == 1:
+    if ne(v)[2] == 1:
         return _delta_net_step(g, q, k, v, gate, beta, state, il)
     return _delta_net_chunked(g, q, k, v, gate, beta, state, K, il)
 
