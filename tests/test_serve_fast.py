@@ -164,6 +164,38 @@ def test_graph_layout_resets_like_restore_srcs_and_forget_addresses(tiny_model_p
             assert np.array_equal(want, ref.logits_for(list(range(5, 13))))
 
 
+def _walk(ctx) -> list[int]:
+    out, t = [], ggml.ggml_get_first_tensor(ctx)
+    while t:
+        out.append(ctypes.addressof(t.contents))
+        t = ggml.ggml_get_next_tensor(ctx, t)
+    return out
+
+
+def test_tensor_and_node_addresses_read_at_once_equal_ggmls_walk(tiny_model_path):
+    """backend.tensor_addresses checks the context's object chain with numpy; node_addresses reads
+    the graph's node array: both equal what ggml's own accessors give, and a context whose chain
+    is not one stride (tensors with data in it) is walked instead."""
+    from deltarun.runner.model import Model
+
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=64, n_threads=1, capture_slots=2) as m:
+        m.eval(list(range(5, 30)), captures=[4, 11])
+        m.eval([3])
+        for g in m._graphs.values():
+            assert be.tensor_addresses(g.ctx).tolist() == _walk(g.ctx)
+            n = ggml.ggml_graph_n_nodes(g.gf)
+            assert be.node_addresses(g.gf).tolist() == [ctypes.addressof(ggml.ggml_graph_node(g.gf, i).contents)
+                                                        for i in range(n)]
+    params = ggml.ggml_init_params(mem_size=1 << 20, mem_buffer=None, no_alloc=False)
+    ctx = ggml.ggml_init(params)
+    try:
+        for n in (3, 100, 7, 1):                        # data inside the context: sizes differ
+            ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, n)
+        assert be.tensor_addresses(ctx).tolist() == _walk(ctx) and len(_walk(ctx)) == 4
+    finally:
+        ggml.ggml_free(ctx)
+
+
 # --- compaction -----------------------------------------------------------------------------------
 class _SwapLog:
     def __init__(self):

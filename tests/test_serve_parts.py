@@ -203,3 +203,38 @@ def test_worker_compaction_puts_generating_jobs_side_by_side(model):
     w._compact()
     assert [j.cell for j in jobs] == [0, 2, 1]
     assert all(model.tokens(j.cell) == held[j.id] for j in jobs)
+
+
+def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
+    """PromptBuilder finds a boundary's token count from the prompt tokens' byte offsets instead of
+    tokenizing the text before it again: the same counts, on contents that start with spaces,
+    newlines, brackets or think blocks, thinking on and off (and the slow way where a token's
+    bytes are not the text's)."""
+    import os
+
+    from deltarun.apps.serve.prompts import STAND_IN, PromptBuilder
+    from deltarun.apps.serve.protocol import ChatRequest
+    from deltarun.runner.chat_template import ChatTemplate
+
+    pb = PromptBuilder(model, ChatTemplate.builtin(), None)
+    rng = np.random.default_rng(0)
+    starts = ["", "\n", " ", "(", "\n\n", "<think>x</think>", "  ", "é"]
+    words = "the cat sat on a mat, then 42 dogs ran off".split()
+    for trial in range(40):
+        msgs = []
+        for _ in range(int(rng.integers(1, 4))):
+            for role in ("user", "assistant"):
+                body = " ".join(rng.choice(words, int(rng.integers(0, 8))))
+                msgs.append({"role": role, "content": str(rng.choice(starts)) + body})
+        msgs.pop()
+        req = ChatRequest(messages=msgs, template_kwargs={"enable_thinking": bool(trial % 2)})
+        text = pb._render(msgs, req, None, True)
+        prompt = pb.tokenize(text)
+        ends = pb._token_ends(text, prompt)
+        assert ends is not None and int(ends[-1]) == len(text.encode())
+        for i in range(1, len(msgs)):
+            other = pb._render(msgs[:i] + [STAND_IN], req, None, False)
+            k = len(os.path.commonprefix([text, other]))
+            assert 0 < pb._boundary(text, other, prompt, ends) == pb._boundary(text, other, prompt, None) <= len(prompt)
+            assert k == len(text) or pb._boundary(text, other, prompt, ends) < len(prompt)
+    assert pb._token_ends("something else", prompt) is None     # bytes that are not the text's

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from deltarun.apps.chat import common_prefix_length, opens_thinking
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
@@ -37,6 +39,7 @@ class PromptBuilder:
         self.grammars = grammars
         self.checkpoint_every = checkpoint_every
         self.xml_tools = "<function=" in template.source and "<parameter=" in template.source
+        self._byte_lengths: dict[int, int] = {}     # token id -> bytes (see _token_ends)
 
     def tokenize(self, text: str) -> list[int]:
         tok = self.tokenizer
@@ -60,12 +63,29 @@ class PromptBuilder:
         room = self.n_ctx - n_prompt
         return room if requested is None else min(requested, room)
 
-    def _boundary(self, text: str, other: str, prompt: list[int]) -> int:
-        """Tokens of the prompt up to where `other` (another rendering) stops agreeing with `text`."""
+    def _token_ends(self, text: str, prompt: list[int]) -> np.ndarray | None:
+        """Byte offset in `text` where each prompt token ends, or None if the tokens' bytes are not
+        the text's (a BOS the tokenizer added counts as empty)."""
+        tok, lengths = self.tokenizer, self._byte_lengths
+        for t in prompt:
+            if t not in lengths:
+                lengths[t] = len(tok.token_bytes(t))
+        sizes = np.fromiter((lengths[t] for t in prompt), dtype=np.int64, count=len(prompt))
+        data = text.encode("utf-8")
+        if prompt and tok.bos_id is not None and prompt[0] == tok.bos_id and not data.startswith(tok.token_bytes(prompt[0])):
+            sizes[0] = 0
+        ends = np.cumsum(sizes)
+        return ends if len(ends) and int(ends[-1]) == len(data) else None
+
+    def _boundary(self, text: str, other: str, prompt: list[int], ends: np.ndarray | None) -> int:
+        """Tokens of the prompt up to where `other` (another rendering) stops agreeing with `text`:
+        those whose bytes end there or before (the text is not tokenized again)."""
         k = len(os.path.commonprefix([text, other]))
         if k == len(text):
             return len(prompt)
-        return common_prefix_length(self.tokenize(text[:k]), prompt)
+        if ends is None:
+            return common_prefix_length(self.tokenize(text[:k]), prompt)
+        return int(np.searchsorted(ends, len(text[:k].encode("utf-8")), side="right"))
 
     def _checkpoints(self, n: int, boundaries: list[int]) -> list[int]:
         every = list(range(self.checkpoint_every, n, self.checkpoint_every)) if self.checkpoint_every > 0 else []
@@ -81,6 +101,7 @@ class PromptBuilder:
         prompt = self.tokenize(text)
         self._check_length(prompt, "messages")
         boundaries = []
+        ends = self._token_ends(text, prompt)
         msgs = req.messages
         for i in range(max(1, len(msgs) - BOUNDARY_MESSAGES), len(msgs)):
             # msgs[:i] followed by a stand-in message: rendered as not the last, message i-1 looks as
@@ -88,12 +109,12 @@ class PromptBuilder:
             # block, earlier ones none), so the two agree up to where message i's content starts
             try:
                 boundaries.append(self._boundary(text, self._render(msgs[:i] + [STAND_IN], req, tools, False),
-                                                 prompt))
+                                                 prompt, ends))
             except TokenizerError:
                 pass
         try:
             follow = msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
-            answer_start = self._boundary(text, self._render(follow, req, tools, False), prompt)
+            answer_start = self._boundary(text, self._render(follow, req, tools, False), prompt, ends)
         except TokenizerError:
             answer_start = len(prompt)
         grammar = None
