@@ -238,3 +238,31 @@ def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
             assert 0 < pb._boundary(text, other, prompt, ends) == pb._boundary(text, other, prompt, None) <= len(prompt)
             assert k == len(text) or pb._boundary(text, other, prompt, ends) < len(prompt)
     assert pb._token_ends("something else", prompt) is None     # bytes that are not the text's
+
+
+def test_a_next_turn_renders_only_its_new_boundaries(model, monkeypatch):
+    """Stand-in renderings are remembered by the messages before them: a conversation's next turn
+    renders the prompt, the answer-start probe and its two new messages' boundaries, and finds
+    the same checkpoints as a builder that remembers nothing."""
+    from deltarun.apps.serve.prompts import PromptBuilder
+    from deltarun.apps.serve.protocol import ChatRequest
+    from deltarun.runner.chat_template import ChatTemplate
+
+    pb = PromptBuilder(model, ChatTemplate.builtin(), None)
+    calls = []
+    real = pb._render
+    monkeypatch.setattr(pb, "_render", lambda *a: calls.append(a) or real(*a))
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for turn in range(4):
+        msgs.append({"role": "user", "content": f"question {turn} about cats"})
+        req = ChatRequest(messages=list(msgs), template_kwargs={"enable_thinking": False})
+        calls.clear()
+        params = pb.chat(req)
+        fresh = PromptBuilder(model, ChatTemplate.builtin(), None).chat(req)
+        assert params.checkpoints == fresh.checkpoints and params.answer_start == fresh.answer_start
+        assert len(calls) == (len(msgs) + 1 if turn == 0 else 4)
+        msgs.append({"role": "assistant", "content": f"answer {turn}"})
+    other = ChatRequest(messages=list(msgs[:-1]), template_kwargs={"enable_thinking": True})
+    calls.clear()
+    pb.chat(other)                                    # other template options: rendered again
+    assert len(calls) == len(msgs) + 1 - 1

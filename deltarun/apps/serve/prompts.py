@@ -13,7 +13,11 @@ block).
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -26,6 +30,8 @@ from deltarun.runner.errors import TokenizerError
 
 #: Message boundaries are looked for among the last this many messages only (each costs a render).
 BOUNDARY_MESSAGES = 8
+#: Stand-in renderings remembered (least recently used dropped): a few per conversation turn.
+RENDER_CACHE = 1024
 #: The message rendered after the first i to find where message i starts (content no prompt has).
 STAND_IN = {"role": "user", "content": "\u0001"}
 
@@ -40,6 +46,8 @@ class PromptBuilder:
         self.checkpoint_every = checkpoint_every
         self.xml_tools = "<function=" in template.source and "<parameter=" in template.source
         self._byte_lengths: dict[int, int] = {}     # token id -> bytes (see _token_ends)
+        self._renders: collections.OrderedDict[bytes, str] = collections.OrderedDict()   # _stand_in_render
+        self._lock = threading.Lock()               # chat() runs in the handlers' thread pool
 
     def tokenize(self, text: str) -> list[int]:
         tok = self.tokenizer
@@ -62,6 +70,31 @@ class PromptBuilder:
     def _max_tokens(self, requested: int | None, n_prompt: int) -> int:
         room = self.n_ctx - n_prompt
         return room if requested is None else min(requested, room)
+
+    def _prefix_keys(self, msgs: list[dict[str, Any]], req: ChatRequest, tools: list | None) -> list[bytes]:
+        """keys[i] identifies msgs[:i] with the template options: what a stand-in render depends on."""
+        h = hashlib.blake2b(json.dumps([req.template_kwargs, tools], sort_keys=True, default=str).encode(),
+                            digest_size=16)
+        keys = [h.digest()]
+        for m in msgs:
+            h.update(json.dumps(m, sort_keys=True, default=str).encode())
+            keys.append(h.digest())
+        return keys
+
+    def _stand_in_render(self, key: bytes, msgs: list[dict[str, Any]], req: ChatRequest, tools: list | None) -> str:
+        """The rendering of msgs followed by STAND_IN, remembered: a conversation's next turn
+        re-sends the same earlier messages, so only the boundaries of its new ones are rendered."""
+        with self._lock:
+            text = self._renders.get(key)
+            if text is not None:
+                self._renders.move_to_end(key)
+                return text
+        text = self._render(msgs + [STAND_IN], req, tools, False)
+        with self._lock:
+            self._renders[key] = text
+            while len(self._renders) > RENDER_CACHE:
+                self._renders.popitem(last=False)
+        return text
 
     def _token_ends(self, text: str, prompt: list[int]) -> np.ndarray | None:
         """Byte offset in `text` where each prompt token ends, or None if the tokens' bytes are not
@@ -103,12 +136,14 @@ class PromptBuilder:
         boundaries = []
         ends = self._token_ends(text, prompt)
         msgs = req.messages
-        for i in range(max(1, len(msgs) - BOUNDARY_MESSAGES), len(msgs)):
+        first = max(1, len(msgs) - BOUNDARY_MESSAGES)
+        keys = self._prefix_keys(msgs, req, tools)
+        for i in range(first, len(msgs)):
             # msgs[:i] followed by a stand-in message: rendered as not the last, message i-1 looks as
             # it does in the prompt (the Qwen3 templates give the last assistant message a think
             # block, earlier ones none), so the two agree up to where message i's content starts
             try:
-                boundaries.append(self._boundary(text, self._render(msgs[:i] + [STAND_IN], req, tools, False),
+                boundaries.append(self._boundary(text, self._stand_in_render(keys[i], msgs[:i], req, tools),
                                                  prompt, ends))
             except TokenizerError:
                 pass
