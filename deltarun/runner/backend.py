@@ -115,7 +115,7 @@ def patches_note() -> str | None:
     if "+deltarun." in getattr(ggml, "__version__", ""):
         return None
     return ("note: this ggml-python lacks deltarun's kernel patches (scripts/ggml-patches: SET_ROWS on "
-            "every thread), so decoding is a few percent slower; scripts/install.sh builds it with them")
+            "every thread, Q8_0 rows read ahead), so decoding is slower; scripts/install.sh builds it with them")
 
 
 def install_hint(kind: str) -> str:
