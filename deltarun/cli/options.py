@@ -36,7 +36,7 @@ _DEFAULTS = SamplingParams()
 #: Defaults of the model options, for callers that open a model without click.
 MODEL_DEFAULTS: dict[str, Any] = {
     "ctx": 4096, "batch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
-    "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None,
+    "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None, "repack": True,
 }
 
 
@@ -53,7 +53,8 @@ def model_argument(required: bool = False) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend --gpu-layers --rpc --tensor-split."""
+    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack --rpc
+    --tensor-split."""
     return _apply(f, [
         click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
@@ -75,6 +76,10 @@ def model_options(f: F) -> F:
                      help="With a device backend: keep the first layers on the CPU and put the last N on the "
                           "device (the output layer too when N > layers), like llama.cpp -ngl [default: all on "
                           "the device]."),
+        click.option("--repack/--no-repack", default=MODEL_DEFAULTS["repack"], show_default=True,
+                     help="On the CPU, lay out the matrices ggml has interleaved kernels for (Q4_0, Q4_K, "
+                          "IQ4_NL on x86) for them at load, as llama.cpp does; --no-repack maps every weight "
+                          "from the file as it is."),
         *rpc_options_list(),
     ])
 
@@ -174,7 +179,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
                mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, capture_slots: int = 0,
-               **_other: Any):
+               repack: bool = MODEL_DEFAULTS["repack"], **_other: Any):
     """Open `model` (or the built-in model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
@@ -184,7 +189,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
         note_gpu_layers([backend], gpu_layers)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp,
-                 rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots)
+                 rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots, repack=repack)
 
 
 def draft_options(f: F) -> F:

@@ -83,6 +83,11 @@ class HybridFamily:
         """Names of every weight the graph may read (optional ones included)."""
         return list(self.expected_tensors())
 
+    def gathered_weights(self) -> frozenset[str]:
+        """The weights the graphs read rows of (get_rows: the token embeddings of the trunk and of
+        the MTP block), which must keep the file's layout (no repacking, see Weights)."""
+        return frozenset(n for n in self.tensor_names() if head.is_gathered(n))
+
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
         """Add the forward pass of one ubatch (the trunk, or the MTP block when ub.mtp; the trunk and
         then the MTP block on its argmax rows when ub.mtp_argmax) to `gf`."""

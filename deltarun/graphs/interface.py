@@ -164,6 +164,9 @@ class GraphFamily(Protocol):
     def tensor_names(self) -> list[str]:
         """Names of every weight the graph may read (optional ones included)."""
 
+    def gathered_weights(self) -> frozenset[str]:
+        """Names of the weights the graph reads rows of (get_rows) rather than multiplies by."""
+
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
         """Add the forward pass of one ubatch of shape `ub` to `gf`."""
 

@@ -115,7 +115,7 @@ class Model:
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
                  rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
-                 capture_slots: int = 0):
+                 capture_slots: int = 0, repack: bool = True):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_batch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
@@ -138,7 +138,10 @@ class Model:
             self.backend.free()
             raise
         names = [n for n in self.graph_builder.tensor_names() if n in self.file.tensors]
-        self.weights = Weights(self.file, names, self.backend, self.placement)
+        # repack: on a CPU-only model, the matrices ggml's CPU_REPACK kernels take are laid out
+        # for them at load (Q4_0 / Q4_K / IQ4_NL on x86), as llama.cpp does by default
+        self.weights = Weights(self.file, names, self.backend, self.placement, repack=repack,
+                               gathered=self.graph_builder.gathered_weights())
         if mtp and not self.hp.n_mtp:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltarun.runner.backend import Backend, Placement, alloc_tensors
+from deltarun.runner.backend import (Backend, Placement, alloc_tensors, cpu_repack_buffer_type, repack_supports,
+                                    without_debug_log)
 from deltarun.runner.errors import BackendError, ModelFileError
 from deltarun.runner.gguf_file import GGUFFile, TensorInfo
 from deltarun.runner.ggml_util import Tensor, ctypes, ggml, new_context, set_name
@@ -21,9 +22,16 @@ TENSOR_ALIGNMENT = 32
 
 
 class Weights:
-    """Every tensor of the file that the graph reads, by GGUF name."""
+    """Every tensor of the file that the graph reads, by GGUF name.
 
-    def __init__(self, f: GGUFFile, names: list[str], backend: Backend, placement: Placement | None = None):
+    With `repack` (a model wholly on the CPU) the matrices ggml's CPU_REPACK buffer type has
+    kernels for are copied into it at load, laid out for those kernels (what llama.cpp does by
+    default): on x86 Q4_0, Q4_K, IQ4_NL and MXFP4 (and Q2_K with AVX-512). `gathered` names the
+    weights a graph reads rows of (the token embeddings), which stay as they are in the file.
+    """
+
+    def __init__(self, f: GGUFFile, names: list[str], backend: Backend, placement: Placement | None = None,
+                 repack: bool = False, gathered: frozenset[str] = frozenset()):
         self.file = f
         self.ctx = new_context(len(names) + 1)
         self.tensors: dict[str, Tensor] = {}
@@ -31,6 +39,7 @@ class Weights:
         self.buffers: list[Any] = []     # every buffer holding weights
         #: backend name -> bytes of the weights placed there
         self.bytes_by_backend: dict[str, int] = {}
+        self.repacked: list[str] = []    # names of the weights in the CPU_REPACK buffer
         infos = [f.tensors[n] for n in names]
         for info in infos:
             self.tensors[info.name] = self._new_tensor(info)
@@ -45,6 +54,12 @@ class Weights:
             if group:
                 name = where[group[0].name].name
                 self.bytes_by_backend[name] = self.bytes_by_backend.get(name, 0) + sum(i.nbytes for i in group)
+        buft = cpu_repack_buffer_type() if repack and not on_dev and backend.is_cpu else None
+        if buft is not None:
+            chosen = {i.name for i in on_cpu if i.name not in gathered and repack_supports(self.tensors[i.name], buft)}
+            if chosen:
+                self._repack([i for i in on_cpu if i.name in chosen], backend, buft)
+                on_cpu = [i for i in on_cpu if i.name not in chosen]
         if on_cpu:
             self._map_into_cpu_buffer(on_cpu)
         for group in on_dev.values():
@@ -85,6 +100,19 @@ class Weights:
                 ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0,
                                              info.nbytes)
                 bar.update(info.nbytes)
+
+    def _repack(self, infos: list[TensorInfo], backend: Backend, buft: Any) -> None:
+        """Copy `infos`' tensors into one CPU_REPACK buffer (ggml lays each out as it is set)."""
+        buffer = alloc_tensors(backend, [self.tensors[i.name] for i in infos], "the repacked weights", buft)
+        ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        self.buffers.append(buffer)
+        base = self.file.data_base_address
+        with _upload_progress(sum(i.nbytes for i in infos), "CPU_REPACK") as bar, without_debug_log():
+            for info in infos:
+                ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0,
+                                             info.nbytes)
+                bar.update(info.nbytes)
+        self.repacked = [i.name for i in infos]
 
     @property
     def nbytes(self) -> int:

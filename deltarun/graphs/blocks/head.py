@@ -31,6 +31,11 @@ def mtp_tensors(hp: HParams, p: str) -> Spec:
             n + "shared_head_head.weight": ((E, V), False), n + "embed_tokens.weight": ((E, V), False)}
 
 
+def is_gathered(name: str) -> bool:
+    """Whether the graphs read rows of this weight (get_rows in `embed` and `mtp_input`)."""
+    return name == "token_embd.weight" or name.endswith(".nextn.embed_tokens.weight")
+
+
 def embed(g: GraphContext) -> Tensor:
     tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub)).tokens
     return g.cb(ggml.ggml_get_rows(g.ctx, g.w["token_embd.weight"], tokens), "inp_embd")
