@@ -113,10 +113,9 @@ def test_qwen35_pre_tokenizer_agrees_with_llamacpp_on_random_text(tmp_path):
 
     from deltarun.runner.tokenizer import Tokenizer
     from test_loader_errors import GV, rewrite
-    from test_tokenizer_qwen35 import QWEN2_VOCAB  # the shared Qwen2 vocabulary
+    from shipped_data import qwen2_vocab_gguf   # llama.cpp's Qwen2 vocabulary, shipped in tests/data
 
-    if not QWEN2_VOCAB.is_file():
-        pytest.skip(f"shared vocabulary {QWEN2_VOCAB} is absent")
+    QWEN2_VOCAB = qwen2_vocab_gguf()
     vocab = tmp_path / "vocab-qwen35.gguf"
     rewrite(QWEN2_VOCAB, vocab, set_kv={"tokenizer.ggml.pre": ("qwen35", GV.STRING)})
     texts = random_texts(1000, seed=0)
