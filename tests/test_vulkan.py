@@ -138,6 +138,32 @@ def test_rollback_slots_match_the_cpu(tiny_model_path):
     assert all(float(x) < 1e-4 for x in p.stdout.split()), p.stdout
 
 
+def test_capture_points_match_the_cpu(tiny_model_path):
+    """Model.eval(captures=) on Vulkan (what `serve` does with a prompt's checkpoints): the delta
+    rule split at the points, the states copied to the capture slots, for K = 1 and K = 3 (a point
+    among the last K states read from a snapshot), fused and primitive, equal the CPU's."""
+    script = (
+        "import sys, numpy as np\n"
+        "from deltarun.runner.model import Model\n"
+        "got = {}\n"
+        "for be in ('cpu', 'vulkan'):\n"
+        "    for dn in ('fused', 'primitive'):\n"
+        "        for k in (1, 3):\n"
+        "            with Model(sys.argv[1], backend=be, n_ctx=64, n_threads=1, kv_type='f32', rs_slots=k, delta_net=dn,\n"
+        "                       capture_slots=3) as m:\n"
+        "                m.eval(list(range(5, 13)))\n"
+        "                lg = m.eval(list(range(30, 50)), captures=[3, 11, 18], all_logits=True)\n"
+        "                got[be, dn, k] = [lg.ravel()] + [np.frombuffer(st.ssm[il], np.float32) for st in\n"
+        "                    (m.last_captures[p] for p in (11, 19, 26)) for il in m.hp.linear_layers]\n"
+        "for dn in ('fused', 'primitive'):\n"
+        "    for k in (1, 3):\n"
+        "        print(max(float(np.abs(a - b).max()) for a, b in zip(got['cpu', dn, k], got['vulkan', dn, k])))\n")
+    p = subprocess.run([sys.executable, "-c", script, str(tiny_model_path("tiny", "f32"))], env=_env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert len(p.stdout.split()) == 4 and all(float(x) < 1e-3 for x in p.stdout.split()), p.stdout
+
+
 def test_f32_fused_matches_the_cpu_within_the_limits(tiny_model_path):
     rep = compare(tiny_model_path("tiny", "f32"), "--tokens", "16", "-n", "8")
     assert rep["passed"], rep["failures"]
