@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from deltarun.runner.errors import BackendError
-from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml
+from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml, new_context
 
 GRAPH_SIZE = 16384
 
@@ -805,8 +805,6 @@ def repack_supports(weight: Tensor, buft: Any) -> bool:
     MUL_MAT_ID for stacked experts, F32 activations) with `weight` stored in `buft`: asked of ggml,
     as llama.cpp does, with a probe node whose weight lies in an empty buffer of that type. A
     weight that a graph also reads otherwise (get_rows) must not be repacked: the caller knows."""
-    from deltarun.runner.ggml_util import new_context
-
     dims = int(ggml.ggml_n_dims(weight))
     if dims not in (2, 3):
         return False

@@ -241,16 +241,18 @@ class Memory:
     # through ggml_backend_tensor_get/set, so it works on any backend.
     def read_recurrent(self, seq: int) -> RecurrentState:
         """Host copy of the live recurrent state of `seq`."""
-        conv = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.conv.items()}
-        ssm = {il: self._read_bytes(t, seq * t.contents.nb[1], t.contents.nb[1]) for il, t in self.ssm.items()}
-        return RecurrentState(self.seqs[seq].n_past, conv, ssm)
+        return self._read_state(self.conv, self.ssm, seq, self.seqs[seq].n_past)
 
     def read_capture(self, i: int, n_past: int) -> RecurrentState:
         """Host copy of capture slot i (the state after n_past tokens, as `read_recurrent` gives it:
         only slot 0 of its conv row is written)."""
-        conv = {il: self._read_bytes(t, i * t.contents.nb[1], t.contents.nb[1]) for il, t in self.capture_conv.items()}
-        ssm = {il: self._read_bytes(t, i * t.contents.nb[1], t.contents.nb[1]) for il, t in self.capture_ssm.items()}
-        return RecurrentState(n_past, conv, ssm)
+        return self._read_state(self.capture_conv, self.capture_ssm, i, n_past)
+
+    def _read_state(self, conv: dict[int, Tensor], ssm: dict[int, Tensor], row: int, n_past: int) -> RecurrentState:
+        """Row `row` (a cell's, or a capture slot's) of every layer's conv and SSM tensors."""
+        def rows(ts: dict[int, Tensor]) -> dict[int, np.ndarray]:
+            return {il: self._read_bytes(t, row * t.contents.nb[1], t.contents.nb[1]) for il, t in ts.items()}
+        return RecurrentState(n_past, rows(conv), rows(ssm))
 
     def write_recurrent(self, seq: int, state: RecurrentState) -> None:
         """Make `state` the live recurrent state of `seq` (any cell of the same model)."""

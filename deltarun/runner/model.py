@@ -331,9 +331,10 @@ class Model:
         draft verification) step. ggml's scheduler holds one allocated graph, so a server that
         interleaves prompt chunks with decode steps, or decodes two runs of cells, re-allocated
         graphs every step (`Scheduler.allocate`: 0.6 ms for the built-in model's decode graph before
-        `backend.GraphLayout`, two decode steps of one sequence). Each extra scheduler reserves compute buffers for the largest step graph
-        (rs_slots tokens of every cell): small next to the prompt graphs'. Off by default: tools
-        that profile or dump `model.sched` see every graph there.
+        `backend.GraphLayout`, two decode steps of one sequence). Each extra scheduler reserves
+        compute buffers for the largest step graph (rs_slots tokens of every cell): small next to
+        the prompt graphs'. Off by default: tools that profile or dump `model.sched` see every
+        graph there.
         """
         largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=self.memory.n_cells,
                               n_outputs=self.memory.rs_slots * self.memory.n_cells, n_kv=self.n_ctx,

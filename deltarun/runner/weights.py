@@ -10,6 +10,7 @@ where its layer is: CPU layers stay mapped, device layers are uploaded, one buff
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from deltarun.runner.backend import (Backend, Placement, alloc_tensors, cpu_repack_buffer_type, repack_supports,
@@ -58,12 +59,13 @@ class Weights:
         if buft is not None:
             chosen = {i.name for i in on_cpu if i.name not in gathered and repack_supports(self.tensors[i.name], buft)}
             if chosen:
-                self._repack([i for i in on_cpu if i.name in chosen], backend, buft)
+                self.repacked = [i.name for i in on_cpu if i.name in chosen]
+                self._upload([i for i in on_cpu if i.name in chosen], backend, buft)
                 on_cpu = [i for i in on_cpu if i.name not in chosen]
         if on_cpu:
             self._map_into_cpu_buffer(on_cpu)
         for group in on_dev.values():
-            self._upload(group, where[group[0].name])
+            self.buffer = self._upload(group, where[group[0].name])
 
     def _new_tensor(self, info: TensorInfo) -> Tensor:
         dims = (ctypes.c_int64 * len(info.ne))(*info.ne)
@@ -88,31 +90,22 @@ class Weights:
             if status != 0:
                 raise BackendError(f"ggml could not place tensor {info.name!r} in the mapped buffer")
 
-    def _upload(self, infos: list[TensorInfo], backend: Backend) -> None:
-        """Allocate `infos`' tensors in one buffer of `backend` and copy their bytes."""
-        buffer = alloc_tensors(backend, [self.tensors[i.name] for i in infos], "the weights")
+    def _upload(self, infos: list[TensorInfo], backend: Backend, buft: Any = None) -> Any:
+        """Allocate `infos`' tensors in one buffer of `backend` (or of `buft`) and copy their bytes;
+        the buffer. Into CPU_REPACK ggml lays each tensor out as it is set, announcing each in a
+        DEBUG log line, which is left out."""
+        buffer = alloc_tensors(backend, [self.tensors[i.name] for i in infos], "the weights", buft)
         ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         self.buffers.append(buffer)
-        self.buffer = buffer
         base = self.file.data_base_address
-        with _upload_progress(sum(i.nbytes for i in infos), backend.name) as bar:
+        where = backend.name if buft is None else ggml.ggml_backend_buft_name(buft).decode()
+        quiet = without_debug_log() if buft is not None else contextlib.nullcontext()
+        with _upload_progress(sum(i.nbytes for i in infos), where) as bar, quiet:
             for info in infos:
                 ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0,
                                              info.nbytes)
                 bar.update(info.nbytes)
-
-    def _repack(self, infos: list[TensorInfo], backend: Backend, buft: Any) -> None:
-        """Copy `infos`' tensors into one CPU_REPACK buffer (ggml lays each out as it is set)."""
-        buffer = alloc_tensors(backend, [self.tensors[i.name] for i in infos], "the repacked weights", buft)
-        ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-        self.buffers.append(buffer)
-        base = self.file.data_base_address
-        with _upload_progress(sum(i.nbytes for i in infos), "CPU_REPACK") as bar, without_debug_log():
-            for info in infos:
-                ggml.ggml_backend_tensor_set(self.tensors[info.name], ctypes.c_void_p(base + info.offset), 0,
-                                             info.nbytes)
-                bar.update(info.nbytes)
-        self.repacked = [i.name for i in infos]
+        return buffer
 
     @property
     def nbytes(self) -> int:
