@@ -34,7 +34,10 @@ RS_SLOTS = 4
 
 
 def _server(path, parallel: int = 4, capture_slots: int = CAPTURE_SLOTS, **settings) -> ServeHandle:
-    """A server on `path` opened as `deltarun serve` opens its model (capture slots included)."""
+    """A server on `path` opened as `deltarun serve` opens its model (capture slots included).
+    Prefill ahead is off unless asked for: most tests count what each request evaluates, which
+    work done ahead between requests would make depend on timing (it has tests of its own)."""
+    settings.setdefault("prefill_ahead", False)
     ctx = settings.pop("n_ctx", N_CTX)
     rs = max(RS_SLOTS, settings.get("draft_max", 0) + 1)
     return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=rs,

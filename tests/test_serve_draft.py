@@ -29,6 +29,7 @@ PROMPTS = [f"say {' '.join(['one two three four'] * (i + 1))} {i} one two" for i
 
 
 def _server(target, draft=None, draft_path=None, parallel=4, **settings) -> ServeHandle:
+    settings.setdefault("prefill_ahead", False)    # as in test_serve: requests' own evaluations are counted
     def target_model():
         return Model(target, n_ctx=N_CTX, n_seq_max=parallel, n_batch=64, rs_slots=DRAFT_MAX + 1, n_threads=1,
                      kv_type="f32", mtp=draft == "mtp")

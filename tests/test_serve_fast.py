@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import types
 
 import numpy as np
 import pytest
@@ -253,6 +254,7 @@ def test_queued_text_events_of_a_stream_are_merged():
     async def run() -> list[Event]:
         relay = _Relay.__new__(_Relay)
         relay.queue, relay.finished, relay._held = asyncio.Queue(), False, None
+        relay.state = types.SimpleNamespace(answered=lambda params, ev: None)
         relay.job = Job(GenParams(prompt=[1], max_tokens=4, req=SamplingRequest()), lambda ev: None)
         for ev in (Event(delta=Delta("a")), Event(delta=Delta("b")), Event(logprobs=[{"t": 1}]),
                    Event(delta=Delta("c"), finish_reason="stop", result={}), Event(delta=Delta("never"))):

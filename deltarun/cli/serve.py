@@ -57,6 +57,9 @@ def check_port(host: str, port: int) -> None:
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=1024, show_default=True,
               help="Also checkpoint the recurrent state every N prompt tokens (0: only at message boundaries "
                    "and prompt ends).")
+@click.option("--prefill-ahead/--no-prefill-ahead", default=True, show_default=True,
+              help="While idle, evaluate what a conversation's next request will start with (the answer as the "
+                   "template renders an earlier one), so the next turn evaluates only its new message.")
 @click.option("--max-body", type=click.IntRange(min=1), default=8, show_default=True, metavar="MiB",
               help="Largest request body accepted.")
 @click.option("--alias", default=None, help="Model id reported by /v1/models [default: the file name].")
@@ -65,7 +68,8 @@ def check_port(host: str, port: int) -> None:
               default="warning", show_default=True)
 @model_options
 def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: int, api_key: str | None,
-          max_queue: int, chunk: int | None, checkpoint_every: int, max_body: int, alias: str | None,
+          max_queue: int, chunk: int | None, checkpoint_every: int, prefill_ahead: bool, max_body: int,
+          alias: str | None,
           draft: str | None, draft_max: int, log_level: str, **opts: object) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     try:
@@ -92,7 +96,8 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
                              chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
-                             rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft)
+                             rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft,
+                             prefill_ahead=prefill_ahead)
 
     # a partial, not a closure: with --rpc the model opens in a spawned child process (supervisor.py)
     load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, mtp=draft == "mtp",

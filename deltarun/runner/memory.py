@@ -48,10 +48,12 @@ class RecurrentState:
 
 @dataclass(frozen=True)
 class KVRows:
-    """The KV rows of positions 0..n-1 of a sequence, per attention layer: (K rows, V channels x n)."""
+    """The KV rows of positions start..start+n-1 of a sequence, per attention layer: (K rows, V
+    channels x n)."""
 
     n: int
     rows: dict[int, tuple[np.ndarray, np.ndarray]]
+    start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -260,8 +262,8 @@ class Memory:
             for t, saved in ((self.conv[il], state.conv[il]), (self.ssm[il], state.ssm[il])):
                 self._write_bytes(t, saved, seq * t.contents.nb[1])
 
-    def read_kv(self, seq: int, n: int) -> KVRows:
-        """Host copy of the KV rows of positions 0..n-1 of `seq`."""
+    def read_kv(self, seq: int, n: int, start: int = 0) -> KVRows:
+        """Host copy of the KV rows of positions start..n-1 of `seq`."""
         rows = {}
         for il in self.k:
             k, v = self.k[il], self.v[il]
@@ -269,28 +271,31 @@ class Memory:
             width = int(v.contents.ne[1]) // self.n_cells
             block = self._read_bytes(v, seq * width * v_row, width * v_row).reshape(width, v_row)
             elem = v_row // self.n_ctx
-            rows[il] = (self._read_bytes(k, seq * self.n_ctx * k_row, n * k_row), block[:, :n * elem].copy())
-        return KVRows(n, rows)
+            rows[il] = (self._read_bytes(k, (seq * self.n_ctx + start) * k_row, (n - start) * k_row),
+                        block[:, start * elem:n * elem].copy())
+        return KVRows(n - start, rows, start)
 
     def write_kv(self, seq: int, kv: KVRows, n: int | None = None) -> None:
-        """Write the first n (default all) saved positions of `kv` into cell `seq`."""
+        """Write the first n (default all) saved positions of `kv` into cell `seq`, at the
+        positions they were read from (kv.start..)."""
         n = kv.n if n is None else n
         if n > kv.n:
             raise ValueError(f"only {kv.n} positions saved, {n} asked")
         for il, (k_part, v_part) in kv.rows.items():
             k, v = self.k[il], self.v[il]
             k_row, v_row = k.contents.nb[1], v.contents.nb[1]
-            self._write_bytes(k, k_part[:n * k_row], seq * self.n_ctx * k_row)
+            self._write_bytes(k, k_part[:n * k_row], (seq * self.n_ctx + kv.start) * k_row)
             width = int(v.contents.ne[1]) // self.n_cells
             elem = v_row // self.n_ctx
             if not n:
                 continue
             part = np.ascontiguousarray(v_part[:, :n * elem])
             addr, stride = part.ctypes.data, part.strides[0]
-            for ch in range(width):                    # the first n positions of each channel's row
+            for ch in range(width):                    # the n positions of each channel's row
                 # one raw call per row: numpy slicing per row cost more than the copy (a server moves
                 # cells with this: PromptCache.swap, resuming from host RAM)
-                ggml.ggml_backend_tensor_set(v, addr + ch * stride, (seq * width + ch) * v_row, n * elem)
+                ggml.ggml_backend_tensor_set(v, addr + ch * stride, (seq * width + ch) * v_row + kv.start * elem,
+                                             n * elem)
 
     def set_tokens(self, seq: int, tokens: list[int]) -> None:
         """Set the bookkeeping of `seq` to hold `tokens` (its state must already match them).

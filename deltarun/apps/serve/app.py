@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import threading
 import time
@@ -27,8 +28,8 @@ from starlette.routing import Route
 
 from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
 from deltarun.apps.serve.output import Delta
-from deltarun.apps.serve.protocol import (ApiError, chat_delta, chat_message, envelope, parse_chat, parse_completion,
-                                          timings, usage)
+from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, envelope, parse_chat,
+                                          parse_completion, timings, usage)
 from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/"}   # "/": the static chat page (it sends the key itself)
@@ -39,8 +40,11 @@ class ServerState:
     """What the handlers share: the worker, the prompt builder (made once the model is loaded), settings."""
 
     def __init__(self, worker: Worker, make_builder: Callable[[Any], Any], *, model_name: str,
-                 api_key: str | None = None, max_body: int = 8 << 20, n_parallel: int = 1):
+                 api_key: str | None = None, max_body: int = 8 << 20, n_parallel: int = 1,
+                 prefill_ahead: bool = True):
         self.worker = worker
+        self.prefill_ahead = prefill_ahead
+        self._ahead_tasks: set[asyncio.Task] = set()    # next_turn renderings under way
         self._make_builder = make_builder
         self._builder: Any = None
         self.model_name = model_name
@@ -57,6 +61,32 @@ class ServerState:
             self._mailbox = _Mailbox(loop)
             self.worker.after_step = self._mailbox.wake
         return self._mailbox
+
+    @property
+    def settled(self) -> bool:
+        """No next-turn rendering under way and the worker idle (tests wait for this)."""
+        return not self._ahead_tasks and self.worker.idle
+
+    def answered(self, params: GenParams, ev: Event) -> None:
+        """A job ended with `ev`: after a chat answer that the client will send back as it is (not a
+        tool call), have the worker prefill the conversation's next prompt start while idle
+        (`PromptBuilder.next_turn`, `Worker.prefill_ahead`)."""
+        if not self.prefill_ahead or not isinstance(params.req, ChatRequest) or params.ahead \
+                or ev.finish_reason not in ("stop", "length") or ev.result is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._next_turn(params.req, ev.result["content"]))
+        self._ahead_tasks.add(task)
+        task.add_done_callback(self._ahead_tasks.discard)
+
+    async def _next_turn(self, req: ChatRequest, content: str) -> None:
+        try:
+            params = await run_in_threadpool(self.builder.next_turn, req, content)
+            if params is not None:
+                self.worker.prefill_ahead(params)
+        except ApiError:                 # loading, restarting or shutting down: nothing to do ahead
+            pass
+        except Exception:  # noqa: BLE001 - a prediction must never fail the request it follows
+            logging.getLogger("deltarun.serve").exception("rendering the next turn ahead failed")
 
     @property
     def builder(self) -> Any:
@@ -134,6 +164,7 @@ class _Relay:
     """A job plus the asyncio queue its events arrive on (put there from the worker thread)."""
 
     def __init__(self, state: ServerState, params: GenParams):
+        self.state = state
         mailbox = state.mailbox()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         queue = self.queue
@@ -190,6 +221,8 @@ class _Relay:
                         continue
                 if request is None:
                     ev = self._merge_queued(ev)
+                if ev.finish_reason is not None:
+                    self.state.answered(self.job.params, ev)
                 yield ev
                 if ev.finish_reason is not None or ev.error is not None:
                     self.finished = True

@@ -23,6 +23,9 @@ class Metrics:
                                      registry=r)
         self.evaluated_tokens = Counter("deltarun_prompt_tokens_evaluated", "Prompt tokens evaluated (not cached)",
                                         registry=r)
+        self.ahead_tokens = Counter("deltarun_prompt_tokens_ahead",
+                                    "Prompt tokens evaluated ahead of their request, while idle (the likely "
+                                    "start of a conversation's next prompt)", registry=r)
         self.generated_tokens = Counter("deltarun_tokens_predicted", "Generated tokens", registry=r)
         self.requests = Counter("deltarun_requests", "Requests admitted to the model", registry=r)
         self.running = Gauge("deltarun_requests_processing", "Requests holding a sequence slot", registry=r)
@@ -44,8 +47,8 @@ class Metrics:
         self.prompt_tokens.inc(n_prompt)
         self.cached_tokens.inc(n_cached)
 
-    def prefill_step(self, n_tokens: int, seconds: float) -> None:
-        self.evaluated_tokens.inc(n_tokens)
+    def prefill_step(self, n_tokens: int, seconds: float, ahead: bool = False) -> None:
+        (self.ahead_tokens if ahead else self.evaluated_tokens).inc(n_tokens)
         with self._lock:
             self._prompt[0] += n_tokens
             self._prompt[1] += seconds

@@ -150,6 +150,7 @@ class OutputStream:
         self.thinking = ThinkingSplitter(starts_thinking) if reasoning else None
         self.tools = ToolCallStream() if tools else None
         self.text = ""                 # the generated text, up to a stop string
+        self.content = ""              # the answer's content as the client receives it (no reasoning)
         self._content_started = False
         self._saw_reasoning = False
         self.n_tool_calls = 0
@@ -207,4 +208,5 @@ class OutputStream:
                                        and THINK_CLOSE in self.text):
                 d.content = d.content.lstrip("\n")
             self._content_started = bool(d.content)
+        self.content += d.content
         return d

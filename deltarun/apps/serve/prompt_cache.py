@@ -18,10 +18,16 @@ the think block of earlier answers, so the next prompt differs right there), eve
 long prompt, and at the end of each prompt (with its logits, so re-sending the same prompt
 evaluates nothing).
 
-For a request the cache looks at every idle cell and host entry, computes the common token
-prefix p with the prompt and the longest length r <= p it can resume at (the cell's live state
-when the prompt extends it, a rollback, or a checkpoint), and picks the largest r. Only the
-prompt after r is evaluated; r is the request's `cached_tokens`.
+A cell that resumes at an earlier length at or after its answer start (the next turn prefilled
+ahead of its request, a regeneration of the last answer) keeps the tail it replaces **aside**: its
+tokens, the KV rows of those positions and the checkpoints among them. So the prompt of the turn
+that was just answered stays resumable after the server prefilled the next turn's likely start
+(`Worker.prefill_ahead`): regenerating the answer still evaluates nothing.
+
+For a request the cache looks at every idle cell (and its aside) and host entry, computes the
+common token prefix p with the prompt and the longest length r <= p it can resume at (the cell's
+live state when the prompt extends it, a rollback, or a checkpoint), and picks the largest r. Only
+the prompt after r is evaluated; r is the request's `cached_tokens`.
 """
 
 from __future__ import annotations
@@ -53,6 +59,24 @@ class Checkpoint:
 
 
 @dataclass
+class Aside:
+    """The tail of a cell from `start` on, kept when the cell went back to `start` (see the module
+    docstring): the cell's positions before `start` are still these tokens' KV rows."""
+
+    start: int
+    tokens: list[int]                    # all of them, the shared first `start` included
+    kv: KVRows                           # rows of positions start..len(tokens)-1
+    checkpoints: dict[int, Checkpoint]   # after start
+    hidden: dict[int, np.ndarray]        # as CellInfo.hidden, at those checkpoints
+    answer_start: int
+
+    @cached_property
+    def nbytes(self) -> int:
+        return (self.kv.nbytes + sum(c.nbytes for c in self.checkpoints.values())
+                + sum(h.nbytes for h in self.hidden.values()))
+
+
+@dataclass
 class CellInfo:
     """What the cache knows about one cell beyond the model's own bookkeeping."""
 
@@ -63,11 +87,14 @@ class CellInfo:
     #: resume at (the last rs_slots lengths and the checkpoints): an MTP draft needs the row before
     #: the resume point to fill its KV row there (see `note_hidden`)
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
+    aside: Aside | None = None
 
     def truncate(self, n: int) -> None:
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= n}
         self.answer_start = min(self.answer_start, n)
         self.hidden = {p: h for p, h in self.hidden.items() if p <= n}
+        if self.aside is not None and n < self.aside.start:
+            self.aside = None
 
 
 @dataclass
@@ -90,8 +117,8 @@ class Resume:
     """Where a request starts: `pos` prompt tokens are reused (`logits` set when pos == len(prompt))."""
 
     pos: int = 0
-    how: str = "fresh"                   # fresh | live | rollback | checkpoint | host
-    cell: int | None = None              # for live / rollback / checkpoint
+    how: str = "fresh"                   # fresh | live | rollback | checkpoint | aside | host
+    cell: int | None = None              # for live / rollback / checkpoint / aside
     entry: HostEntry | None = None       # for host
     checkpoint: Checkpoint | None = None
     logits: np.ndarray | None = None
@@ -99,7 +126,7 @@ class Resume:
 
 
 KEEP_PER_CELL = 2
-_PREFERENCE = {"live": 4, "rollback": 3, "checkpoint": 2, "host": 1, "fresh": 0}
+_PREFERENCE = {"live": 4, "rollback": 3, "checkpoint": 2, "aside": 2, "host": 1, "fresh": 0}
 
 
 class PromptCache:
@@ -139,6 +166,11 @@ class PromptCache:
         if cp is not None and cp.pos > best.pos:
             best = Resume(cp.pos, "checkpoint", cell, checkpoint=cp,
                           logits=cp.logits if cp.pos == L else None)
+        a = info.aside
+        if a is not None:
+            cp = self._best_checkpoint(a.checkpoints, common_prefix_length(a.tokens, prompt), L)
+            if cp is not None and cp.pos > best.pos:
+                best = Resume(cp.pos, "aside", cell, checkpoint=cp, logits=cp.logits if cp.pos == L else None)
         return best
 
     def lookup(self, prompt: list[int], idle: list[int]) -> Resume:
@@ -156,7 +188,10 @@ class PromptCache:
             if cp is not None and cp.pos > best.pos:
                 best = Resume(cp.pos, "host", entry=e, checkpoint=cp,
                               logits=cp.logits if cp.pos == len(prompt) else None)
-        rows = self.cells[best.cell].hidden if best.cell is not None else best.entry.hidden if best.entry else {}
+        if best.how == "aside":
+            rows = self.cells[best.cell].aside.hidden
+        else:
+            rows = self.cells[best.cell].hidden if best.cell is not None else best.entry.hidden if best.entry else {}
         best.hidden = rows.get(best.pos)
         return best
 
@@ -179,15 +214,29 @@ class PromptCache:
         elif r.how == "live":
             pass
         elif r.how == "rollback":
+            self._set_aside(cell, r.pos)
             model.rollback(model.n_past(cell) - r.pos, cell)
             info.truncate(r.pos)
         elif r.how == "checkpoint":
             if r.pos < info.answer_start:          # a branch or another conversation: keep the old one too
                 self._evict(cell, keep_cell=True)
+            else:
+                self._set_aside(cell, r.pos)
             tokens = model.tokens(cell)[:r.pos]
             model.memory.write_recurrent(cell, r.checkpoint.state)
             model.memory.set_tokens(cell, tokens)
             info.truncate(r.pos)
+        elif r.how == "aside":
+            a = info.aside
+            self._set_aside(cell, a.start)         # what the cell holds now goes aside in turn
+            model.memory.write_kv(cell, a.kv, r.pos - a.start)
+            model.memory.write_recurrent(cell, r.checkpoint.state)
+            model.memory.set_tokens(cell, a.tokens[:r.pos])
+            info.checkpoints = {p: c for p, c in info.checkpoints.items() if p <= a.start} | \
+                {p: c for p, c in a.checkpoints.items() if p <= r.pos}
+            info.hidden = {p: h for p, h in info.hidden.items() if p <= a.start} | \
+                {p: h for p, h in a.hidden.items() if p <= r.pos}
+            info.answer_start = min(a.answer_start, r.pos)
         elif r.how == "host":
             e = r.entry
             model.memory.write_kv(cell, e.kv, r.pos)
@@ -198,6 +247,20 @@ class PromptCache:
                                         hidden={p: h for p, h in e.hidden.items() if p <= r.pos})
             self.host.remove(e)
         self.cells[cell].last_used = time.monotonic()
+
+    def _set_aside(self, cell: int, start: int) -> None:
+        """Keep the tail of `cell` after `start` aside (replacing the one there) when it has
+        checkpoints to resume from and the budget allows; else forget it."""
+        model, info = self.model, self.cells[cell]
+        later = {p: c for p, c in info.checkpoints.items() if p > start}
+        info.aside = None
+        if not later or self.budget <= 0 or model.n_past(cell) <= start:
+            return
+        a = Aside(start, model.tokens(cell), model.memory.read_kv(cell, model.n_past(cell), start), later,
+                  {p: h for p, h in info.hidden.items() if p in later}, info.answer_start)
+        if a.nbytes <= self.budget:
+            info.aside = a
+            self._enforce_budget(protect=cell)
 
     def checkpoint(self, cell: int, logits: np.ndarray | None = None, state: RecurrentState | None = None) -> None:
         """Save the live recurrent state of `cell` at its current length, or `state` (captured
@@ -277,18 +340,24 @@ class PromptCache:
         for info in self.cells:
             for c in info.checkpoints.values():
                 seen[id(c)] = c.nbytes
+            if info.aside is not None:
+                total += info.aside.nbytes
         return total + sum(seen.values())
 
     def _enforce_budget(self, protect: int | None = None) -> None:
-        """Drop least recently used host entries, then the oldest checkpoints of the least recently
-        used cells. The two newest checkpoints of every cell stay whatever the budget: usually the
-        start of the last answer and the end of the last prompt, which the next turn and a
-        regeneration resume from."""
+        """Drop least recently used host entries, then the asides of the least recently used cells
+        (the protected one's last), then the oldest checkpoints of the least recently used cells.
+        The two newest checkpoints of every cell stay whatever the budget: usually the start of the
+        last answer and the end of the last prompt, which the next turn and a regeneration resume
+        from."""
         while self.nbytes() > self.budget and self.host:
             self.host.remove(min(self.host, key=lambda e: e.last_used))
-        if self.nbytes() <= self.budget:
-            return
-        for c in sorted(range(len(self.cells)), key=lambda c: (c == protect, self.cells[c].last_used)):
+        order = sorted(range(len(self.cells)), key=lambda c: (c == protect, self.cells[c].last_used))
+        for c in order:
+            if self.nbytes() <= self.budget:
+                return
+            self.cells[c].aside = None
+        for c in order:
             cps = self.cells[c].checkpoints
             for pos in sorted(cps)[:-KEEP_PER_CELL]:
                 if self.nbytes() <= self.budget:

@@ -9,6 +9,11 @@ agreeing; the answer boundary is where the prompt and the rendering of the conve
 by an answer and another user message stop agreeing, which is exactly where the next turn's
 prompt will differ from this one (Qwen3 templates render an earlier answer without its think
 block).
+
+The next turn's start is predicted the same way (`next_turn`): the conversation with the answer
+as the client will send it back, followed by a stand-in message, rendered and cut where the
+stand-in's text begins. The worker evaluates that ahead while idle (`Worker.prefill_ahead`), and
+the rendering is the one the next turn's boundaries are found with, so it is not done twice.
 """
 
 from __future__ import annotations
@@ -163,6 +168,27 @@ class PromptBuilder:
                          grammar=grammar, reasoning=True, starts_thinking=opens_thinking(text), tools=use_tools,
                          checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start]),
                          answer_start=answer_start)
+
+    def next_turn(self, req: ChatRequest, content: str) -> GenParams | None:
+        """The start of this conversation's next prompt, when the client sends back `content` (the
+        answer's text; OpenAI clients do not send reasoning back) and then one more message: up to
+        where that message's text begins. None when it cannot be rendered or would not fit."""
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        msgs = req.messages + [{"role": "assistant", "content": content}]
+        try:
+            text = self._stand_in_render(self._prefix_keys(msgs, req, tools)[-1], msgs, req, tools)
+        except TokenizerError:
+            return None
+        cut = text.rfind(STAND_IN["content"])
+        if cut < 0:
+            return None
+        tokens = self.tokenize(text)
+        n = self._boundary(text, text[:cut], tokens, self._token_ends(text, tokens))
+        if not 0 < n < self.n_ctx:
+            return None
+        prompt = tokens[:n]
+        return GenParams(prompt=prompt, max_tokens=0, req=req, checkpoints=self._checkpoints(n, []), answer_start=n,
+                         ahead=True)
 
     def completion(self, req: CompletionRequest) -> GenParams:
         if isinstance(req.prompt, str):

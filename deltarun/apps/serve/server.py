@@ -43,6 +43,7 @@ class ServeSettings:
     draft_max: int = 8
     rpc: tuple[str, ...] = ()         # RPC endpoints of the model: it then runs in a supervised child process
     supervise: bool = False           # the supervised child process without RPC too (supervisor.py)
+    prefill_ahead: bool = True        # evaluate a conversation's likely next prompt start while idle
     #: opens the draft GGUF with one sequence per slot (n_seq_max = parallel), when draft is a path
     open_draft: Callable[[], Any] | None = None
 
@@ -77,7 +78,7 @@ def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerS
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
 
     state = ServerState(worker, make_builder, model_name=s.model_name, api_key=s.api_key,
-                        max_body=s.max_body_mib << 20, n_parallel=s.parallel)
+                        max_body=s.max_body_mib << 20, n_parallel=s.parallel, prefill_ahead=s.prefill_ahead)
     return create_app(state), state
 
 
@@ -146,6 +147,14 @@ class ServeHandle:
     @property
     def worker(self) -> Worker:
         return self.state.worker
+
+    def wait_settled(self, timeout: float = 60.0) -> None:
+        """Wait until the worker has nothing left to do, work ahead included."""
+        deadline = time.monotonic() + timeout
+        while not self.state.settled:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not settle")
+            time.sleep(0.005)
 
     def start(self, timeout: float = 120.0) -> "ServeHandle":
         self.state.worker.start()

@@ -215,6 +215,8 @@ def _child_main(conn: Any, open_model: Callable[[], Any], worker_kwargs: dict[st
                 except ApiError as e:
                     job.emit(Event(error=e))
                     outbox.flush()
+            elif kind == "ahead":
+                worker.prefill_ahead(msg[1])
             elif kind == "cancel":
                 job = jobs.pop(msg[1], None)
                 if job is not None:
@@ -312,6 +314,17 @@ class SupervisedWorker:
                                type="unavailable_error", code="queue_full", headers={"Retry-After": "1"})
             self._jobs[job.id] = job
             self._send(("submit", job.id, job.params))
+
+    def prefill_ahead(self, params: Any) -> None:
+        """`Worker.prefill_ahead` in the child (dropped while it is down or loading)."""
+        with self._lock:
+            if not self._stopping and self._down is None and self._conn is not None:
+                self._send(("ahead", params))
+
+    @property
+    def idle(self) -> bool:
+        """No request of this process's in the child (work ahead there is not seen from here)."""
+        return not self._jobs
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(model)` in the child between two steps; `fn` must pickle."""

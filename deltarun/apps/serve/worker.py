@@ -30,6 +30,18 @@ the model. The worker loops over steps; each step
 
 A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
 tokens it evaluated stay in the cell for the prompt cache.
+
+**Prefill ahead.** When nothing else is to be done, the worker evaluates what the app predicts a
+conversation's next prompt will start with (`prefill_ahead`; `PromptBuilder.next_turn` renders the
+conversation with the answer just given, as the client will send it back, up to where the next
+message's text begins). A chat client re-sends the history each turn, and the Qwen templates render
+an earlier answer differently from how it was generated (without its think block), so otherwise the
+whole previous answer is evaluated again after the next request arrives. Such work runs as a
+background job in the conversation's cell, chunk by chunk, only while no request waits or runs: a
+request that arrives stops it after the chunk in progress, and resumes from what it reached (the
+cell's live state, when the request's prompt extends it). Nothing is sent for it; its tokens are
+counted apart (`Metrics.ahead_tokens`). The prompt cache keeps the tail it replaces aside, so a
+regeneration of the answer still resumes from the end of its prompt.
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ class GenParams:
     tools: bool = False                 # parse tool calls
     checkpoints: list[int] = field(default_factory=list)   # prompt positions to checkpoint at
     answer_start: int = 0               # where the next turn will diverge from this prompt
+    ahead: bool = False                 # a prompt start evaluated ahead of its request (`Worker.prefill_ahead`)
 
 
 @dataclass
@@ -160,6 +173,9 @@ class Worker:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
+        #: prompt starts to evaluate while idle (`prefill_ahead`), newest last; one per slot at most
+        self._ahead: collections.deque[GenParams] = collections.deque(maxlen=n_parallel)
+        self._admitting = False           # jobs taken from the queues, not yet in _active (see `idle`)
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
@@ -186,6 +202,20 @@ class Worker:
             self.metrics.queued.set(len(self._waiting))
             self._cond.notify()
 
+    def prefill_ahead(self, params: GenParams) -> None:
+        """Evaluate `params.prompt` (the likely start of a conversation's next prompt) when the worker
+        has nothing else to do; see the module docstring. Dropped silently while shutting down."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._ahead.append(dataclasses.replace(params, ahead=True, max_tokens=0))
+            self._cond.notify()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting, running or to be prefilled ahead (a snapshot)."""
+        return not self._waiting and not self._active and not self._ahead and not self._admitting
+
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(model)` on the model thread between two steps (e.g. a graph dump for /graph)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -207,7 +237,7 @@ class Worker:
 
     @property
     def counts(self) -> tuple[int, int]:
-        return len(self._active), len(self._waiting)
+        return sum(not j.params.ahead for j in self._active), len(self._waiting)
 
     # --- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -256,7 +286,8 @@ class Worker:
 
     def _step(self) -> bool:
         with self._cond:
-            while not self._waiting and not self._active and not self._calls and not self._stopping:
+            while not self._waiting and not self._active and not self._calls and not self._stopping \
+                    and not self._ahead:
                 self._cond.wait()
             calls, self._calls = self._calls, []
             if self._stopping:
@@ -264,13 +295,20 @@ class Worker:
                 self._waiting.clear()
             else:
                 stopping = None
+            if self._waiting:         # a request came: work done ahead stops after its last chunk
+                for job in self._active:
+                    if job.params.ahead:
+                        job.cancel()
             admitted = []
-            free = self.n_parallel - len(self._active)
+            free = self.n_parallel - sum(not (j.params.ahead and j.cancelled) for j in self._active)
             while free > 0 and self._waiting:
                 job = self._waiting.popleft()
                 if not job.cancelled:
                     admitted.append(job)
                     free -= 1
+            if not admitted and not self._active and not self._waiting and self._ahead:
+                admitted.append(Job(self._ahead.popleft(), lambda ev: None))
+            self._admitting = bool(admitted)
             self.metrics.queued.set(len(self._waiting))
         for fn, fut in calls:
             if fut.set_running_or_notify_cancel():
@@ -283,14 +321,18 @@ class Worker:
                 job.emit(Event(error=ApiError("the server is shutting down", status=503, type="unavailable_error",
                                               code="shutting_down")))
             for job in list(self._active):
-                self._finish(job, "stop")
+                if job.params.ahead:
+                    self._release(job)
+                else:
+                    self._finish(job, "stop")
             return False
         for job in list(self._active):
             if job.cancelled:
                 self._release(job)
         for job in admitted:
-            self._guard(job, self._admit)
-        self.metrics.running.set(len(self._active))
+            self._guard(job, self._admit_ahead if job.params.ahead else self._admit)
+        self._admitting = False
+        self.metrics.running.set(self.counts[0])
         prefilling = [j for j in self._active if j.state == "prefill"]
         if prefilling:
             self._guard(prefilling[0], self._prefill_chunk)
@@ -316,7 +358,7 @@ class Worker:
             self._active.remove(job)
         if job.cell is not None and self.cache is not None:
             self.cache.finished(job.cell, job.params.answer_start)
-        self.metrics.running.set(len(self._active))
+        self.metrics.running.set(self.counts[0])
 
     # --- admission and prefill ---------------------------------------------------------------------
     def _admit(self, job: Job) -> None:
@@ -349,6 +391,26 @@ class Worker:
             self._flush_mtp_tail(job)
         else:
             job.state = "prefill"
+
+    def _admit_ahead(self, job: Job) -> None:
+        """Start evaluating a prompt start ahead, in the cell of the conversation it continues; not
+        when that conversation left the cells (host RAM) or when the cell already holds it."""
+        p = job.params
+        idle = [c for c in range(self.n_parallel) if c not in {j.cell for j in self._active}]
+        resume = self.cache.lookup(p.prompt, idle)
+        if resume.cell is None or resume.pos >= len(p.prompt) or resume.how == "aside" \
+                or resume.pos < self.cache.cells[resume.cell].answer_start:
+            return
+        self.cache.apply(resume, resume.cell)
+        job.cell, job.pos, job.n_cached = resume.cell, resume.pos, resume.pos
+        job.t_admit = time.perf_counter()
+        if self.draft == "mtp":            # the MTP block's KV rows follow the prompt, as for a request
+            from deltarun.apps.speculative import MtpDraft
+
+            job.draft = MtpDraft(self.model, seq=job.cell)
+            job.mtp_tail = (resume.hidden, job.pos - 1) if resume.hidden is not None and job.pos > 0 else None
+        job.state = "prefill"
+        self._active.append(job)
 
     # --- draft sources -------------------------------------------------------------------------------
     def _attach_draft(self, job: Job, resume_hidden: np.ndarray | None) -> None:
@@ -428,14 +490,16 @@ class Worker:
         if others and self._decode_s > 0:
             self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
         if self.trace is not None:
-            self.trace.append(("prefill", job.id, end - job.pos))
-        self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0)
+            self.trace.append(("ahead" if p.ahead else "prefill", job.id, end - job.pos))
+        self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0, ahead=p.ahead)
         job.n_evaluated += end - job.pos
         job.pos = end
         if end in p.checkpoints or end == n:
             self.cache.checkpoint(job.cell, logits if end == n else None)
             self.metrics.cache_bytes.set(self.cache.nbytes())
-        if end == n:
+        if end == n and p.ahead:
+            self._release(job)
+        elif end == n:
             job.state = "decode"
             self._advance(job, logits)
             self._flush_mtp_tail(job)
@@ -732,7 +796,7 @@ class Worker:
         gen_s = job.t_end - (job.t_first or job.t_end)
         result = {"n_prompt": len(job.params.prompt), "n_cached": job.n_cached, "n_evaluated": job.n_evaluated,
                   "prompt_s": prompt_s, "n_generated": len(job.generated), "generate_s": gen_s,
-                  "text": job.output.text, "tokens": list(job.generated), "n_drafted": job.n_drafted,
+                  "text": job.output.text, "content": job.output.content, "tokens": list(job.generated), "n_drafted": job.n_drafted,
                   "n_accepted": job.n_accepted}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
