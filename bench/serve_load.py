@@ -17,7 +17,10 @@ Workloads (`--workloads`, default all), each bounded in requests and by `--time-
   distinct short prompt and `--max-tokens` tokens (`ignore_eos`), after one untimed round at that
   concurrency (deltarun builds a graph per batch shape on first use).
 - `multiturn`: one conversation, `--turns` turns, history re-sent each turn with thinking off;
-  per turn: new tokens (not in the previous request), evaluated tokens, TTFT.
+  per turn: new tokens (not in the previous request), evaluated tokens, TTFT, and (deltarun) the
+  tokens the server evaluated ahead before the request came (`deltarun_prompt_tokens_ahead_total`
+  of /metrics, read just before each request). `--think-time S` waits S seconds between an answer
+  and the next request, as a person reading and typing does (default 0: back to back).
 - `branching`: a 3-turn conversation, then regenerate the last answer, then edit the first user
   message; evaluated tokens of each.
 - `interleave`: 2 x `--parallel` conversations taking turns round-robin (more than the slots);
@@ -94,6 +97,17 @@ class Client:
         self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout,
                                  limits=httpx.Limits(max_keepalive_connections=0))
         self.model = model
+
+    def ahead_tokens(self) -> float | None:
+        """deltarun's count of prompt tokens evaluated ahead (None from a server without it)."""
+        try:
+            body = self.http.get("/metrics").text
+        except httpx.HTTPError:
+            return None
+        for line in body.splitlines():
+            if line.startswith("deltarun_prompt_tokens_ahead_total "):
+                return float(line.split()[1])
+        return None
 
     def text_of_tokens(self, seed: int, n_tokens: int) -> str:
         """About n_tokens tokens of text, measured with the server's /tokenize."""
@@ -173,6 +187,9 @@ def _turns(c: Client, args: argparse.Namespace, conversations: int, turns: int, 
                 return rows
             msgs = convs[k]
             msgs.append({"role": "user", "content": f"{tag} {k} turn {t}: " + text(k * 31 + t, 30)})
+            if rows and args.think_time > 0:
+                time.sleep(args.think_time)
+            ahead = c.ahead_tokens()
             r = c.chat(msgs, args.max_tokens)
             if r.error:
                 rows.append({"conversation": k, "turn": t + 1, "error": r.error})
@@ -181,6 +198,8 @@ def _turns(c: Client, args: argparse.Namespace, conversations: int, turns: int, 
             rows.append({"conversation": k, "turn": t + 1, "prompt_tokens": r.n_prompt,
                          "growth": r.n_prompt - prev[k], "cached": r.n_cached, "evaluated": n_eval,
                          "ttft_ms": 1e3 * r.ttft})
+            if ahead is not None:
+                rows[-1]["ahead_total"] = ahead
             prev[k] = r.n_prompt + r.n_generated
             msgs.append({"role": "assistant", "content": r.text})
     return rows
@@ -290,13 +309,16 @@ def compare(a: dict, b: dict) -> str:
     """Side-by-side markdown tables of two runs (`--json` outputs) and the issue's goals they decide."""
     na, nb = a["server"], b["server"]
     out, goals = [f"{na} vs {nb}; 1-minute load average {a['load_avg'][0]:.1f} / {b['load_avg'][0]:.1f} "
-                  "at the start of each run"], []
+                  f"at the start of each run; think time {a.get('think_time', 0)} / {b.get('think_time', 0)} s"], []
     ra, rb = map(_turn_rows, _cmp_rows(a, b, "multiturn"))
     if ra and rb:
+        ahead = [x.get("ahead_total") for x in ra]
+        ahead = [None] + [b - a if a is not None and b is not None else None for a, b in zip(ahead, ahead[1:])]
         rows = [{"turn": x["turn"], "growth": x["growth"],
-                 f"evaluated {na}": x["evaluated"], f"evaluated {nb}": y["evaluated"],
+                 f"evaluated {na}": x["evaluated"], f"ahead {na}": "" if d is None else int(d),
+                 f"evaluated {nb}": y["evaluated"],
                  f"cached {na}": x["cached"], f"cached {nb}": y["cached"],
-                 f"TTFT ms {na}": x["ttft_ms"], f"TTFT ms {nb}": y["ttft_ms"]} for x, y in zip(ra, rb)]
+                 f"TTFT ms {na}": x["ttft_ms"], f"TTFT ms {nb}": y["ttft_ms"]} for x, y, d in zip(ra, rb, ahead)]
         out.append("**multiturn**\n\n" + table(rows))
         later = [r for r in rows if r["turn"] >= 2]
         ea, eb = sum(r[f"evaluated {na}"] for r in later), sum(r[f"evaluated {nb}"] for r in later)
@@ -423,6 +445,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--think-time", type=float, default=0.0,
+                    help="seconds between an answer and the next turn's request (multiturn, interleave)")
     ap.add_argument("--long-prompt", type=int, default=2000, help="tokens of the prefill-stall prompt")
     ap.add_argument("--stall-tokens", type=int, default=4000, help="token limit of the streams (they are closed once the long prompt is done)")
     ap.add_argument("--stall-idle", type=float, default=3.0, help="seconds of idle streaming before the long prompt")
@@ -451,7 +475,7 @@ def main() -> None:
         ap.error("give --url or --start")
     try:
         c = Client(url, args.model, args.api_key, args.timeout)
-        out = {"server": args.name, "load_avg": os.getloadavg(), "workloads": {}}
+        out = {"server": args.name, "load_avg": os.getloadavg(), "think_time": args.think_time, "workloads": {}}
         for name in args.workloads.split(","):
             out["workloads"][name] = WORKLOADS[name](c, args)
             if not args.json:

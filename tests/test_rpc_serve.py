@@ -144,6 +144,35 @@ def test_supervised_worker_matches_in_process_and_recovers(model_path):
         assert not h.worker._thread.is_alive() and h.worker.n_started == 2
 
 
+def test_supervised_worker_prefills_ahead_in_the_child(model_path):
+    """Prefill ahead crosses the process boundary: the child evaluates the next turn's start while
+    idle (its counter reaches the parent's /metrics) and the next turn reuses it as in-process."""
+    opener = functools.partial(Model, model_path, n_ctx=2048, n_seq_max=1, n_batch=64, rs_slots=4, n_threads=1)
+    nxt = {**ASK, "chat_template_kwargs": {"enable_thinking": False}}
+
+    def two_turns(h: ServeHandle, settle) -> tuple[str, int]:
+        first = httpx.post(h.base_url + "/v1/chat/completions", json=nxt, timeout=60).json()
+        settle(h)
+        msgs = ASK["messages"] + [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        r = httpx.post(h.base_url + "/v1/chat/completions", json={**nxt, "messages": msgs}, timeout=60).json()
+        return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def ahead_total(h: ServeHandle) -> float:
+        return next(float(ln.split()[1]) for ln in httpx.get(h.base_url + "/metrics").text.splitlines()
+                    if ln.startswith("deltarun_prompt_tokens_ahead_total "))
+
+    def child_settled(h: ServeHandle) -> None:
+        deadline = time.monotonic() + 30
+        while ahead_total(h) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    with ServeHandle(opener, ServeSettings(parallel=1)) as h:
+        expected = two_turns(h, ServeHandle.wait_settled)
+    with ServeHandle(opener, ServeSettings(parallel=1, supervise=True)) as h:
+        assert two_turns(h, child_settled) == expected
+        assert ahead_total(h) > 0
+
+
 def test_supervised_load_failure_is_reported(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 60)

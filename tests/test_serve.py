@@ -578,6 +578,127 @@ def _content_start(chat_tokens, before: list[dict], prompt: list[int]) -> int:
     return common_prefix_length(chat_tokens(before + [{"role": "user", "content": ""}], gen=False), prompt)
 
 
+def test_a_request_stops_work_ahead_after_its_chunk(model_path, chat_tokens, monkeypatch):
+    """The next turn arrives while the worker prefills it ahead (made certain here: the request is
+    sent, and queued, during the first chunk of work ahead): the work ahead stops after that chunk
+    and the request resumes from the cell's live state there, so it reuses the chunk."""
+    kw = {"chat_template_kwargs": {"enable_thinking": False}}
+    msgs = [{"role": "user", "content": "Tell me about the weather in spring, briefly."}]
+    with _server(model_path, parallel=1, chunk=4, checkpoint_every=0, prefill_ahead=True) as h, \
+            cf.ThreadPoolExecutor(1) as ex:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        w = h.worker
+        real, sent, answered = w._prefill_chunk, [], threading.Event()
+
+        def chunk(job):
+            real(job)
+            if job.params.ahead and not sent:     # the client has the first answer (the worker sent it)
+                assert answered.wait(30)
+                sent.append(ex.submit(_ask, c, msgs + [{"role": "user", "content": "And in autumn?"}],
+                                      max_tokens=6, **kw))
+                deadline = time.monotonic() + 30
+                while not w._waiting and time.monotonic() < deadline:
+                    time.sleep(0.001)
+        monkeypatch.setattr(w, "_prefill_chunk", chunk)
+        first = _ask(c, msgs, max_tokens=12, **kw)
+        msgs.append({"role": "assistant", "content": first.choices[0].message.content})
+        answered.set()
+        deadline = time.monotonic() + 30
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.005)
+        r = sent[0].result()
+        h.wait_settled()
+        monkeypatch.undo()
+        assert _ahead_total(h) >= 4
+    nxt = msgs + [{"role": "user", "content": "And in autumn?"}]
+    prompt = chat_tokens(nxt, enable_thinking=False)
+    diverge = common_prefix_length(chat_tokens(msgs[:1], enable_thinking=False), prompt)
+    assert r.usage.prompt_tokens_details.cached_tokens == diverge + 4
+    with _server(model_path, parallel=1, chunk=4, checkpoint_every=0) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        _ask(c, msgs[:1], max_tokens=12, **kw)
+        assert _ask(c, nxt, max_tokens=6, **kw).choices[0].message.content == r.choices[0].message.content
+
+
+def _ahead_total(h: ServeHandle) -> float:
+    return h.worker.metrics.ahead_tokens._value.get()
+
+
+def _conversation(h: ServeHandle, turns: int, settle: bool, tag: str = "") -> list:
+    """A multi-turn chat, thinking off, each answer sent back; with `settle` the server finishes its
+    work ahead between turns. Returns (prompt_tokens, cached, evaluated, answer, tokens evaluated
+    ahead so far) per turn."""
+    c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    msgs = [{"role": "system", "content": "You are a terse assistant."}]
+    out = []
+    for turn in range(turns):
+        msgs.append({"role": "user", "content": f"{tag}Question {turn}: what about {'this ' * (turn + 3)}?"})
+        r = _ask(c, msgs, max_tokens=10 + 3 * turn, chat_template_kwargs={"enable_thinking": False})
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        if settle:
+            h.wait_settled()
+        out.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens,
+                    r.model_extra["timings"]["prompt_n"], r.choices[0].message.content, _ahead_total(h)))
+    return out
+
+
+def test_prefill_ahead_leaves_each_turn_only_its_new_message(model_path, chat_tokens):
+    """With prefill ahead, the server evaluates each answer as the next turn will render it while
+    idle, so a turn evaluates only its new message (from where its text starts). Same answers as
+    without; the prompt tokens evaluated ahead plus those evaluated per request are exactly what a
+    server without prefill ahead evaluates per request. A regeneration of the last answer still
+    evaluates nothing (the replaced tail was kept aside), the turn after it again only its new
+    message, and an edit of the first message resumes where that message's text starts."""
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
+        plain = _conversation(h, 4, settle=False)
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0, prefill_ahead=True) as h:
+        ahead = _conversation(h, 4, settle=True)
+        assert [t[3] for t in ahead] == [t[3] for t in plain]
+        assert [t[0] for t in ahead] == [t[0] for t in plain]
+        # (the work ahead after the last turn is for a turn that does not come)
+        assert sum(t[2] for t in ahead) + ahead[-2][4] == sum(t[2] for t in plain)
+        assert ahead[-1][4] > ahead[-2][4] > ahead[0][4] > 0
+        msgs = [{"role": "system", "content": "You are a terse assistant."}]
+        for turn, (n_prompt, cached, evaluated, answer, _) in enumerate(ahead):
+            msgs.append({"role": "user", "content": f"Question {turn}: what about {'this ' * (turn + 3)}?"})
+            prompt = chat_tokens(msgs, enable_thinking=False)
+            assert n_prompt == len(prompt) and cached + evaluated == n_prompt
+            if turn:
+                assert cached == _content_start(chat_tokens, msgs[:-1], prompt) > plain[turn][1]
+            msgs.append({"role": "assistant", "content": answer})
+
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = {"chat_template_kwargs": {"enable_thinking": False}}
+        again = _ask(c, msgs[:-1], max_tokens=19, **kw)                 # regenerate the last answer
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+        assert again.choices[0].message.content == msgs[-1]["content"]
+        h.wait_settled()
+        msgs.append({"role": "user", "content": "And after that?"})
+        r = _ask(c, msgs, max_tokens=6, **kw)
+        prompt = chat_tokens(msgs, enable_thinking=False)
+        assert r.usage.prompt_tokens_details.cached_tokens == _content_start(chat_tokens, msgs[:-1], prompt)
+        edited = [dict(m) for m in msgs]
+        edited[1]["content"] = "Question 0, edited"
+        r = _ask(c, edited, max_tokens=6, **kw)
+        assert r.usage.prompt_tokens_details.cached_tokens == _content_start(chat_tokens, msgs[:1],
+                                                                             chat_tokens(edited, enable_thinking=False))
+
+
+def test_prefill_ahead_back_to_back_and_concurrent_conversations_keep_their_answers(model_path):
+    """No pause between turns, three conversations at once on two slots (requests come while work
+    ahead runs, or before it could start): the answers are those of a server without prefill
+    ahead, and every request's cached and evaluated tokens add up to its prompt."""
+    def run(prefill_ahead: bool) -> list:
+        with _server(model_path, parallel=2, chunk=8, checkpoint_every=0, prefill_ahead=prefill_ahead) as h:
+            with cf.ThreadPoolExecutor(3) as ex:
+                runs = list(ex.map(lambda k: _conversation(h, 3, settle=False, tag=f"[{k}] "), range(3)))
+            return [[(t[0], t[3]) for t in conv] for conv in runs], [[t[1] + t[2] == t[0] for t in conv] for conv in runs]
+
+    plain, _ = run(False)
+    ahead, consistent = run(True)
+    assert ahead == plain and all(all(c) for c in consistent)
+
+
 def test_more_conversations_than_slots_resume_from_host_ram(model_path):
     with _server(model_path, parallel=1, chunk=32, cache_ram_mib=64) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)

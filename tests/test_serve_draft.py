@@ -149,12 +149,14 @@ def _mtp_rows(h: ServeHandle, tokens: list[int]) -> tuple[int, list[np.ndarray]]
     return n, [np.frombuffer(kv.rows[il][0], dtype=np.float32).reshape(n, -1)[:n - 1] for il in m.memory.mtp_layers]
 
 
-def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_rows(tiny_model_path):
+@pytest.mark.parametrize("prefill_ahead", [False, True])
+def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_rows(tiny_model_path, prefill_ahead):
     """Multi-turn (the Qwen3 template re-renders the previous answer, so each turn resumes from the
-    checkpoint at the answer's start): only tokens the cells do not hold are evaluated with drafts
-    on (rolled-back drafts are not held, so they never count as cached), and the MTP block's KV rows
-    after the resume equal those a fresh server computes for the same conversation (the row before
-    the resume point comes from the hidden row the cache kept)."""
+    checkpoint at the answer's start, or with prefill ahead from the re-rendered answer evaluated
+    between turns): only tokens the cells do not hold are evaluated with drafts on (rolled-back
+    drafts are not held, so they never count as cached), and the MTP block's KV rows after the
+    resume (and after the work ahead) equal those a fresh server computes for the same conversation
+    (the row before the resume point comes from the hidden row the cache kept)."""
     from deltarun.runner.chat_template import ChatTemplate
     from deltarun.runner.gguf_file import GGUFFile
 
@@ -163,7 +165,7 @@ def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_ro
     tok, template = f.tokenizer(), ChatTemplate(f.get("tokenizer.chat_template"))
     msgs = [{"role": "system", "content": "Repeat after me."}]
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
-    with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0) as h:
+    with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0, prefill_ahead=prefill_ahead) as h:
         c, model = _client(h), h.worker.model
         held: list[int] = []
         for turn in range(3):
@@ -179,14 +181,20 @@ def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_ro
                 assert t["prompt_n"] == len(prompt) - common_prefix_length(held, prompt)
                 assert r.usage.prompt_tokens_details.cached_tokens > 20
             assert t.get("draft_n", 0) > 0
-            held = max((model.tokens(i) for i in range(2)), key=lambda ts: common_prefix_length(ts, prompt))
             msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            h.wait_settled()
+            held = max((model.tokens(i) for i in range(2)), key=lambda ts: common_prefix_length(ts, prompt))
         n_cached, rows = _mtp_rows(h, held)
+        assert (_metric(h, "deltarun_prompt_tokens_ahead_total") > 0) == prefill_ahead
+    # a fresh server evaluates the last request (or with prefill ahead a next turn, which starts with
+    # what was evaluated ahead) from nothing
+    probe = msgs + [{"role": "user", "content": "next"}] if prefill_ahead else msgs[:-1]
     with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0) as fresh:
-        r2 = _client(fresh).chat.completions.create(model="tiny", messages=msgs[:-1], max_tokens=10, temperature=0,
+        r2 = _client(fresh).chat.completions.create(model="tiny", messages=probe, max_tokens=10, temperature=0,
                                                     extra_body=kwargs)
         assert r2.usage.prompt_tokens_details.cached_tokens == 0
-        assert r2.choices[0].message.content == msgs[-1]["content"]
+        if not prefill_ahead:
+            assert r2.choices[0].message.content == msgs[-1]["content"]
         n_fresh, fresh_rows = _mtp_rows(fresh, held)
     assert n_cached == n_fresh == len(held)
     for a, b in zip(rows, fresh_rows):

@@ -91,9 +91,12 @@ def test_workloads_read_llama_server_accounting():
 
 
 def test_compare_puts_runs_side_by_side_and_decides_the_goals(tmp_path):
-    def run(name: str, evaluated: list[int], regen: int, ratio: float, tps8: float, stall: float) -> dict:
+    def run(name: str, evaluated: list[int], regen: int, ratio: float, tps8: float, stall: float,
+            ahead: list[float] | None = None) -> dict:
         turns = [{"conversation": 0, "turn": t + 1, "prompt_tokens": 100 * (t + 1), "growth": 100, "cached": 0,
                   "evaluated": e, "ttft_ms": 50.0} for t, e in enumerate(evaluated)]
+        for row, total in zip(turns, ahead or []):      # deltarun's ahead counter, read before each request
+            row["ahead_total"] = total
         return {"server": name, "load_avg": [1.0, 1.0, 1.0], "workloads": {
             "multiturn": turns,
             "branching": [{"case": "regenerate last answer", "prompt_tokens": 300, "cached": 300 - regen,
@@ -103,7 +106,7 @@ def test_compare_puts_runs_side_by_side_and_decides_the_goals(tmp_path):
             "prefill-stall": [{"streams": 7, "ratio": stall}]}}
 
     a = tmp_path / "a.json"
-    a.write_text(json.dumps(run("deltarun", [100, 60, 60], 0, 0.5, 90.0, 1.5)))
+    a.write_text(json.dumps(run("deltarun", [100, 60, 60], 0, 0.5, 90.0, 1.5, ahead=[0.0, 40.0, 85.0])))
     b = run("llama-server", [100, 100, 100], 4, 0.6, 100.0, 40.0)
     merged = serve_load.merged_runs([str(a)])
     out = serve_load.compare(merged, b)
@@ -114,4 +117,5 @@ def test_compare_puts_runs_side_by_side_and_decides_the_goals(tmp_path):
     assert goals["interleave: cached-token ratio >= llama-server's"] == "no"
     assert goals["throughput at concurrency 8: tokens/s >= llama-server's"] == "no"
     assert goals["prefill-stall: streams' ITL p99 <= 2x idle while a long prompt prefills"] == "yes"
-    assert "| 2 | 100 | 60 | 100 |" in out          # turn 2: growth, evaluated by each server
+    assert "| 2 | 100 | 60 | 40 | 100 |" in out     # turn 2: growth, evaluated by deltarun, ahead, by llama-server
+    assert "| 3 | 100 | 60 | 45 | 100 |" in out

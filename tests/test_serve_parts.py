@@ -266,3 +266,115 @@ def test_a_next_turn_renders_only_its_new_boundaries(model, monkeypatch):
     calls.clear()
     pb.chat(other)                                    # other template options: rendered again
     assert len(calls) == len(msgs) + 1 - 1
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen35"])
+def test_next_turn_is_where_the_next_prompt_starts_its_new_message(model, monkeypatch, template):
+    """`PromptBuilder.next_turn` (what the server prefills ahead) is the next turn's prompt up to
+    where its new message's text begins: those tokens start the next prompt, and two next prompts
+    with different new messages agree on exactly that many tokens. Contents starting with spaces,
+    newlines, brackets or think blocks; thinking on and off; the Qwen3 and Qwen3.5 templates. The
+    rendering it made is the one the next turn finds its last boundary with (not rendered again)."""
+    from shipped_data import QWEN35_TEMPLATE
+
+    from deltarun.apps.chat import common_prefix_length
+    from deltarun.apps.serve.prompts import PromptBuilder
+    from deltarun.apps.serve.protocol import ChatRequest
+    from deltarun.runner.chat_template import ChatTemplate
+
+    tmpl = ChatTemplate.builtin() if template == "qwen3" else ChatTemplate(QWEN35_TEMPLATE.read_text())
+    pb = PromptBuilder(model, tmpl, None)
+    rng = np.random.default_rng(1)
+    starts = ["", "\n", " ", "(", "\n\n", "<think>x</think>", "  ", "é"]
+    words = "the cat sat on a mat, then 42 dogs ran off".split()
+    for trial in range(24):
+        msgs = [{"role": "system", "content": "Be brief."}]
+        for _ in range(int(rng.integers(1, 3))):
+            msgs.append({"role": "user", "content": " ".join(rng.choice(words, int(rng.integers(1, 6))))})
+            msgs.append({"role": "assistant", "content": " ".join(rng.choice(words, int(rng.integers(1, 6))))})
+        msgs.pop()
+        kwargs = {"enable_thinking": bool(trial % 2)}
+        req = ChatRequest(messages=list(msgs), template_kwargs=kwargs)
+        answer = str(rng.choice(starts)) + " ".join(rng.choice(words, int(rng.integers(0, 8))))
+        ahead = pb.next_turn(req, answer)
+        assert ahead is not None and ahead.ahead and ahead.answer_start == len(ahead.prompt)
+        after = msgs + [{"role": "assistant", "content": answer}]
+        calls = []
+        real = pb._render
+        monkeypatch.setattr(pb, "_render", lambda *a: calls.append(a) or real(*a))
+        nxt = pb.chat(ChatRequest(messages=after + [{"role": "user", "content": "alpha beta"}], template_kwargs=kwargs))
+        monkeypatch.undo()
+        other = pb.chat(ChatRequest(messages=after + [{"role": "user", "content": "gamma"}], template_kwargs=kwargs))
+        assert nxt.prompt[:len(ahead.prompt)] == ahead.prompt
+        assert common_prefix_length(nxt.prompt, other.prompt) == len(ahead.prompt)
+        assert len(ahead.prompt) in nxt.checkpoints           # the next turn checkpoints where it resumes
+        stand_ins = [a[0] for a in calls if not a[3] and a[0][-1]["content"] == "\u0001"]
+        assert stand_ins and after + [stand_ins[0][-1]] not in stand_ins
+
+
+def test_prompt_cache_keeps_the_replaced_tail_aside(model):
+    """A cell that goes back to a checkpoint at or after its answer start (as prefill ahead does)
+    keeps what it held after that point aside: the old prompt's end resumes from there (with its
+    logits), the two tails swap places, and each continues exactly as a fresh evaluation would.
+    The aside counts against the budget and goes before any checkpoint does."""
+    model.reset()
+    cache = PromptCache(model, 3, budget_bytes=1 << 30)
+    prompt = list(range(100, 140))
+    answer = [7, 8, 9, 10, 11]
+    model.eval(prompt[:16], seq=0)
+    cache.checkpoint(0)
+    logits_40 = model.eval(prompt[16:], seq=0)
+    cache.checkpoint(0, logits=logits_40)
+    model.eval(answer, seq=0)
+    cache.finished(0, answer_start=16)
+    ahead = prompt[:16] + list(range(200, 210))                      # the next turn's start
+    r = cache.lookup(ahead, [0, 1, 2])
+    assert (r.how, r.pos, r.cell) == ("checkpoint", 16, 0)
+    cache.apply(r, 0)
+    aside = cache.cells[0].aside
+    assert aside is not None and aside.start == 16 and sorted(aside.checkpoints) == [40]
+    assert aside.tokens == prompt + answer and aside.kv.start == 16 and aside.kv.n == 45 - 16
+    model.eval(ahead[16:], seq=0)
+    cache.checkpoint(0)
+    cache.finished(0, answer_start=len(ahead))
+    assert cache.nbytes() == sum(c.nbytes for c in cache.cells[0].checkpoints.values()) + aside.nbytes
+    # the old prompt again (a regeneration): from the aside, nothing to evaluate
+    r = cache.lookup(prompt, [0, 1, 2])
+    assert (r.how, r.pos, r.cell) == ("aside", 40, 0)
+    np.testing.assert_array_equal(r.logits, logits_40)
+    cache.apply(r, 0)
+    assert model.tokens(0) == prompt and cache.cells[0].aside.tokens == ahead
+    assert sorted(cache.cells[0].checkpoints) == [16, 40]
+    np.testing.assert_allclose(model.eval([5, 6], seq=0), Model.logits_for(model, prompt + [5, 6])[-1],
+                               rtol=1e-5, atol=1e-5)
+    # and the next turn's start back from the other side
+    r = cache.lookup(ahead + [1, 2], [0])
+    assert (r.how, r.pos) == ("aside", len(ahead))
+    cache.apply(r, 0)
+    assert model.tokens(0) == ahead and cache.cells[0].aside.tokens == prompt + [5, 6]
+    np.testing.assert_allclose(model.eval([1, 2], seq=0), Model.logits_for(model, ahead + [1, 2])[-1],
+                               rtol=1e-5, atol=1e-5)
+    # a resume before the aside's start drops it; a tight budget drops it before checkpoints
+    cache.budget = cache.nbytes() - 1
+    cache._enforce_budget()
+    assert cache.cells[0].aside is None and sorted(cache.cells[0].checkpoints) == [16, len(ahead)]
+
+
+def test_kv_rows_read_and_written_from_a_start_position(model):
+    model.reset()
+    prompt = list(range(40, 80))
+    model.eval(prompt, seq=0)
+    whole = model.memory.read_kv(0, 40)
+    tail = model.memory.read_kv(0, 40, start=25)
+    assert (tail.n, tail.start) == (15, 25)
+    for il, (k, v) in tail.rows.items():
+        k_all, v_all = whole.rows[il]
+        assert k.tobytes() == k_all[25 * len(k_all) // 40:].tobytes()
+        assert v.tobytes() == np.ascontiguousarray(v_all[:, 25 * v_all.shape[1] // 40:]).tobytes()
+    # cell 1: the first 25 positions from the whole copy, the rest from the tail
+    model.memory.write_kv(1, whole, 25)
+    model.memory.write_kv(1, tail)
+    model.memory.write_recurrent(1, model.memory.read_recurrent(0))
+    model.memory.set_tokens(1, prompt)
+    np.testing.assert_array_equal(model.eval([3, 4], seq=1), model.eval([3, 4], seq=0))
+    model.memory.clear_seq(1)
