@@ -21,6 +21,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from admission_gate import AdmissionGate
 
 from deltarun.apps.chat import common_prefix_length
 from deltarun.apps.serve.server import ServeHandle, ServeSettings, free_port
@@ -298,15 +299,10 @@ def test_greedy_same_alone_and_among_others(model_path):
         for info in h.worker.cache.cells:
             info.checkpoints.clear()
         calls_before = h.worker.model.stats.n_eval_calls
-        gate, admit = threading.Event(), h.worker._admit
-        h.worker._admit = lambda job: (gate.wait(60), admit(job))   # hold admissions until all 8 wait
-        with cf.ThreadPoolExecutor(8) as pool:
+        with AdmissionGate(h.worker, 8) as gate, cf.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
                                    p) for p in prompts]
-            deadline = time.monotonic() + 60
-            while sum(h.worker.counts) < 7 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            gate.set()
+            gate.release()
             together = [f.result() for f in futures]
         n_calls = h.worker.model.stats.n_eval_calls - calls_before
     assert together == alone
@@ -475,6 +471,20 @@ def test_cli_port_in_use_is_one_line_error(model_path):
         proc = subprocess.run([sys.executable, "-m", "deltarun", "serve", str(model_path), "--port", str(port)],
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and proc.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--no-prefill-ahead"], False)])
+def test_cli_prefill_ahead_option(model_path, monkeypatch, flag, expected):
+    from click.testing import CliRunner
+
+    import deltarun.apps.serve.server as server
+    from deltarun.cli.main import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve_forever", lambda load, settings, *a, **kw: seen.append(settings))
+    result = CliRunner().invoke(cli, ["serve", str(model_path), "--port", "0", *flag])
+    assert result.exit_code == 0, result.output
+    assert seen[0].prefill_ahead is expected
 
 
 def test_health_is_503_while_loading(model_path):

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import threading
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from admission_gate import AdmissionGate
 
 from deltarun.apps.chat import common_prefix_length
 from deltarun.apps.serve.server import ServeHandle, ServeSettings
@@ -53,19 +52,11 @@ def _ask(c: openai.OpenAI, text: str, **kw):
 
 
 def _together(h: ServeHandle, c: openai.OpenAI, prompts: list[str], **kw) -> list:
-    """The prompts as concurrent requests, admitted in the same step (so they decode together)."""
-    gate, admit = threading.Event(), h.worker._admit
-    h.worker._admit = lambda job: (gate.wait(60), admit(job))
-    try:
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(_ask, c, p, **kw) for p in prompts]
-            deadline = time.monotonic() + 60
-            while sum(h.worker.counts) < len(prompts) - 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            gate.set()
-            return [f.result() for f in futures]
-    finally:
-        h.worker._admit = admit
+    """The prompts as concurrent requests, admitted together (so they decode together)."""
+    with AdmissionGate(h.worker, len(prompts)) as gate, cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_ask, c, p, **kw) for p in prompts]
+        gate.release()
+        return [f.result() for f in futures]
 
 
 def _metric(h: ServeHandle, name: str) -> float:
@@ -121,15 +112,10 @@ def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_pat
     with _server(tiny_model_path("tiny-echo"), draft="mtp") as h:
         c = _client(h)
         h.worker.trace = trace = []
-        gate, admit = threading.Event(), h.worker._admit
-        h.worker._admit = lambda job: (gate.wait(60), admit(job))
-        with cf.ThreadPoolExecutor(2) as pool:
+        with AdmissionGate(h.worker, 2) as gate, cf.ThreadPoolExecutor(2) as pool:
             fa = pool.submit(_ask, c, PROMPTS[0], logprobs=True)
             fb = pool.submit(_ask, c, PROMPTS[1])
-            deadline = time.monotonic() + 60
-            while sum(h.worker.counts) < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            gate.set()
+            gate.release()
             a, b = fa.result(), fb.result()
         h.worker.trace = None
     assert a.choices[0].message.content == plain_answers["tiny-echo"][0]
