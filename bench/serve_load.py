@@ -186,11 +186,11 @@ def _turns(c: Client, args: argparse.Namespace, conversations: int, turns: int, 
             if time.monotonic() > deadline:
                 return rows
             msgs = convs[k]
-            msgs.append({"role": "user", "content": f"{tag} {k} turn {t}: " + text(k * 31 + t, 30)})
+            msgs.append({"role": "user", "content": f"{tag} {k} turn {t}: " + text(k * 31 + t, args.user_words)})
             if rows and args.think_time > 0:
                 time.sleep(args.think_time)
             ahead = c.ahead_tokens()
-            r = c.chat(msgs, args.max_tokens)
+            r = c.chat(msgs, args.max_tokens, **({"ignore_eos": True} if args.ignore_eos else {}))
             if r.error:
                 rows.append({"conversation": k, "turn": t + 1, "error": r.error})
                 return rows
@@ -219,7 +219,7 @@ def interleave(c: Client, args: argparse.Namespace) -> list[dict]:
 def branching(c: Client, args: argparse.Namespace) -> list[dict]:
     msgs: list[dict] = []
     for t in range(3):
-        msgs.append({"role": "user", "content": f"branch turn {t}: " + text(t + 50, 30)})
+        msgs.append({"role": "user", "content": f"branch turn {t}: " + text(t + 50, args.user_words)})
         r = c.chat(msgs, args.max_tokens)
         msgs.append({"role": "assistant", "content": r.text})
     rows = []
@@ -445,6 +445,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--user-words", type=int, default=30, help="words of each user message (multiturn, "
+                    "interleave, branching)")
+    ap.add_argument("--ignore-eos", action="store_true", help="answers of --max-tokens tokens each "
+                    "(multiturn, interleave): what the next turn re-sends is then that long")
     ap.add_argument("--think-time", type=float, default=0.0,
                     help="seconds between an answer and the next turn's request (multiturn, interleave)")
     ap.add_argument("--long-prompt", type=int, default=2000, help="tokens of the prefill-stall prompt")
@@ -475,7 +479,9 @@ def main() -> None:
         ap.error("give --url or --start")
     try:
         c = Client(url, args.model, args.api_key, args.timeout)
-        out = {"server": args.name, "load_avg": os.getloadavg(), "think_time": args.think_time, "workloads": {}}
+        out = {"server": args.name, "load_avg": os.getloadavg(), "think_time": args.think_time,
+               "user_words": args.user_words, "max_tokens": args.max_tokens,
+               "ignore_eos": args.ignore_eos, "workloads": {}}
         for name in args.workloads.split(","):
             out["workloads"][name] = WORKLOADS[name](c, args)
             if not args.json:

@@ -487,6 +487,16 @@ def test_cli_prefill_ahead_option(model_path, monkeypatch, flag, expected):
     assert seen[0].prefill_ahead is expected
 
 
+def test_warm_up_before_the_first_request(model_path):
+    """Started servers have evaluated two tokens in a cell they then cleared, compiled the chat
+    template and loaded anyio's asyncio backend: one-time costs the first request would pay."""
+    with _server(model_path, parallel=2) as h:
+        m = h.worker.model
+        assert (m.stats.n_eval_calls, m.stats.n_eval_tokens) == (1, 2)
+        assert m.n_past(0) == m.n_past(1) == 0 and not h.worker.cache.cells[0].checkpoints
+        assert h.state._builder is not None and "anyio._backends._asyncio" in sys.modules
+
+
 def test_health_is_503_while_loading(model_path):
     import threading
 

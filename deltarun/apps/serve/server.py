@@ -111,6 +111,7 @@ def serve_forever(open_model: Callable[[], Any], s: ServeSettings, host: str, po
         if worker.load_error is not None:
             server.should_exit = True
             return
+        state.prepare()
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         if server.started and on_ready is not None:
@@ -168,6 +169,7 @@ class ServeHandle:
             raise RuntimeError("the model did not load in time")
         if self.state.worker.load_error is not None:
             raise RuntimeError(f"the model failed to load: {self.state.worker.load_error}")
+        self.state.prepare()
         return self
 
     def stop(self) -> None:

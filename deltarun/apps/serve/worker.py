@@ -63,7 +63,7 @@ from deltarun.apps.serve.output import Delta, OutputStream
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.runner.errors import DeltarunError
-from deltarun.runner.sampling import Sampler, sample_rows
+from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
@@ -247,6 +247,7 @@ class Worker:
             if keep is not None:         # decode steps between prompt chunks, runs of cells: no re-allocation
                 keep(STEP_GRAPHS)
             self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
+            self._warm_up()
             if self._grammar_factory is not None:
                 self.grammars = self._grammar_factory(self.model)
             if self.draft is not None:
@@ -269,6 +270,17 @@ class Worker:
             self.model.close()
             if self.draft_model is not None:
                 self.draft_model.close()
+
+    def _warm_up(self) -> None:
+        """Evaluate two tokens in cell 0 and forget them, and make one sampler, before the first
+        request (llama.cpp warms up the same way): the first graph build and compute allocation and
+        the first random generator's set-up from OS entropy are one-time costs, about 10 ms on the
+        built-in model, that the first request's time to first token would otherwise pay."""
+        m, tok = self.model, self.model.tokenizer
+        tokens = [t for t in (tok.bos_id, tok.eos_id) if t is not None and t < m.hp.n_vocab] or [0]
+        m.eval(tokens[:1] * 2, 0)
+        m.memory.clear_seq(0)
+        Sampler(SamplingParams(temperature=1.0))
 
     def _open_drafts(self) -> None:
         """Check the model can verify drafts and open the draft model (one sequence per slot)."""
