@@ -227,6 +227,43 @@ def test_each_turn_evaluates_only_the_new_tokens_with_and_without_thinking(model
     assert fresh.ask("Bye") == answer
 
 
+@pytest.mark.parametrize("template", ["qwen3", "qwen3.5"])
+@pytest.mark.parametrize("think", [False, True])
+def test_prefill_next_turn_leaves_the_turn_only_its_new_message(model, template, think):
+    """What the interactive chat does while the user types: the re-rendered answer is evaluated
+    ahead, so the next turn evaluates only its new message (from where its text starts) and the
+    answers are those of a session that did not prefill ahead. A second call has nothing to do."""
+    tmpl = QWEN35 if template == "qwen3.5" else None
+    opens_think = template == "qwen3.5" and think
+    reply = ("hmm\n</think>\n\n" if opens_think else "<think>\nhmm\n</think>\n\n" if think else "") + "Hi!"
+    answers = {}
+    for ahead in (False, True):
+        model.reset()
+        session = ChatSession(model, tmpl, enable_thinking=think, n_predict=5)
+        got, held = [], 0
+        for k, text in enumerate(("Hello", "Tell me more", "Thanks")):
+            session.sampler = Scripted(script(model, reply) if k == 0 else [])
+            got.append(session.ask(text))
+            if ahead and k:          # this turn started from what the previous one evaluated ahead
+                prompt = session.tokenize(session.render(session.messages[:-1]))
+                assert session.last_reused_tokens == held
+                assert session.last_prefill_tokens == len(prompt) - held
+            if ahead:
+                before = session.prompt_tokens(session.messages + [{"role": "user", "content": "Next"}])
+                n = session.prefill_next_turn()
+                start = common_prefix_length(model.tokens(), before)
+                assert n > 0 and start == len(model.tokens()) and session.prefill_next_turn() == 0
+                # the prefix held is where the next message's text begins: a different message
+                # shares exactly that much
+                other = session.prompt_tokens(session.messages + [{"role": "user", "content": "Other"}])
+                assert common_prefix_length(before, other) == start
+                held = start
+        answers[ahead] = got
+        if ahead:
+            assert session.totals.ahead_tokens > 0
+    assert answers[True] == answers[False]
+
+
 def test_readme_example_reuses_the_conversation(model, model_path):
     """`printf 'Hello\\nTell me more\\n' | deltarun chat model.gguf -n 64 --no-think`, then /stats:
     the second turn reuses the first prompt up to its assistant header."""
@@ -549,3 +586,33 @@ def test_cli_stop_thinking_and_context_messages(model_path, monkeypatch):
     assert "context full" in full.stderr and "/reset" in full.stderr and "--context-shift" in full.stderr
     cut = invoke("chat", model_path, "--ctx", "40", "--threads", "1", "--temp", "0", input="Hi\n")
     assert "[context full: 40/40 tokens" in cut.stderr
+
+
+def test_repl_prefills_the_next_turn_while_the_user_types(model, monkeypatch, capsys):
+    """The interactive loop starts `prefill_next_turn` in a thread before reading each line and
+    waits for it before running the line: the second turn reuses what was evaluated ahead, and the
+    answers are those of a plain session."""
+    from deltarun.cli import chat as chat_cli
+
+    lines = iter(["Hello", "Tell me more", "/stats"])
+
+    def read() -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(chat_cli, "_read_message", read)
+    monkeypatch.setattr(chat_cli, "_setup_readline", lambda: (lambda: None))
+    session = ChatSession(model, n_predict=5, enable_thinking=False)
+    chat_cli._repl(chat_cli.ChatUI(session))
+    out = capsys.readouterr()
+    assert session.totals.ahead_tokens > 0 and "evaluated while you typed" in out.err
+    prompt2 = session.tokenize(session.render(session.messages[:-1]))
+    first = session.messages[:2]
+    ahead = common_prefix_length(session.tokenize(session.render(first + [{"role": "user", "content": "x"}],
+                                                                  add_generation_prompt=False)), prompt2)
+    assert session.last_reused_tokens == ahead and session.last_prefill_tokens == len(prompt2) - ahead
+    model.reset()
+    plain = ChatSession(model, n_predict=5, enable_thinking=False)
+    assert [plain.ask("Hello"), plain.ask("Tell me more")] == [m["content"] for m in session.messages[1::2]]

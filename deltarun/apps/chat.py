@@ -20,7 +20,10 @@ otherwise the model returns to the checkpoint of its recurrent state taken durin
 prompt where the template can change its mind about it (right after the assistant header, before
 any think block: Qwen3 and Qwen3.5 drop the thinking of earlier answers and leave out the empty
 think block that a prompt without thinking holds; see `_checkpoint_position`), and only when that
-does not reach either is the model reset and the prompt recomputed (`last_recomputed`). Generated tokens
+does not reach either is the model reset and the prompt recomputed (`last_recomputed`). The
+interactive chat calls `prefill_next_turn` while the user types: it evaluates the conversation as
+the next turn will render it up to where the next message's text begins (the answer just given,
+re-rendered), so the next turn evaluates only the new message. Generated tokens
 that decode and re-tokenize to other ids also count as a difference. Because the model state is
 derived from `messages` this way, `messages` may also be edited directly between turns.
 
@@ -106,6 +109,7 @@ class SessionTotals:
     recomputes: int = 0
     rollbacks: int = 0
     dropped_messages: int = 0
+    ahead_tokens: int = 0        # evaluated by prefill_next_turn, while the user typed
 
     def add(self, t: TurnStats) -> None:
         self.turns += 1
@@ -493,6 +497,32 @@ class ChatSession:
             return None
 
         return PlainStep(self.model, self.sampler, self.seq, evaluate), GenerationStats()
+
+    def prefill_next_turn(self) -> int:
+        """Evaluate the start of the next turn's prompt now: the conversation followed by a user
+        message, rendered and cut where that message's text begins. The template may render the
+        answer just given differently from how it was generated (see `_checkpoint_position`), so
+        without this the next turn evaluates that answer again before its new message. Meant for
+        the pause while the user types (the interactive chat runs it in a thread and waits for it
+        before the next turn). Returns the tokens evaluated; 0 when there was nothing to do or the
+        conversation cannot be rendered so or does not fit."""
+        self._finish_active()
+        if not self.messages or self.messages[-1].get("role") != "assistant":
+            return 0
+        try:
+            text = self.render(self.messages + [{"role": "user", "content": _PLACEHOLDER}],
+                               add_generation_prompt=False)
+        except (jinja2.TemplateError, DeltarunError):
+            return 0
+        cut = text.rfind(_PLACEHOLDER)
+        tokens = self.tokenize(text)
+        start = common_prefix_length(self.tokenize(text[:cut]), tokens) if cut > 0 else 0
+        if start == 0 or start >= self.model.n_ctx:
+            return 0
+        stats = TurnStats()
+        self._prefill(tokens[:start], stats)
+        self.totals.ahead_tokens += stats.prefill_tokens
+        return stats.prefill_tokens
 
     # --- model memory ------------------------------------------------------------------------------
     def _reserve(self) -> int:

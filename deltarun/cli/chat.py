@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -180,7 +181,8 @@ class ChatUI:
                 lines.append(f"speculative: {spec.n_accepted}/{spec.n_drafted} drafts accepted "
                              f"({spec.acceptance:.1%}), {spec.tokens_per_step:.2f} tokens per verification step")
             lines.append(f"session: {tot.turns} turns; prompt {tot.prefill_tokens} tokens, "
-                         f"{_tps(tot.prefill_tokens, tot.prefill_seconds)}; generated {tot.generated_tokens} "
+                         f"{_tps(tot.prefill_tokens, tot.prefill_seconds)} (and {tot.ahead_tokens} evaluated "
+                         f"while you typed); generated {tot.generated_tokens} "
                          f"tokens, {_tps(tot.generated_tokens, tot.generate_seconds)}; "
                          f"{tot.recomputes} recomputes, {tot.rollbacks} rollbacks")
         _err("\n".join(lines))
@@ -230,10 +232,16 @@ def _read_message() -> str:
 
 
 def _repl(ui: ChatUI) -> None:
+    """Read and run lines until Ctrl-D or /exit. While the user types, a thread evaluates the start
+    of the next turn's prompt (`ChatSession.prefill_next_turn`); the line waits for it."""
     save_history = _setup_readline()
     _err("Type a message; /help lists the commands, Ctrl-C stops an answer, Ctrl-D or /exit quits.")
+    ahead: threading.Thread | None = None
     try:
         while True:
+            if ahead is None:
+                ahead = threading.Thread(target=_prefill_next_turn, args=(ui.session,), daemon=True)
+                ahead.start()
             try:
                 line = _read_message()
             except EOFError:
@@ -243,10 +251,21 @@ def _repl(ui: ChatUI) -> None:
                 click.echo("")
                 _err("(Ctrl-D or /exit quits)")
                 continue
+            ahead.join()
+            ahead = None
             if not ui.handle(line):
                 break
     finally:
+        if ahead is not None:
+            ahead.join()
         save_history()
+
+
+def _prefill_next_turn(session: Any) -> None:
+    try:
+        session.prefill_next_turn()
+    except DeltarunError:        # the turn itself will meet and report whatever this was
+        pass
 
 
 @click.command("chat")
