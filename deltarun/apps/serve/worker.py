@@ -37,9 +37,10 @@ conversation with the answer just given, as the client will send it back, up to 
 message's text begins). A chat client re-sends the history each turn, and the Qwen templates render
 an earlier answer differently from how it was generated (without its think block), so otherwise the
 whole previous answer is evaluated again after the next request arrives. Such work runs as a
-background job in the conversation's cell, chunk by chunk, only while no request waits or runs: a
-request that arrives stops it after the chunk in progress, and resumes from what it reached (the
-cell's live state, when the request's prompt extends it). Nothing is sent for it; its tokens are
+background job in the conversation's cell, only while no request waits or runs, in the chunks a
+prompt gets while others decode (each takes about one decode step): a request that arrives stops it
+after the chunk in progress, and resumes from what it reached (the cell's live state, when the
+request's prompt extends it). Nothing is sent for it; its tokens are
 counted apart (`Metrics.ahead_tokens`). The prompt cache keeps the tail it replaces aside, so a
 regeneration of the answer still resumes from the end of its prompt.
 """
@@ -482,7 +483,9 @@ class Worker:
     def _prefill_chunk(self, job: Job) -> None:
         p = job.params
         n = len(p.prompt)
-        others = any(j.state == "decode" for j in self._active)
+        # work ahead takes the chunks a prompt gets while others decode (about one decode step):
+        # a request arriving meanwhile waits for one such chunk, not for a whole `chunk`
+        others = p.ahead or any(j.state == "decode" for j in self._active)
         end = min(job.pos + (self._shared_chunk if others else self.chunk), n)
         inside = [c for c in p.checkpoints if job.pos < c < end]
         slots = self.model.memory.n_capture
