@@ -712,7 +712,8 @@ def test_prefill_ahead_back_to_back_and_concurrent_conversations_keep_their_answ
         with _server(model_path, parallel=2, chunk=8, checkpoint_every=0, prefill_ahead=prefill_ahead) as h:
             with cf.ThreadPoolExecutor(3) as ex:
                 runs = list(ex.map(lambda k: _conversation(h, 3, settle=False, tag=f"[{k}] "), range(3)))
-            return [[(t[0], t[3]) for t in conv] for conv in runs], [[t[1] + t[2] == t[0] for t in conv] for conv in runs]
+            answers = [[(t[0], t[3]) for t in conv] for conv in runs]
+            return answers, [[t[1] + t[2] == t[0] for t in conv] for conv in runs]
 
     plain, _ = run(False)
     ahead, consistent = run(True)

@@ -40,9 +40,9 @@ whole previous answer is evaluated again after the next request arrives. Such wo
 background job in the conversation's cell, only while no request waits or runs, in the chunks a
 prompt gets while others decode (each takes about one decode step): a request that arrives stops it
 after the chunk in progress, and resumes from what it reached (the cell's live state, when the
-request's prompt extends it). Nothing is sent for it; its tokens are
-counted apart (`Metrics.ahead_tokens`). The prompt cache keeps the tail it replaces aside, so a
-regeneration of the answer still resumes from the end of its prompt.
+request's prompt extends it). Nothing is sent for it; its tokens are counted apart
+(`Metrics.ahead_tokens`). The prompt cache keeps the tail it replaces aside, so a regeneration of
+the answer still resumes from the end of its prompt.
 """
 
 from __future__ import annotations
@@ -278,8 +278,8 @@ class Worker:
         the first random generator's set-up from OS entropy are one-time costs, about 10 ms on the
         built-in model, that the first request's time to first token would otherwise pay."""
         m, tok = self.model, self.model.tokenizer
-        tokens = [t for t in (tok.bos_id, tok.eos_id) if t is not None and t < m.hp.n_vocab] or [0]
-        m.eval(tokens[:1] * 2, 0)
+        token = next((t for t in (tok.bos_id, tok.eos_id) if t is not None and t < m.hp.n_vocab), 0)
+        m.eval([token, token], 0)
         m.memory.clear_seq(0)
         Sampler(SamplingParams(temperature=1.0))
 
@@ -811,8 +811,8 @@ class Worker:
         gen_s = job.t_end - (job.t_first or job.t_end)
         result = {"n_prompt": len(job.params.prompt), "n_cached": job.n_cached, "n_evaluated": job.n_evaluated,
                   "prompt_s": prompt_s, "n_generated": len(job.generated), "generate_s": gen_s,
-                  "text": job.output.text, "content": job.output.content, "tokens": list(job.generated), "n_drafted": job.n_drafted,
-                  "n_accepted": job.n_accepted}
+                  "text": job.output.text, "content": job.output.content, "tokens": list(job.generated),
+                  "n_drafted": job.n_drafted, "n_accepted": job.n_accepted}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
 
