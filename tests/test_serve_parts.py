@@ -313,24 +313,26 @@ def test_next_turn_is_where_the_next_prompt_starts_its_new_message(model, monkey
 
 
 def test_prompt_cache_keeps_the_replaced_tail_aside(model):
-    """A cell that goes back to a checkpoint at or after its answer start (as prefill ahead does)
-    keeps what it held after that point aside: the old prompt's end resumes from there (with its
-    logits), the two tails swap places, and each continues exactly as a fresh evaluation would.
-    The aside counts against the budget and goes before any checkpoint does."""
+    """Work ahead goes back to a checkpoint at the answer start and keeps what the cell held after
+    it aside (`keep_tail`): the old prompt's end resumes from there with its logits (a
+    regeneration) and continues exactly as a fresh evaluation would. A request going back keeps
+    no aside (the copy would add to its time to first token). The aside counts against the budget
+    and goes before any checkpoint does."""
     model.reset()
     cache = PromptCache(model, 3, budget_bytes=1 << 30)
     prompt = list(range(100, 140))
     answer = [7, 8, 9, 10, 11]
+    ahead = prompt[:16] + list(range(200, 210))                      # the next turn's start
+
     model.eval(prompt[:16], seq=0)
     cache.checkpoint(0)
     logits_40 = model.eval(prompt[16:], seq=0)
     cache.checkpoint(0, logits=logits_40)
     model.eval(answer, seq=0)
     cache.finished(0, answer_start=16)
-    ahead = prompt[:16] + list(range(200, 210))                      # the next turn's start
     r = cache.lookup(ahead, [0, 1, 2])
     assert (r.how, r.pos, r.cell) == ("checkpoint", 16, 0)
-    cache.apply(r, 0)
+    cache.apply(r, 0, keep_tail=True)
     aside = cache.cells[0].aside
     assert aside is not None and aside.start == 16 and sorted(aside.checkpoints) == [40]
     assert aside.tokens == prompt + answer and aside.kv.start == 16 and aside.kv.n == 45 - 16
@@ -343,21 +345,25 @@ def test_prompt_cache_keeps_the_replaced_tail_aside(model):
     assert (r.how, r.pos, r.cell) == ("aside", 40, 0)
     np.testing.assert_array_equal(r.logits, logits_40)
     cache.apply(r, 0)
-    assert model.tokens(0) == prompt and cache.cells[0].aside.tokens == ahead
+    assert model.tokens(0) == prompt and cache.cells[0].aside is None
     assert sorted(cache.cells[0].checkpoints) == [16, 40]
-    np.testing.assert_allclose(model.eval([5, 6], seq=0), Model.logits_for(model, prompt + [5, 6])[-1],
+    np.testing.assert_allclose(model.eval(answer, seq=0), Model.logits_for(model, prompt + answer)[-1],
                                rtol=1e-5, atol=1e-5)
-    # and the next turn's start back from the other side
+    # a request going back to the answer start keeps nothing aside
     r = cache.lookup(ahead + [1, 2], [0])
-    assert (r.how, r.pos) == ("aside", len(ahead))
+    assert (r.how, r.pos) == ("checkpoint", 16)
     cache.apply(r, 0)
-    assert model.tokens(0) == ahead and cache.cells[0].aside.tokens == prompt + [5, 6]
-    np.testing.assert_allclose(model.eval([1, 2], seq=0), Model.logits_for(model, ahead + [1, 2])[-1],
-                               rtol=1e-5, atol=1e-5)
-    # a resume before the aside's start drops it; a tight budget drops it before checkpoints
+    assert model.tokens(0) == prompt[:16] and cache.cells[0].aside is None
+    # work ahead again, then a budget too tight for everything: the aside goes first
+    model.eval(prompt[16:], seq=0)
+    cache.checkpoint(0)
+    model.eval(answer, seq=0)
+    cache.finished(0, answer_start=16)
+    cache.apply(cache.lookup(ahead, [0]), 0, keep_tail=True)
+    assert cache.cells[0].aside is not None
     cache.budget = cache.nbytes() - 1
     cache._enforce_budget()
-    assert cache.cells[0].aside is None and sorted(cache.cells[0].checkpoints) == [16, len(ahead)]
+    assert cache.cells[0].aside is None and sorted(cache.cells[0].checkpoints) == [16]
 
 
 def test_kv_rows_read_and_written_from_a_start_position(model):

@@ -18,11 +18,11 @@ the think block of earlier answers, so the next prompt differs right there), eve
 long prompt, and at the end of each prompt (with its logits, so re-sending the same prompt
 evaluates nothing).
 
-A cell that resumes at an earlier length at or after its answer start (the next turn prefilled
-ahead of its request, a regeneration of the last answer) keeps the tail it replaces **aside**: its
-tokens, the KV rows of those positions and the checkpoints among them. So the prompt of the turn
-that was just answered stays resumable after the server prefilled the next turn's likely start
-(`Worker.prefill_ahead`): regenerating the answer still evaluates nothing.
+When the server prefills a conversation's next turn ahead (`Worker.prefill_ahead`), its cell goes
+back to the answer start and the tail it replaces is kept **aside** (`apply(..., keep_tail=True)`):
+its tokens, the KV rows of those positions and the checkpoints among them. So the prompt of the
+turn just answered stays resumable: regenerating the answer still evaluates nothing. (Only work
+ahead keeps a tail: it runs while the server is idle, where a request would pay for the copy.)
 
 For a request the cache looks at every idle cell (and its aside) and host entry, computes the
 common token prefix p with the prompt and the longest length r <= p it can resume at (the cell's
@@ -203,8 +203,9 @@ class PromptCache:
         return min(idle, key=lambda c: self.cells[c].last_used)
 
     # --- applying a lookup ---------------------------------------------------------------------
-    def apply(self, r: Resume, cell: int) -> None:
-        """Make `cell` hold the first r.pos tokens of the request's prompt."""
+    def apply(self, r: Resume, cell: int, keep_tail: bool = False) -> None:
+        """Make `cell` hold the first r.pos tokens of the request's prompt; with keep_tail, what a
+        rollback or checkpoint resume replaces goes aside (see the module docstring)."""
         model, info = self.model, self.cells[cell]
         if r.how in ("fresh", "host") and model.n_past(cell) > 0:
             self._evict(cell)
@@ -214,21 +215,21 @@ class PromptCache:
         elif r.how == "live":
             pass
         elif r.how == "rollback":
-            self._set_aside(cell, r.pos)
+            if keep_tail:
+                self._set_aside(cell, r.pos)
             model.rollback(model.n_past(cell) - r.pos, cell)
             info.truncate(r.pos)
         elif r.how == "checkpoint":
             if r.pos < info.answer_start:          # a branch or another conversation: keep the old one too
                 self._evict(cell, keep_cell=True)
-            else:
+            elif keep_tail:
                 self._set_aside(cell, r.pos)
             tokens = model.tokens(cell)[:r.pos]
             model.memory.write_recurrent(cell, r.checkpoint.state)
             model.memory.set_tokens(cell, tokens)
             info.truncate(r.pos)
         elif r.how == "aside":
-            a = info.aside
-            self._set_aside(cell, a.start)         # what the cell holds now goes aside in turn
+            a, info.aside = info.aside, None       # what the cell holds after a.start is dropped
             model.memory.write_kv(cell, a.kv, r.pos - a.start)
             model.memory.write_recurrent(cell, r.checkpoint.state)
             model.memory.set_tokens(cell, a.tokens[:r.pos])

@@ -414,7 +414,7 @@ class Worker:
         if resume.cell is None or resume.pos >= len(p.prompt) or resume.how == "aside" \
                 or resume.pos < self.cache.cells[resume.cell].answer_start:
             return
-        self.cache.apply(resume, resume.cell)
+        self.cache.apply(resume, resume.cell, keep_tail=True)
         job.cell, job.pos, job.n_cached = resume.cell, resume.pos, resume.pos
         job.t_admit = time.perf_counter()
         if self.draft == "mtp":            # the MTP block's KV rows follow the prompt, as for a request
