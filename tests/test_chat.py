@@ -588,6 +588,19 @@ def test_cli_stop_thinking_and_context_messages(model_path, monkeypatch):
     assert "[context full: 40/40 tokens" in cut.stderr
 
 
+def test_prefill_next_turn_before_the_first_message_evaluates_the_system_prompt(model):
+    session = ChatSession(model, system="You are a terse assistant who answers in one line.", n_predict=3,
+                          enable_thinking=False)
+    n = session.prefill_next_turn()
+    held = model.tokens()
+    prompt = session.prompt_tokens(session.messages + [{"role": "user", "content": "Hello"}])
+    assert n == len(held) > 10 and prompt[:n] == held
+    answer = session.ask("Hello")
+    assert session.last_reused_tokens == n and session.last_prefill_tokens == len(prompt) - n
+    model.reset()
+    assert ChatSession(model, system=session.system, n_predict=3, enable_thinking=False).ask("Hello") == answer
+
+
 def test_repl_prefills_the_next_turn_while_the_user_types(model, monkeypatch, capsys):
     """The interactive loop starts `prefill_next_turn` in a thread before reading each line and
     waits for it before running the line: the second turn reuses what was evaluated ahead, and the

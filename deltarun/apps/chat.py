@@ -23,7 +23,8 @@ think block that a prompt without thinking holds; see `_checkpoint_position`), a
 does not reach either is the model reset and the prompt recomputed (`last_recomputed`). The
 interactive chat calls `prefill_next_turn` while the user types: it evaluates the conversation as
 the next turn will render it up to where the next message's text begins (the answer just given,
-re-rendered), so the next turn evaluates only the new message. Generated tokens
+re-rendered; before the first turn the system prompt), so the next turn evaluates only the new
+message. Generated tokens
 that decode and re-tokenize to other ids also count as a difference. Because the model state is
 derived from `messages` this way, `messages` may also be edited directly between turns.
 
@@ -502,12 +503,13 @@ class ChatSession:
         """Evaluate the start of the next turn's prompt now: the conversation followed by a user
         message, rendered and cut where that message's text begins. The template may render the
         answer just given differently from how it was generated (see `_checkpoint_position`), so
-        without this the next turn evaluates that answer again before its new message. Meant for
-        the pause while the user types (the interactive chat runs it in a thread and waits for it
-        before the next turn). Returns the tokens evaluated; 0 when there was nothing to do or the
-        conversation cannot be rendered so or does not fit."""
+        without this the next turn evaluates that answer again before its new message; before the
+        first turn it is the system prompt. Meant for the pause while the user types (the
+        interactive chat runs it in a thread and waits for it before the next turn). Returns the
+        tokens evaluated; 0 when there was nothing to do or the conversation cannot be rendered so
+        or does not fit."""
         self._finish_active()
-        if not self.messages or self.messages[-1].get("role") != "assistant":
+        if self.messages and self.messages[-1].get("role") == "user":
             return 0
         try:
             text = self.render(self.messages + [{"role": "user", "content": _PLACEHOLDER}],
