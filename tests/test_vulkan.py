@@ -86,6 +86,14 @@ def compare(model: Path, *args: str, code: int | None = 0) -> dict:
     return rep
 
 
+def _run_script(script: str, model: Path) -> subprocess.CompletedProcess:
+    """`python -c script MODEL` with the Vulkan environment; it must exit 0."""
+    p = subprocess.run([sys.executable, "-c", script, str(model)], env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
 def test_vulkan_device_is_listed():
     d = DEVICES[0]
     assert d["backend"] == "vulkan:0" and d["name"] == "Vulkan0" and d["memory_total"] > 0
@@ -110,9 +118,7 @@ def test_graphs_coming_back_give_the_same_logits(tiny_model_path):
         "with Model(sys.argv[1], backend='vulkan', n_ctx=64, n_batch=16, n_threads=1, kv_type='f32') as m:\n"
         "    a = m.logits_for(toks); m.eval([7]); b = m.logits_for(toks); m.eval([7]); c = m.logits_for(toks)\n"
         "    print(float(np.abs(a - b).max()), float(np.abs(a - c).max()))\n")
-    p = subprocess.run([sys.executable, "-c", script, str(tiny_model_path("tiny", "f32"))], env=_env(),
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, p.stderr[-4000:]
+    p = _run_script(script, tiny_model_path("tiny", "f32"))
     assert p.stdout.split() == ["0.0", "0.0"]
 
 
@@ -132,9 +138,7 @@ def test_rollback_slots_match_the_cpu(tiny_model_path):
         "                             for il in m.hp.linear_layers]\n"
         "for dn in ('fused', 'primitive'):\n"
         "    print(max(float(np.abs(a - b).max()) for a, b in zip(slots['cpu', dn], slots['vulkan', dn])))\n")
-    p = subprocess.run([sys.executable, "-c", script, str(tiny_model_path("tiny", "f32"))], env=_env(),
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, p.stderr[-4000:]
+    p = _run_script(script, tiny_model_path("tiny", "f32"))
     assert all(float(x) < 1e-4 for x in p.stdout.split()), p.stdout
 
 
@@ -158,9 +162,7 @@ def test_capture_points_match_the_cpu(tiny_model_path):
         "for dn in ('fused', 'primitive'):\n"
         "    for k in (1, 3):\n"
         "        print(max(float(np.abs(a - b).max()) for a, b in zip(got['cpu', dn, k], got['vulkan', dn, k])))\n")
-    p = subprocess.run([sys.executable, "-c", script, str(tiny_model_path("tiny", "f32"))], env=_env(),
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode == 0, p.stderr[-4000:]
+    p = _run_script(script, tiny_model_path("tiny", "f32"))
     assert len(p.stdout.split()) == 4 and all(float(x) < 1e-3 for x in p.stdout.split()), p.stdout
 
 
