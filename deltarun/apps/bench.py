@@ -134,6 +134,7 @@ class BenchConfig:
     rpc: str | None = None               # --rpc HOST:PORT[,...]: layers split with these servers
     tensor_split: str | None = None      # --tensor-split with --rpc
     repack: bool = True                  # CPU_REPACK layout for the matrices ggml has kernels for
+    pin_threads: bool | None = None      # cpu_threads.ThreadPinning: None = when one thread per core
 
 
 @dataclass
@@ -263,7 +264,8 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
     n_ctx = bench_context(cfg)
     if settings_out is not None:
         settings_out.update(repetitions=cfg.repetitions, tg_prompt=TG_PROMPT, kv_type=cfg.kv_type,
-                            delta_net=cfg.delta_net, n_ctx=n_ctx, repack=cfg.repack)
+                            delta_net=cfg.delta_net, n_ctx=n_ctx, repack=cfg.repack,
+                            pin_threads="auto" if cfg.pin_threads is None else cfg.pin_threads)
         if depths:
             settings_out["depth"] = depths
         if parallel:
@@ -274,7 +276,7 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
     def open_model(backend: str, ngl: int | None, batch: int, ctx: int, n_seq_max: int = 1) -> Any:
         return Model(cfg.model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads[0],
                      kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, n_seq_max=n_seq_max,
-                     rpc=cfg.rpc, tensor_split=cfg.tensor_split, repack=cfg.repack)
+                     rpc=cfg.rpc, tensor_split=cfg.tensor_split, repack=cfg.repack, pin_threads=cfg.pin_threads)
 
     def measure(m: Model, ngl: int | None, batch: int, t: int, kind: str, p: int, n: int,
                 run: Callable[[], float], test: str, depth: int = 0, n_par: int = 1) -> BenchResult:

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, rpc_options
+from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, pin_threads_option, rpc_options
 from deltarun.graphs.interface import DELTA_NET_MODES
 from deltarun.runner.errors import ModelFileError
 from deltarun.runner.memory import KV_TYPES
@@ -73,12 +73,13 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
                    "attention, delta net, MoE/FFN, LM head); see deltarun.apps.op_profile.")
 @click.option("--repack/--no-repack", default=True, show_default=True,
               help="Lay out Q4_0 / Q4_K / IQ4_NL matrices for ggml's interleaved CPU kernels at load.")
+@pin_threads_option()
 @click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
               help="Report format (json schema: see deltarun.apps.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
           batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
           depth: list[int], parallel: list[int], profile: bool, repack: bool, output: str, rpc: str | None = None,
-          tensor_split: str | None = None) -> None:
+          tensor_split: str | None = None, pin_threads: bool | None = None) -> None:
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
     -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
@@ -97,7 +98,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
                       batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
                       repetitions=repetitions,
                       kv_type=kv_type, delta_net=delta_net, depth=depth, parallel=parallel, profile=profile,
-                      rpc=rpc, tensor_split=tensor_split, repack=repack)
+                      rpc=rpc, tensor_split=tensor_split, repack=repack, pin_threads=pin_threads)
     check_backends(cfg.backends)          # before the table header: nothing is printed for a bad option
     note_gpu_layers(cfg.backends, gpu_layers)
     if not model.is_file():

@@ -36,7 +36,7 @@ _DEFAULTS = SamplingParams()
 #: Defaults of the model options, for callers that open a model without click.
 MODEL_DEFAULTS: dict[str, Any] = {
     "ctx": 4096, "batch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
-    "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None, "repack": True,
+    "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None, "repack": True, "pin_threads": None,
 }
 
 
@@ -53,8 +53,8 @@ def model_argument(required: bool = False) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """--ctx --batch --threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack --rpc
-    --tensor-split."""
+    """--ctx --batch --threads --pin-threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack
+    --rpc --tensor-split."""
     return _apply(f, [
         click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
@@ -62,6 +62,7 @@ def model_options(f: F) -> F:
                      show_default=True, help="Ubatch size: most tokens evaluated by one graph."),
         click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                      help=f"CPU threads [default: physical cores, here {physical_cores()}]."),
+        pin_threads_option(),
         click.option("--rs-slots", type=click.IntRange(min=1), default=MODEL_DEFAULTS["rs_slots"],
                      show_default=True,
                      help="Recurrent-state slots K per sequence (K-1 tokens can be rolled back)."),
@@ -82,6 +83,13 @@ def model_options(f: F) -> F:
                           "from the file as it is."),
         *rpc_options_list(),
     ])
+
+
+def pin_threads_option() -> Callable[[F], F]:
+    """--pin-threads/--no-pin-threads (cpu_threads.ThreadPinning), also for bench."""
+    return click.option("--pin-threads/--no-pin-threads", default=MODEL_DEFAULTS["pin_threads"],
+                        help="Keep each CPU compute thread on its own core while a graph runs, as llama.cpp's "
+                             "--cpu-strict 1 [default: when --threads is the number of physical cores].")
 
 
 def rpc_options_list() -> list[Callable[[F], F]]:
@@ -179,7 +187,8 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
                mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, capture_slots: int = 0,
-               repack: bool = MODEL_DEFAULTS["repack"], **_other: Any):
+               repack: bool = MODEL_DEFAULTS["repack"], pin_threads: bool | None = MODEL_DEFAULTS["pin_threads"],
+               **_other: Any):
     """Open `model` (or the built-in model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
@@ -189,7 +198,8 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
         note_gpu_layers([backend], gpu_layers)
     return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp,
-                 rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots, repack=repack)
+                 rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots, repack=repack,
+                 pin_threads=pin_threads)
 
 
 def draft_options(f: F) -> F:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from deltarun.runner.cpu_threads import ThreadPinning, core_cpus
 from deltarun.runner.errors import BackendError
 from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml, new_context
 
@@ -55,30 +56,7 @@ def physical_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
     an SMT sibling only adds synchronisation. Cores are counted as distinct sibling sets among the
     CPUs in this process's affinity mask; without that topology information, each CPU is a core.
     """
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:
-        try:
-            with open(f"{sysfs}/cpu{cpu}/topology/thread_siblings_list") as f:
-                siblings = _parse_cpu_list(f.read())
-        except (OSError, ValueError):
-            siblings = {cpu}
-        cores.add(frozenset(siblings & set(cpus)) or frozenset({cpu}))
-    return max(1, len(cores))
-
-
-def _parse_cpu_list(text: str) -> set[int]:
-    """Linux's CPU list syntax, e.g. "0-3,8,10-11"."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
+    return len(core_cpus(sysfs))
 
 
 CPU_FEATURES = ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "bmi2", "avx512", "avx512_vbmi",
@@ -285,6 +263,9 @@ class Backend:
     kind: str = "cpu"
     device: DeviceInfo | None = None
     cpu: "Backend | None" = None
+    #: pin the compute threads (cpu_threads.ThreadPinning): None = when they are one per core
+    pin: bool | None = None
+    pinning: ThreadPinning | None = None
 
     @property
     def buffer_type(self) -> int:
@@ -313,6 +294,7 @@ class Backend:
     def set_threads(self, n_threads: int) -> None:
         if self.is_cpu:
             ggml.ggml_backend_cpu_set_n_threads(self.handle, n_threads)
+            self.pinning = ThreadPinning.choose(n_threads, self.pin)
         if self.cpu is not None:
             self.cpu.set_threads(n_threads)
 
@@ -328,11 +310,11 @@ class Backend:
             self.handle = 0
 
 
-def _init_cpu(n_threads: int | None, ref: bool = False) -> Backend:
+def _init_cpu(n_threads: int | None, ref: bool = False, pin: bool | None = None) -> Backend:
     handle = ggml.ggml_backend_cpu_init()
     if not handle:
         raise BackendError("ggml could not start the CPU backend")
-    backend = Backend("cpu-ref" if ref else "cpu", handle, cpu_ref=ref)
+    backend = Backend("cpu-ref" if ref else "cpu", handle, cpu_ref=ref, pin=pin)
     if ref:
         ggml.ggml_backend_cpu_set_use_ref(handle, True)
     backend.set_threads(n_threads or physical_cores())
@@ -370,15 +352,15 @@ def best_device() -> DeviceInfo | None:
     return None
 
 
-def init_backend(name: str = "cpu", n_threads: int | None = None) -> Backend:
-    """Open a backend by name (see the module docstring)."""
+def init_backend(name: str = "cpu", n_threads: int | None = None, pin: bool | None = None) -> Backend:
+    """Open a backend by name (see the module docstring); `pin`: see cpu_threads.ThreadPinning.choose."""
     kind, index = parse_backend_name(name)
     if kind in ("cpu", "cpu-ref"):
-        return _init_cpu(n_threads, ref=kind == "cpu-ref")
+        return _init_cpu(n_threads, ref=kind == "cpu-ref", pin=pin)
     if kind == "auto":
         dev = best_device()
         if dev is None:
-            return _init_cpu(n_threads)
+            return _init_cpu(n_threads, pin=pin)
     else:
         dev = _find_device(kind, index)
     if dev.registry == "Vulkan":
@@ -388,7 +370,7 @@ def init_backend(name: str = "cpu", n_threads: int | None = None) -> Backend:
         raise BackendError(f"ggml could not start {dev.name} ({dev.description})")
     backend = Backend(dev.backend_name, handle, kind=dev.registry.lower(), device=dev)
     try:
-        backend.cpu = _init_cpu(n_threads)
+        backend.cpu = _init_cpu(n_threads, pin=pin)
     except BackendError:
         backend.free()
         raise
@@ -731,6 +713,9 @@ class Scheduler:
         self._allocated = None
 
     def compute(self, gf: Any) -> None:
+        pinning = self.backends[-1].pinning      # the CPU backend's (it is last)
+        if pinning is not None:
+            pinning.before_compute()
         status = ggml.ggml_backend_sched_graph_compute(self.handle, gf)
         if status != 0:
             raise BackendError(f"graph compute failed with ggml status {status}")

@@ -115,7 +115,7 @@ class Model:
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
                  rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
-                 capture_slots: int = 0, repack: bool = True):
+                 capture_slots: int = 0, repack: bool = True, pin_threads: bool | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_batch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
@@ -131,7 +131,7 @@ class Model:
         self.n_batch = n_batch
         self.delta_net = delta_net
         local, endpoints, split = layer_split.resolve(backend, rpc, tensor_split)   # --rpc, --tensor-split
-        self.backend: Backend = init_backend(local, n_threads)
+        self.backend: Backend = init_backend(local, n_threads, pin=pin_threads)
         try:   # --gpu-layers, or the layers split over RPC servers and the local device
             self.placement = layer_split.placement(self.hp.n_layer, self.backend, gpu_layers, endpoints, split)
         except BaseException:
