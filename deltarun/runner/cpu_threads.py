@@ -6,8 +6,8 @@ a CPU delays them all. Left to the kernel, a region's threads and the process's 
 (a server's event loop, an HTTP client on the same machine) get stacked on one CPU now and then,
 and the graph runs at about one thread's speed. Measured on the 2-vCPU Zen 4 VM with the built-in
 model and 2 threads (bench/RESULTS.md, "Compute threads kept on their cores"): a 192-token
-prompt sent to `deltarun serve` every 0.3 s took a median 16.5-19.4 ms to evaluate and at most
-20-23 ms with the threads pinned, 20.7-23.6 ms and at most 46-59 ms without.
+prompt sent to `deltarun serve` every 0.3 s took a median 19.8-21.1 ms to evaluate, and the
+slowest of 20 took 22.7-27.7 ms, with the threads pinned; 23.6-28.8 and 36.3-54.8 ms without.
 
 So the thread that computes a graph (OpenMP's thread 0) stays on `cpus[0]` from its first graph
 on, and OpenMP's worker threads, which do nothing but compute, on `cpus[1]`, `cpus[2]`, ...:
@@ -15,7 +15,8 @@ a one-node graph whose custom op pins the thread that runs each of its tasks doe
 computing thread (OpenMP keeps a team of workers per calling thread). The process's main thread
 is the exception: processes and threads it starts inherit its CPU set, so it stays free (its
 workers are still pinned). Pinning it for the duration of each graph only (and giving its set
-back after) cost about 5 % of decode speed in migrations, measured with `deltarun bench`.
+back after) cost 2-8 % of decode speed (`deltarun bench` tg128, 6 alternated rounds): moving
+a thread back onto its CPU takes about 28 us here against 1 us for a call that moves nothing.
 
 By default threads are pinned only when there are as many as the process has physical cores
 (`core_cpus`; the default thread count): the process then uses every core it may run on
