@@ -88,8 +88,8 @@ def model_options(f: F) -> F:
 def pin_threads_option() -> Callable[[F], F]:
     """--pin-threads/--no-pin-threads (cpu_threads.ThreadPinning), also for bench."""
     return click.option("--pin-threads/--no-pin-threads", default=MODEL_DEFAULTS["pin_threads"],
-                        help="Keep each CPU compute thread on its own core while a graph runs, as llama.cpp's "
-                             "--cpu-strict 1 [default: when --threads is the number of physical cores].")
+                        help="Keep each CPU compute thread on a core of its own, as llama.cpp's --cpu-strict 1 "
+                             "[default: when --threads is the number of physical cores].")
 
 
 def rpc_options_list() -> list[Callable[[F], F]]:
