@@ -27,6 +27,42 @@ def prompt(n: int, seed: int = 3) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ graphs
+def test_the_graph_cache_keeps_the_most_recently_used_graphs(tiny_model_path, monkeypatch):
+    """A server meets a new prompt length in most requests: graphs beyond MAX_GRAPHS are freed,
+    least recently used first (also by the step schedulers of keep_step_graphs), and a shape that
+    comes back is built again and computes the same."""
+    from deltarun.runner import model as model_module
+
+    path = tiny_model_path("tiny", "q8_0")
+    lengths = [5, 6, 7, 8, 5, 9, 6, 5]
+
+    def run(m: Model) -> list[np.ndarray]:
+        out = []
+        for n in lengths:
+            for k in (n, n + 10, n + 20):        # three prompt shapes in a row push the decode graph out
+                logits = m.eval(prompt(k, seed=k))
+            for _ in range(3):                   # decode steps: the step schedulers' graphs
+                logits = m.eval([int(np.argmax(logits))])
+            out.append(logits)
+            m.reset()
+        return out
+
+    with Model(path, n_ctx=256, n_threads=1, rs_slots=2) as m:
+        m.keep_step_graphs(2)
+        want = run(m)
+        assert m.stats.n_graph_builds == 16       # 15 prompt lengths + one decode shape, all kept
+    monkeypatch.setattr(model_module, "MAX_GRAPHS", 3)
+    with Model(path, n_ctx=256, n_threads=1, rs_slots=2) as m:
+        m.keep_step_graphs(2)
+        got = run(m)
+        assert len(m._graphs) == 3
+        assert m.stats.n_graph_builds > 16         # shapes that came back were built again
+        for sched in [m.sched, *m._step_scheds]:
+            assert len(sched._pristine) <= 3 and len(sched._layouts) <= 3
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_decode_steps_reuse_one_graph(tiny_model_path):
     with Model(tiny_model_path("tiny", "q8_0"), n_ctx=1024, n_threads=1) as m:
         logits = m.eval(prompt(20))

@@ -708,6 +708,16 @@ class Scheduler:
         self._pristine = other._pristine
         self._layouts = other._layouts
 
+    def drop_graph(self, gf: Any) -> None:
+        """`gf` is about to be freed: forget its snapshots, and the allocation when it is the graph
+        allocated last (the address may come back as another graph's)."""
+        if self.holds(gf):
+            self._allocated = None
+            ggml.ggml_backend_sched_reset(self.handle)
+        key = ctypes.addressof(gf.contents)
+        self._pristine.pop(key, None)
+        self._layouts.pop(key, None)
+
     def forget_graph(self) -> None:
         """Another scheduler is about to allocate the graph allocated here last: allocate anew next time."""
         self._allocated = None
