@@ -107,3 +107,23 @@ def test_the_main_thread_keeps_its_cpu_set(tiny_model_path):
 def test_no_pinning_option(tiny_model_path):
     with Model(tiny_model_path("tiny", "f32"), n_ctx=32, n_threads=2, pin_threads=False) as m:
         assert m.backend.pinning is None
+
+
+@pytest.mark.skipif(len(core_cpus()) < 2, reason="needs two cores")
+def test_without_lasting_worker_threads_the_computing_thread_stays_free(monkeypatch):
+    """A ggml built without OpenMP starts new workers for every graph; they inherit the computing
+    thread's CPU set, so pinning that thread would put them all on one CPU."""
+    new_ids = iter([frozenset({101}), frozenset({102})])
+    monkeypatch.setattr(ThreadPinning, "_pin_workers", lambda self: next(new_ids))
+    pinning = ThreadPinning(core_cpus()[:2])
+    seen = {}
+
+    def compute() -> None:
+        before = os.sched_getaffinity(0)
+        pinning.before_compute()
+        seen["kept"] = os.sched_getaffinity(0) == before
+
+    t = threading.Thread(target=compute)
+    t.start()
+    t.join()
+    assert seen["kept"]

@@ -12,7 +12,9 @@ slowest of 20 took 22.7-27.7 ms, with the threads pinned; 23.6-28.8 and 36.3-54.
 So the thread that computes a graph (OpenMP's thread 0) stays on `cpus[0]` from its first graph
 on, and OpenMP's worker threads, which do nothing but compute, on `cpus[1]`, `cpus[2]`, ...:
 a one-node graph whose custom op pins the thread that runs each of its tasks does that once per
-computing thread (OpenMP keeps a team of workers per calling thread). The process's main thread
+computing thread (OpenMP keeps a team of workers per calling thread). It runs twice: where the
+same worker threads do not come back (a ggml built without OpenMP starts new ones for every
+graph, and they inherit the computing thread's CPU set) the computing thread is left free. The process's main thread
 is the exception: processes and threads it starts inherit its CPU set, so it stays free (its
 workers are still pinned). Pinning it for the duration of each graph only (and giving its set
 back after) cost 2-8 % of decode speed (`deltarun bench` tg128, 6 alternated rounds): moving
@@ -89,22 +91,28 @@ class ThreadPinning:
         """Pin this thread (unless it is the main thread) and its OpenMP workers, the first time."""
         if getattr(self._local, "pinned", False):
             return
+        self._local.pinned = True
+        first, second = self._pin_workers(), self._pin_workers()
+        if first != second:
+            # not OpenMP: ggml starts new worker threads for every graph, and they would inherit
+            # this thread's CPU set: pinning it would put them all on its CPU
+            return
         if threading.current_thread() is not threading.main_thread():
             try:
                 os.sched_setaffinity(0, {self.cpus[0]})
             except OSError:       # the CPU left this process's set meanwhile: leave it free
                 pass
-        self._pin_workers()
-        self._local.pinned = True
 
-    def _pin_workers(self) -> None:
-        """Run a graph of one custom op with a task per thread; task i pins the thread running it
-        to cpus[i] (task 0 runs in the calling thread: `before_compute` pins that one)."""
+    def _pin_workers(self) -> frozenset[int]:
+        """Run a graph of one custom op with a task per thread; task i > 0 pins the thread running
+        it to cpus[i] (task 0 runs in the calling thread). Returns the worker threads' ids."""
         cpus = self.cpus
+        workers: set[int] = set()
 
         @ggml.ggml_custom1_op_t
         def pin_this_thread(dst: Any, a: Any, ith: int, nth: int, userdata: Any) -> None:
             if 0 < ith < len(cpus):
+                workers.add(threading.get_native_id())
                 try:
                     os.sched_setaffinity(0, {cpus[ith]})
                 except OSError:       # the CPU left this process's set meanwhile: leave it free
@@ -123,3 +131,4 @@ class ThreadPinning:
             ggml.ggml_graph_compute_with_ctx(ctx, gf, len(cpus))
         finally:
             ggml.ggml_free(ctx)
+        return frozenset(workers)
