@@ -212,7 +212,8 @@ def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
     bytes are not the text's)."""
     import os
 
-    from deltarun.apps.serve.prompts import STAND_IN, PromptBuilder
+    from deltarun.apps.chat import followed_by_a_message
+    from deltarun.apps.serve.prompts import PromptBuilder
     from deltarun.apps.serve.protocol import ChatRequest
     from deltarun.runner.chat_template import ChatTemplate
 
@@ -233,7 +234,7 @@ def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
         ends = pb._token_ends(text, prompt)
         assert ends is not None and int(ends[-1]) == len(text.encode())
         for i in range(1, len(msgs)):
-            other = pb._render(msgs[:i] + [STAND_IN], req, None, False)
+            other = pb._render(followed_by_a_message(msgs[:i]), req, None, False)
             k = len(os.path.commonprefix([text, other]))
             assert 0 < pb._boundary(text, other, prompt, ends) == pb._boundary(text, other, prompt, None) <= len(prompt)
             assert k == len(text) or pb._boundary(text, other, prompt, ends) < len(prompt)

@@ -44,7 +44,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import jinja2
 import numpy as np
@@ -63,9 +63,10 @@ FILE_FORMAT = "deltarun-chat"
 FILE_VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-#: stands for text not known yet when probing how the template renders history (not whitespace,
-#: which templates trim away)
-_PLACEHOLDER = "PLACEHOLDER"
+#: Stands for a message's text not known yet when probing how the template renders a conversation
+#: (`followed_by_a_message`, `followed_by_a_turn`): a character no prompt has, and not whitespace,
+#: which templates trim away.
+STAND_IN = "\u0001"
 
 #: Why a turn ended: end-of-generation token, a stop string, the n_predict limit, a full context,
 #: Ctrl-C / the iterator closed, an exception.
@@ -132,6 +133,26 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     y = np.asarray(b[:n], dtype=np.int64)
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else n
+
+
+def followed_by_a_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` and a user message with the STAND_IN text: rendered, it shows where the template
+    puts a next message's text, and, the messages rendered as not the last, how they look then."""
+    return messages + [{"role": "user", "content": STAND_IN}]
+
+
+def followed_by_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` (ending with the user message a prompt asks an answer to), an answer and a next
+    message, both STAND_IN: rendered, it shows where the answer's history rendering departs from
+    the prompt's generation prompt (Qwen3 without thinking puts an empty think block into the
+    latter only)."""
+    return messages + [{"role": "assistant", "content": STAND_IN}, {"role": "user", "content": STAND_IN}]
+
+
+def tokens_before(tokenize: Callable[[str], list[int]], text: str, end: int, tokens: Sequence[int]) -> int:
+    """How many of `tokens` (the tokenization of `text`) the text before character `end` keeps:
+    the tokens its own tokenization shares with them."""
+    return common_prefix_length(tokenize(text[:end]), tokens) if end > 0 else 0
 
 
 def _partial_suffix(text: str, needles: Sequence[str]) -> int:
@@ -512,13 +533,11 @@ class ChatSession:
         if self.messages and self.messages[-1].get("role") == "user":
             return 0
         try:
-            text = self.render(self.messages + [{"role": "user", "content": _PLACEHOLDER}],
-                               add_generation_prompt=False)
+            text = self.render(followed_by_a_message(self.messages), add_generation_prompt=False)
         except (jinja2.TemplateError, DeltarunError):
             return 0
-        cut = text.rfind(_PLACEHOLDER)
         tokens = self.tokenize(text)
-        start = common_prefix_length(self.tokenize(text[:cut]), tokens) if cut > 0 else 0
+        start = tokens_before(self.tokenize, text, text.rfind(STAND_IN), tokens)
         if start == 0 or start >= self.model.n_ctx:
             return 0
         stats = TurnStats()
@@ -636,16 +655,14 @@ class ChatSession:
         next turn goes back to it and evaluates only what follows (llama.cpp likewise keeps a
         checkpoint a few tokens before the end of the prompt).
         """
-        later = self.messages + [{"role": "assistant", "content": _PLACEHOLDER},
-                                 {"role": "user", "content": _PLACEHOLDER}]
         try:
-            text = self.render(later, add_generation_prompt=False)
+            text = self.render(followed_by_a_turn(self.messages), add_generation_prompt=False)
         except (jinja2.TemplateError, DeltarunError):
             return None
         same = len(os.path.commonprefix([prompt_text, text]))
         if same == len(prompt_text):
             return len(prompt)
-        return common_prefix_length(self.tokenize(prompt_text[:same]), prompt) if same else None
+        return tokens_before(self.tokenize, prompt_text, same, prompt) if same else None
 
     def _prefill(self, prompt: list[int], stats: TurnStats, checkpoint_at: int | None = None) -> int:
         """Evaluate what the model lacks of `prompt`; returns the tokens reused. With checkpoint_at,

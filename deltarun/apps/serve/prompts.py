@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from deltarun.apps.chat import common_prefix_length, opens_thinking
+from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_turn, opens_thinking, tokens_before
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.runner.chat_template import ChatTemplate
@@ -37,8 +37,6 @@ from deltarun.runner.errors import TokenizerError
 BOUNDARY_MESSAGES = 8
 #: Stand-in renderings remembered (least recently used dropped): a few per conversation turn.
 RENDER_CACHE = 1024
-#: The message rendered after the first i to find where message i starts (content no prompt has).
-STAND_IN = {"role": "user", "content": "\u0001"}
 
 
 class PromptBuilder:
@@ -87,14 +85,14 @@ class PromptBuilder:
         return keys
 
     def _stand_in_render(self, key: bytes, msgs: list[dict[str, Any]], req: ChatRequest, tools: list | None) -> str:
-        """The rendering of msgs followed by STAND_IN, remembered: a conversation's next turn
+        """The rendering of `followed_by_a_message(msgs)`, remembered: a conversation's next turn
         re-sends the same earlier messages, so only the boundaries of its new ones are rendered."""
         with self._lock:
             text = self._renders.get(key)
             if text is not None:
                 self._renders.move_to_end(key)
                 return text
-        text = self._render(msgs + [STAND_IN], req, tools, False)
+        text = self._render(followed_by_a_message(msgs), req, tools, False)
         with self._lock:
             self._renders[key] = text
             while len(self._renders) > RENDER_CACHE:
@@ -122,7 +120,7 @@ class PromptBuilder:
         if k == len(text):
             return len(prompt)
         if ends is None:
-            return common_prefix_length(self.tokenize(text[:k]), prompt)
+            return tokens_before(self.tokenize, text, k, prompt)
         return int(np.searchsorted(ends, len(text[:k].encode("utf-8")), side="right"))
 
     def _checkpoints(self, n: int, boundaries: list[int]) -> list[int]:
@@ -153,8 +151,7 @@ class PromptBuilder:
             except TokenizerError:
                 pass
         try:
-            follow = msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
-            answer_start = self._boundary(text, self._render(follow, req, tools, False), prompt, ends)
+            answer_start = self._boundary(text, self._render(followed_by_a_turn(msgs), req, tools, False), prompt, ends)
         except TokenizerError:
             answer_start = len(prompt)
         grammar = None
@@ -179,7 +176,7 @@ class PromptBuilder:
             text = self._stand_in_render(self._prefix_keys(msgs, req, tools)[-1], msgs, req, tools)
         except TokenizerError:
             return None
-        cut = text.rfind(STAND_IN["content"])
+        cut = text.rfind(STAND_IN)
         if cut < 0:
             return None
         tokens = self.tokenize(text)
