@@ -1,9 +1,9 @@
 """A loaded model you can feed tokens to: the Python API under every command.
 
 `Model` ties together the GGUF file, the architecture's graph builder, the weights in backend
-buffers, the memory, and a cache of built graphs (one per ubatch shape). `eval` splits tokens
-into ubatches, fills the graph inputs and computes; per-step Python work is setting a few input
-tensors.
+buffers, the memory, and a cache of built graphs (one per ubatch shape, the MAX_GRAPHS most
+recently used). `eval` splits tokens into ubatches, fills the graph inputs and computes; per-step
+Python work is setting a few input tensors.
 """
 
 from __future__ import annotations
@@ -413,8 +413,9 @@ class Model:
             ggml.ggml_free(ctx)
 
     def graph(self, shape: UbatchShape) -> _Graph:
-        """The graph of one ubatch shape (`ctx`, `gf`, `outputs`, `io`), built on first use and kept:
-        what `eval` computes for that shape, and what graph dumps describe."""
+        """The graph of one ubatch shape (`ctx`, `gf`, `outputs`, `io`), built on first use and kept
+        while it is among the MAX_GRAPHS most recently used: what `eval` computes for that shape,
+        and what graph dumps describe."""
         g = self._graphs.get(shape)
         if g is not None:
             self._graphs.move_to_end(shape)
