@@ -740,6 +740,29 @@ def test_more_conversations_than_slots_resume_from_host_ram(model_path):
         assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_idle_server_copies_the_next_conversation_to_push_out_ahead(model_path):
+    """Both slots taken and nothing to do: the least recently used conversation is copied to host
+    RAM then, and the request that later takes its slot uses that copy (no copy on its way)."""
+    with _server(model_path, parallel=2, chunk=32, cache_ram_mib=64) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        convs = [[{"role": "user", "content": f"Conversation {i} starts with {'words ' * (5 + i)}"}] for i in range(3)]
+        answers = [_ask(c, convs[0], max_tokens=6)]
+        h.wait_settled()
+        cache = h.worker.cache
+        assert not cache.host                   # a slot is still free: nothing copied
+        answers.append(_ask(c, convs[1], max_tokens=6))
+        h.wait_settled()
+        lru = min(range(2), key=lambda cell: cache.cells[cell].last_used)
+        ahead = cache.cells[lru].copy
+        assert ahead is not None and [e is ahead for e in cache.host] == [True]
+        _ask(c, convs[2], max_tokens=6)         # takes the least recently used slot
+        h.wait_settled()
+        assert any(e is ahead for e in cache.host) and cache.n_evictions == 1
+        r = _ask(c, convs[0], max_tokens=6)     # and conversation 0 comes back from that copy
+        assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens
+        assert r.choices[0].message.content == answers[0].choices[0].message.content
+
+
 # --------------------------------------------------------------------------------------------- structure
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},

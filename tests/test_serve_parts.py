@@ -183,6 +183,74 @@ def test_prompt_cache_lookup_and_budget(model):
     assert sorted(small.cells[2].checkpoints) == [model.n_past(2) - 1, model.n_past(2)]
 
 
+def _count_kv_reads(model, monkeypatch) -> list[int]:
+    reads: list[int] = []
+    real = model.memory.read_kv
+    monkeypatch.setattr(model.memory, "read_kv", lambda *a, **k: reads.append(1) or real(*a, **k))
+    return reads
+
+
+def test_copy_ahead_takes_the_eviction_copy_off_a_requests_path(model, monkeypatch):
+    """With every cell taken, the least recently used conversation is copied to host RAM while
+    idle; the request that pushes it out then copies nothing, and the conversation comes back from
+    that copy and goes on exactly as if it had never left."""
+    model.reset()
+    cache = PromptCache(model, 2, budget_bytes=1 << 30)
+    convs = [list(range(100, 140)), list(range(200, 230))]
+    model.eval(convs[0], seq=0)
+    cache.checkpoint(0)
+    cache.finished(0, answer_start=len(convs[0]))
+    assert not cache.copy_ahead([0, 1])           # an empty cell: nobody gets pushed out
+    model.eval(convs[1], seq=1)
+    cache.checkpoint(1)
+    cache.finished(1, answer_start=len(convs[1]))
+    assert cache.copy_ahead([0, 1]) and [e.tokens for e in cache.host] == [convs[0]]
+    assert not cache.copy_ahead([0, 1])           # copied already
+    reads = _count_kv_reads(model, monkeypatch)
+    cache.apply(cache.lookup(list(range(300, 320)), [0, 1]), cache.pick_cell([0, 1]))
+    assert reads == [] and model.tokens(0) == [] and cache.n_evictions == 1
+    assert [e.tokens for e in cache.host] == [convs[0]]
+    back = cache.lookup(convs[0] + [5, 6], [1])
+    assert (back.how, back.pos) == ("host", len(convs[0]))
+    cache.apply(back, 1)                          # pushes out cell 1's conversation: copied now
+    assert len(reads) == 1 and model.tokens(1) == convs[0]
+    got = model.eval([5, 6], seq=1)
+    want = model.eval(convs[0] + [5, 6], seq=0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stale_copy_ahead_is_dropped(model, monkeypatch):
+    """A copy made ahead is a copy of the cell as it was: once the conversation goes on in its cell,
+    the copy is dropped (not kept beside it in host RAM) and a new one made when it is next in line."""
+    model.reset()
+    cache = PromptCache(model, 2, budget_bytes=1 << 30)
+    for cell, toks in enumerate([list(range(100, 140)), list(range(200, 230))]):
+        model.eval(toks, seq=cell)
+        cache.checkpoint(cell)
+        cache.finished(cell, answer_start=len(toks))
+    assert cache.copy_ahead([0, 1]) and cache.cells[0].copy is cache.host[0]
+    model.eval([7, 8, 9], seq=0)                  # the conversation in cell 0 goes on
+    cache.checkpoint(0)
+    cache.finished(0, answer_start=model.n_past(0))
+    assert cache.copy_ahead([0, 1])               # cell 1 is next in line now; cell 0's copy dropped
+    assert [e.tokens for e in cache.host] == [model.tokens(1)] and cache.cells[0].copy is None
+    reads = _count_kv_reads(model, monkeypatch)
+    cache.apply(cache.lookup([1, 2, 3], [0]), 0)  # pushes out cell 0: copied now, at its new length
+    assert len(reads) == 1 and sorted(len(e.tokens) for e in cache.host) == [30, 43]
+
+
+def test_copy_ahead_never_pushes_out_what_host_ram_holds(model):
+    model.reset()
+    cache = PromptCache(model, 2, budget_bytes=1 << 30)
+    for cell, t in enumerate([list(range(100, 140)), list(range(200, 240))]):
+        model.eval(t, seq=cell)
+        cache.checkpoint(cell)
+        cache.finished(cell, answer_start=len(t))
+    other = cache._copy(1)             # host RAM holds another conversation's entry
+    cache.budget = cache.nbytes()      # and is full
+    assert not cache.copy_ahead([0, 1]) and cache.host == [other]
+
+
 def test_worker_compaction_puts_generating_jobs_side_by_side(model):
     """Jobs generating in cells 0 and 2 with one reading its prompt in cell 1: after compaction the
     generating ones are in cells 0-1, each with its own tokens, the reader in cell 2."""

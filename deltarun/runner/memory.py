@@ -262,6 +262,15 @@ class Memory:
             for t, saved in ((self.conv[il], state.conv[il]), (self.ssm[il], state.ssm[il])):
                 self._write_bytes(t, saved, seq * t.contents.nb[1])
 
+    @property
+    def kv_position_bytes(self) -> int:
+        """Host bytes of one position's KV rows over every attention layer (what read_kv copies)."""
+        total = 0
+        for il in self.k:
+            k, v = self.k[il].contents, self.v[il].contents          # V: a row per channel, n_ctx wide
+            total += int(k.nb[1]) + int(v.ne[1]) // self.n_cells * (int(v.nb[1]) // self.n_ctx)
+        return total
+
     def read_kv(self, seq: int, n: int, start: int = 0) -> KVRows:
         """Host copy of the KV rows of positions start..n-1 of `seq`."""
         rows = {}

@@ -24,6 +24,12 @@ its tokens, the KV rows of those positions and the checkpoints among them. So th
 turn just answered stays resumable: regenerating the answer still evaluates nothing. (Only work
 ahead keeps a tail: it runs while the server is idle, where a request would pay for the copy.)
 
+While the server is idle with every cell taken, the conversation a new one would push out next
+(the least recently used cell) is **copied to host RAM ahead** (`copy_ahead`): the request that
+pushes it out then finds the copy made and does not wait for it. The copy stays tied to its
+cell (`CellInfo.copy`) only while the cell holds exactly those tokens; once the cell moves on, the
+copy is a stale prefix of it and is dropped.
+
 For a request the cache looks at every idle cell (and its aside) and host entry, computes the
 common token prefix p with the prompt and the longest length r <= p it can resume at (the cell's
 live state when the prompt extends it, a rollback, or a checkpoint), and picks the largest r. Only
@@ -88,6 +94,7 @@ class CellInfo:
     #: the resume point to fill its KV row there (see `note_hidden`)
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
     aside: Aside | None = None
+    copy: "HostEntry | None" = None   # this cell's conversation copied to host RAM ahead (copy_ahead)
 
     def truncate(self, n: int) -> None:
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= n}
@@ -97,7 +104,7 @@ class CellInfo:
             self.aside = None
 
 
-@dataclass
+@dataclass(eq=False)      # an entry is itself: removed and looked for by identity
 class HostEntry:
     tokens: list[int]
     kv: KVRows
@@ -307,11 +314,29 @@ class PromptCache:
 
     # --- host RAM ------------------------------------------------------------------------------
     def _evict(self, cell: int, keep_cell: bool = False) -> None:
-        """Copy the conversation in `cell` to host RAM (when the budget allows it)."""
+        """Move the conversation in `cell` to host RAM (when the budget allows it): its copy made
+        ahead, brought up to date, or a copy made now."""
+        model, info = self.model, self.cells[cell]
+        if model.n_past(cell) == 0 or self.budget <= 0:
+            return
+        entry = self._copy_of(cell)
+        if entry is not None:
+            info.copy = None
+            entry.checkpoints.update(info.checkpoints)
+            entry.hidden.update({p: h for p, h in info.hidden.items() if p in entry.checkpoints})
+            entry.__dict__.pop("own_bytes", None)    # cached: the hidden rows may have grown
+            entry.answer_start, entry.last_used = info.answer_start, info.last_used
+        elif self._copy(cell) is None:
+            return
+        self.n_evictions += 1
+        if not keep_cell:
+            self.cells[cell] = CellInfo()
+        self._enforce_budget(protect=cell)
+
+    def _copy(self, cell: int) -> HostEntry | None:
+        """A host entry holding a copy of the conversation in `cell` (None when over the budget)."""
         model, info = self.model, self.cells[cell]
         n = model.n_past(cell)
-        if n == 0 or self.budget <= 0:
-            return
         cps = dict(info.checkpoints)
         if n not in cps:
             cps[n] = Checkpoint(model.memory.read_recurrent(cell))
@@ -319,12 +344,44 @@ class PromptCache:
         entry = HostEntry(model.tokens(cell), kv, cps, info.answer_start, info.last_used,
                           {p: h for p, h in info.hidden.items() if p in cps})
         if self._entry_bytes(entry) > self.budget:
-            return
+            return None
         self.host.append(entry)
-        self.n_evictions += 1
-        if not keep_cell:
-            self.cells[cell] = CellInfo()
-        self._enforce_budget(protect=cell)
+        return entry
+
+    def _copy_of(self, cell: int) -> HostEntry | None:
+        """The copy of `cell` made ahead, if the cell still holds exactly its tokens; a stale one
+        (the cell moved on: the copy is a prefix of it, or another conversation's) is dropped."""
+        info = self.cells[cell]
+        e = info.copy
+        if e is None:
+            return None
+        held = any(x is e for x in self.host)       # not pushed out by the budget, nor resumed elsewhere
+        if held and e.tokens == self.model.tokens(cell):
+            return e
+        info.copy = None
+        if held:
+            self.host = [x for x in self.host if x is not e]
+        return None
+
+    def copy_ahead(self, idle: list[int]) -> bool:
+        """With the server idle: copy to host RAM the conversation a new one would push out next
+        (the least recently used of the `idle` cells, when none is empty), unless it is copied
+        already or the copy would not fit beside what host RAM holds; stale copies of other cells
+        are dropped first. Returns whether it copied."""
+        for c in range(len(self.cells)):
+            self._copy_of(c)
+        if self.budget <= 0 or not idle or any(self.model.n_past(c) == 0 for c in idle):
+            return False
+        cell = self.pick_cell(idle)
+        info = self.cells[cell]
+        if info.copy is not None:
+            return False
+        n = self.model.n_past(cell)
+        state = next(iter(info.checkpoints.values())).nbytes if info.checkpoints and n not in info.checkpoints else 0
+        if self.nbytes() + n * self.model.memory.kv_position_bytes + state > self.budget:
+            return False     # it would push out what host RAM holds already: left to the eviction
+        info.copy = self._copy(cell)
+        return info.copy is not None
 
     @staticmethod
     def _entry_bytes(e: HostEntry) -> int:

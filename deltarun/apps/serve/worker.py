@@ -43,6 +43,11 @@ after the chunk in progress, and resumes from what it reached (the cell's live s
 request's prompt extends it). Nothing is sent for it; its tokens are counted apart
 (`Metrics.ahead_tokens`). The prompt cache keeps the tail it replaces aside, so a regeneration of
 the answer still resumes from the end of its prompt.
+
+**Copy ahead.** When nothing runs or waits and every cell is taken, the worker copies the
+conversation a new one would push out next to host RAM (`PromptCache.copy_ahead`), so the request
+that pushes it out does not wait for that copy (about 1 ms on the built-in model, more with long
+contexts on large models). Only while the copy fits beside what host RAM holds already.
 """
 
 from __future__ import annotations
@@ -177,6 +182,7 @@ class Worker:
         #: prompt starts to evaluate while idle (`prefill_ahead`), newest last; one per slot at most
         self._ahead: collections.deque[GenParams] = collections.deque(maxlen=n_parallel)
         self._admitting = False           # jobs taken from the queues, not yet in _active (see `idle`)
+        self._copying = False             # copying a conversation to host RAM ahead (see `idle`)
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
@@ -215,7 +221,8 @@ class Worker:
     @property
     def idle(self) -> bool:
         """Nothing waiting, running or to be prefilled ahead (a snapshot)."""
-        return not self._waiting and not self._active and not self._ahead and not self._admitting
+        return (not self._waiting and not self._active and not self._ahead and not self._admitting
+                and not self._copying)
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(model)` on the model thread between two steps (e.g. a graph dump for /graph)."""
@@ -352,7 +359,21 @@ class Worker:
         decoding = [j for j in self._active if j.state == "decode"]
         if decoding:
             self._decode(decoding)
+        if not self._active:
+            self._copy_ahead()
         return True
+
+    def _copy_ahead(self) -> None:
+        """Nothing runs: copy to host RAM the conversation a new one would push out of its cell
+        (`PromptCache.copy_ahead`), unless something waits to be done."""
+        with self._cond:
+            if self._waiting or self._ahead or self._calls or self._stopping:
+                return
+            self._copying = True
+        try:
+            self.cache.copy_ahead(list(range(self.n_parallel)))
+        finally:
+            self._copying = False
 
     def _guard(self, job: Job, fn: Callable[[Job], None]) -> None:
         """Run one job's step; an error ends that job (HTTP 500 / an error event), never the worker."""
