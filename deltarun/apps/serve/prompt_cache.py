@@ -380,8 +380,12 @@ class PromptCache:
         state = next(iter(info.checkpoints.values())).nbytes if info.checkpoints and n not in info.checkpoints else 0
         if self.nbytes() + n * self.model.memory.kv_position_bytes + state > self.budget:
             return False     # it would push out what host RAM holds already: left to the eviction
-        info.copy = self._copy(cell)
-        return info.copy is not None
+        copy = self._copy(cell)
+        if copy is not None and self.nbytes() > self.budget:     # the estimate left out hidden rows
+            self.host = [x for x in self.host if x is not copy]
+            copy = None
+        info.copy = copy
+        return copy is not None
 
     @staticmethod
     def _entry_bytes(e: HostEntry) -> int:
