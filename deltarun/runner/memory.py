@@ -262,13 +262,18 @@ class Memory:
             for t, saved in ((self.conv[il], state.conv[il]), (self.ssm[il], state.ssm[il])):
                 self._write_bytes(t, saved, seq * t.contents.nb[1])
 
+    def _v_layout(self, v: Tensor) -> tuple[int, int]:
+        """A V tensor's channels per cell and bytes per position: V is stored transposed, a row per
+        channel, n_ctx positions wide."""
+        return int(v.contents.ne[1]) // self.n_cells, int(v.contents.nb[1]) // self.n_ctx
+
     @property
     def kv_position_bytes(self) -> int:
         """Host bytes of one position's KV rows over every attention layer (what read_kv copies)."""
         total = 0
         for il in self.k:
-            k, v = self.k[il].contents, self.v[il].contents          # V: a row per channel, n_ctx wide
-            total += int(k.nb[1]) + int(v.ne[1]) // self.n_cells * (int(v.nb[1]) // self.n_ctx)
+            width, elem = self._v_layout(self.v[il])
+            total += int(self.k[il].contents.nb[1]) + width * elem
         return total
 
     def read_kv(self, seq: int, n: int, start: int = 0) -> KVRows:
@@ -277,9 +282,8 @@ class Memory:
         for il in self.k:
             k, v = self.k[il], self.v[il]
             k_row, v_row = k.contents.nb[1], v.contents.nb[1]       # V row: one channel, n_ctx positions
-            width = int(v.contents.ne[1]) // self.n_cells
+            width, elem = self._v_layout(v)
             block = self._read_bytes(v, seq * width * v_row, width * v_row).reshape(width, v_row)
-            elem = v_row // self.n_ctx
             rows[il] = (self._read_bytes(k, (seq * self.n_ctx + start) * k_row, (n - start) * k_row),
                         block[:, start * elem:n * elem].copy())
         return KVRows(n - start, rows, start)
@@ -294,8 +298,7 @@ class Memory:
             k, v = self.k[il], self.v[il]
             k_row, v_row = k.contents.nb[1], v.contents.nb[1]
             self._write_bytes(k, k_part[:n * k_row], (seq * self.n_ctx + kv.start) * k_row)
-            width = int(v.contents.ne[1]) // self.n_cells
-            elem = v_row // self.n_ctx
+            width, elem = self._v_layout(v)
             if not n:
                 continue
             part = np.ascontiguousarray(v_part[:, :n * elem])
