@@ -355,12 +355,12 @@ class PromptCache:
         e = info.copy
         if e is None:
             return None
-        held = any(x is e for x in self.host)       # not pushed out by the budget, nor resumed elsewhere
+        held = e in self.host        # not pushed out by the budget, nor resumed elsewhere
         if held and e.tokens == self.model.tokens(cell):
             return e
         info.copy = None
         if held:
-            self.host = [x for x in self.host if x is not e]
+            self.host.remove(e)
         return None
 
     def copy_ahead(self, idle: list[int]) -> bool:
@@ -382,7 +382,7 @@ class PromptCache:
             return False     # it would push out what host RAM holds already: left to the eviction
         copy = self._copy(cell)
         if copy is not None and self.nbytes() > self.budget:     # the estimate left out hidden rows
-            self.host = [x for x in self.host if x is not copy]
+            self.host.remove(copy)
             copy = None
         info.copy = copy
         return copy is not None
