@@ -190,6 +190,13 @@ def _count_kv_reads(model, monkeypatch) -> list[int]:
     return reads
 
 
+def _hold(model, cache: PromptCache, cell: int, tokens: list[int]) -> None:
+    """A conversation answered in `cell`: evaluated there, checkpointed at its end, finished."""
+    model.eval(tokens, seq=cell)
+    cache.checkpoint(cell)
+    cache.finished(cell, answer_start=model.n_past(cell))
+
+
 def test_copy_ahead_takes_the_eviction_copy_off_a_requests_path(model, monkeypatch):
     """With every cell taken, the least recently used conversation is copied to host RAM while
     idle; the request that pushes it out then copies nothing, and the conversation comes back from
@@ -197,13 +204,9 @@ def test_copy_ahead_takes_the_eviction_copy_off_a_requests_path(model, monkeypat
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
     convs = [list(range(100, 140)), list(range(200, 230))]
-    model.eval(convs[0], seq=0)
-    cache.checkpoint(0)
-    cache.finished(0, answer_start=len(convs[0]))
+    _hold(model, cache, 0, convs[0])
     assert not cache.copy_ahead([0, 1])           # an empty cell: nobody gets pushed out
-    model.eval(convs[1], seq=1)
-    cache.checkpoint(1)
-    cache.finished(1, answer_start=len(convs[1]))
+    _hold(model, cache, 1, convs[1])
     assert cache.copy_ahead([0, 1]) and [e.tokens for e in cache.host] == [convs[0]]
     assert not cache.copy_ahead([0, 1])           # copied already
     reads = _count_kv_reads(model, monkeypatch)
@@ -225,13 +228,9 @@ def test_a_stale_copy_ahead_is_dropped(model, monkeypatch):
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
     for cell, toks in enumerate([list(range(100, 140)), list(range(200, 230))]):
-        model.eval(toks, seq=cell)
-        cache.checkpoint(cell)
-        cache.finished(cell, answer_start=len(toks))
+        _hold(model, cache, cell, toks)
     assert cache.copy_ahead([0, 1]) and cache.cells[0].copy is cache.host[0]
-    model.eval([7, 8, 9], seq=0)                  # the conversation in cell 0 goes on
-    cache.checkpoint(0)
-    cache.finished(0, answer_start=model.n_past(0))
+    _hold(model, cache, 0, [7, 8, 9])             # the conversation in cell 0 goes on
     assert cache.copy_ahead([0, 1])               # cell 1 is next in line now; cell 0's copy dropped
     assert [e.tokens for e in cache.host] == [model.tokens(1)] and cache.cells[0].copy is None
     reads = _count_kv_reads(model, monkeypatch)
@@ -243,9 +242,7 @@ def test_copy_ahead_never_pushes_out_what_host_ram_holds(model):
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
     for cell, t in enumerate([list(range(100, 140)), list(range(200, 240))]):
-        model.eval(t, seq=cell)
-        cache.checkpoint(cell)
-        cache.finished(cell, answer_start=len(t))
+        _hold(model, cache, cell, t)
     other = cache._copy(1)             # host RAM holds another conversation's entry
     cache.budget = cache.nbytes()      # and is full
     assert not cache.copy_ahead([0, 1]) and cache.host == [other]
