@@ -220,7 +220,7 @@ class Worker:
 
     @property
     def idle(self) -> bool:
-        """Nothing waiting, running or to be prefilled ahead (a snapshot)."""
+        """Nothing waiting, running, to be prefilled ahead or being copied ahead (a snapshot)."""
         return (not self._waiting and not self._active and not self._ahead and not self._admitting
                 and not self._copying)
 
