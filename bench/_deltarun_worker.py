@@ -18,7 +18,7 @@ import numpy as np
 
 from deltarun.apps import bench as B
 from deltarun.apps.op_profile import profile_ubatch
-from deltarun.runner.ggml_util import ggml
+from deltarun.base.ggml_util import ggml
 from deltarun.runner.model import Model
 
 from _worker_protocol import serve

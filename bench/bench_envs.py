@@ -86,7 +86,7 @@ LLAMACPP = BuildEnv(
 
 GGML_STOCK = BuildEnv(
     name="ggml-stock",
-    check=("import ggml, deltarun; from deltarun.runner.ggml_util import ggml as g; "
+    check=("import ggml, deltarun; from deltarun.base.ggml_util import ggml as g; "
            "assert not g.ggml_cpu_has_llamafile() and 'venv-ggml-stock' in ggml.__file__"),
     packages=["--no-deps", "--force-reinstall", "--no-binary", "ggml-python", "ggml-python==0.0.45"],
     cmake_args="-DGGML_LLAMAFILE=OFF",

@@ -26,8 +26,8 @@ DEFAULT_MODEL = "/tmp/drbench/bench-q8_0.gguf"
 
 
 def patch() -> None:
+    from deltarun.base.ggml_util import ggml, nb
     from deltarun.graphs.blocks import delta_net as D
-    from deltarun.runner.ggml_util import ggml, nb
 
     orig = D.write_conv_slots
 

@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     args = ap.parse_args()
 
+    from deltarun.base.ggml_util import ggml
     from deltarun.runner import model as model_mod
-    from deltarun.runner.ggml_util import ggml
 
     path = args.model
     if path is None:

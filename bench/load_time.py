@@ -34,8 +34,8 @@ def rss():
 """
 
 VOCAB_FAST = PRELUDE + r"""
-from deltarun.runner.gguf_file import GGUFFile
-from deltarun.runner.tokenizer import Tokenizer
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.tokenizer import Tokenizer
 path = sys.argv[1]
 r0 = rss(); t0 = time.perf_counter(); c0 = time.process_time()
 f = GGUFFile(path)
@@ -48,7 +48,7 @@ print(json.dumps({"GGUFFile_s": t1 - t0, "tokenizer_s": t2 - t1, "total_s": t2 -
 
 VOCAB_STOCK = PRELUDE + r"""
 import gguf
-from deltarun.runner.tokenizer import Tokenizer
+from deltarun.base.tokenizer import Tokenizer
 path = sys.argv[1]
 t0 = time.perf_counter()
 r = gguf.GGUFReader(path)

@@ -207,7 +207,7 @@ def _keeps_f32(name: str, arr: np.ndarray) -> bool:
 
 def quantize(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """Quantize rows with ggml's own `ggml_quantize_chunk`, so files match what ggml would write."""
-    from deltarun.runner.ggml_compat import ggml
+    from deltarun.base.ggml_compat import ggml
 
     src = np.ascontiguousarray(arr, dtype=np.float32)
     n_per_row = src.shape[-1]

@@ -16,7 +16,7 @@ from importlib import resources
 
 import gguf
 
-from deltarun.runner.tokenizer import Tokenizer
+from deltarun.base.tokenizer import Tokenizer
 
 VOCAB_RESOURCE = "tiny-vocab.json"
 
@@ -93,8 +93,8 @@ def qwen2_vocab() -> TinyVocab:
     vocabulary's 2,330 rows hide the cost that dominates decoding small real models)."""
     import os
 
-    from deltarun.runner.errors import DeltarunError
-    from deltarun.runner.fast_gguf import FastGGUFReader, array_values
+    from deltarun.base.errors import DeltarunError
+    from deltarun.base.fast_gguf import FastGGUFReader, array_values
 
     path = qwen2_vocab_path()
     if not os.path.exists(path):

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from deltarun.base.errors import BackendError, DeltarunError
+from deltarun.base.ggml_util import ggml
 from deltarun.cli.main import cli
 from deltarun.runner import backend as be
-from deltarun.runner.errors import BackendError, DeltarunError
-from deltarun.runner.ggml_util import ggml
+from deltarun.runner import devices, placement, scheduler
 from deltarun.runner.memory import Memory
 from deltarun.runner.model import Model
 
@@ -27,7 +28,7 @@ def run(*args):
     ("vulkan", ("vulkan", None)), ("vulkan:1", ("vulkan", 1)), ("cuda:0", ("cuda", 0)),
 ])
 def test_backend_names_parse(name, want):
-    assert be.parse_backend_name(name) == want
+    assert devices.parse_backend_name(name) == want
 
 
 @pytest.mark.parametrize("name", ["gpu9", "cpu:0", "vulkan:x", "metal", "", "cuda:-1"])
@@ -38,19 +39,19 @@ def test_unknown_backend_names_are_backend_errors(name):
 
 @pytest.mark.parametrize("kind, flag", [("vulkan", "-DGGML_VULKAN=ON"), ("cuda", "-DGGML_CUDA=ON")])
 def test_a_backend_missing_from_the_build_says_how_to_install_it(kind, flag):
-    if be.build_has(kind):
+    if devices.build_has(kind):
         pytest.skip(f"this ggml-python build has {kind}")
     with pytest.raises(BackendError) as e:
         be.init_backend(f"{kind}:0")
     msg = str(e.value)
     assert isinstance(e.value, DeltarunError) and e.value.exit_code == 5
-    assert f"no {be.DEVICE_KINDS[kind][0]} backend" in msg
+    assert f"no {devices.DEVICE_KINDS[kind][0]} backend" in msg
     assert f"--config-settings=cmake.args={flag} ggml-python==0.0.45" in msg
     assert f"scripts/install-{kind}.sh" in msg
 
 
 def test_missing_backend_is_one_clear_cli_line(tiny_model):
-    if be.build_has("cuda"):
+    if devices.build_has("cuda"):
         pytest.skip("this ggml-python build has CUDA")
     r = run("generate", tiny_model, "-p", "hi", "-n", "1", "--backend", "cuda", "--threads", "1")
     assert r.exit_code == 5
@@ -59,14 +60,14 @@ def test_missing_backend_is_one_clear_cli_line(tiny_model):
 
 
 def test_registry_lists_the_cpu():
-    devs = be.list_devices()
+    devs = devices.list_devices()
     cpu = [d for d in devs if d.registry == "CPU"]
     assert len(cpu) == 1
     d = cpu[0]
     assert d.type == "cpu" and d.backend_name == "cpu" and d.name == "CPU"
     assert d.memory_total > 0 and 0 < d.memory_free <= d.memory_total
     assert set(d.to_dict()) >= {"index", "name", "description", "type", "memory_free", "memory_total", "backend"}
-    assert "cpu" in be.available_backends() and "auto" in be.available_backends()
+    assert "cpu" in devices.available_backends() and "auto" in devices.available_backends()
 
 
 def test_devices_command_table_and_json():
@@ -78,12 +79,12 @@ def test_devices_command_table_and_json():
     data = json.loads(r.stdout)
     assert any(d["registry"] == "CPU" for d in data["devices"])
     assert set(data["built_with"]) == {"vulkan", "cuda"}
-    assert data["auto"] == (be.best_device().backend_name if be.best_device() else "cpu")
-    assert data["cpu_features"] == be.cpu_features()
+    assert data["auto"] == (devices.best_device().backend_name if devices.best_device() else "cpu")
+    assert data["cpu_features"] == devices.cpu_features()
 
 
 def test_cpu_features_say_whether_llamafile_kernels_are_built_in(monkeypatch):
-    assert ("LLAMAFILE" in be.cpu_features()) == bool(ggml.ggml_cpu_has_llamafile())
+    assert ("LLAMAFILE" in devices.cpu_features()) == bool(ggml.ggml_cpu_has_llamafile())
     monkeypatch.setattr(ggml, "ggml_cpu_has_llamafile", lambda: 0)
     r = run("devices")
     assert "LLAMAFILE" not in r.stdout and "scripts/install.sh" in r.stdout
@@ -93,7 +94,7 @@ def test_cpu_features_say_whether_llamafile_kernels_are_built_in(monkeypatch):
 
 
 def test_auto_without_a_gpu_is_the_cpu():
-    if be.best_device() is not None:
+    if devices.best_device() is not None:
         pytest.skip("this machine has a GPU backend")
     b = be.init_backend("auto", 1)
     try:
@@ -171,7 +172,7 @@ def fake_device():
     (99, [0, 1, 2, 3], True),
 ])
 def test_gpu_layers_follow_llama_cpp(fake_device, n, on_device, output):
-    p = be.Placement(4, fake_device, n)
+    p = placement.Placement(4, fake_device, n)
     assert [il for il in range(4) if p.layer(il) is fake_device] == on_device
     assert p.output_on_device is output
     assert (p.for_tensor("output.weight") is fake_device) is output
@@ -188,18 +189,18 @@ def test_placement_on_a_cpu_backend_is_all_cpu():
     cpu = be.init_backend("cpu", 1)
     try:
         for n in (None, 0, 2, 10):
-            p = be.Placement(4, cpu, n)
+            p = placement.Placement(4, cpu, n)
             assert all(p.layer(il) is cpu for il in range(5)) and p.for_tensor("token_embd.weight") is cpu
     finally:
         cpu.free()
     with pytest.raises(BackendError):
-        be.Placement(4, cpu, -1)
+        placement.Placement(4, cpu, -1)
 
 
 def test_memory_places_each_layer_in_its_backends_buffer(tiny_model_path, fake_device):
     with Model(tiny_model_path("tiny", "f32"), n_ctx=32, n_threads=1) as m:
         hp = m.hp
-    p = be.Placement(hp.n_layer, fake_device, 2)
+    p = placement.Placement(hp.n_layer, fake_device, 2)
     mem = Memory(hp, fake_device, 32, 2, 1, "f32", placement=p)
     try:
         assert len(mem.buffers) == 2
@@ -292,7 +293,7 @@ def test_scheduler_puts_back_the_srcs_it_rewrote(tiny_model_path):
         assert ctypes.addressof(node.contents.src[0].contents) == original
         # a graph whose nodes are not those of the snapshot is not touched
         other = next(x for x in m._graphs.values() if x is not g)
-        assert not be.restore_srcs(other.gf, saved)
+        assert not scheduler.restore_srcs(other.gf, saved)
 
 
 def test_default_threads_count_physical_cores_in_the_affinity_mask(tmp_path, monkeypatch):
@@ -303,9 +304,9 @@ def test_default_threads_count_physical_cores_in_the_affinity_mask(tmp_path, mon
         d.mkdir(parents=True)
         (d / "thread_siblings_list").write_text(text + "\n")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert be.physical_cores(str(tmp_path)) == 2
+    assert devices.physical_cores(str(tmp_path)) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 4})
-    assert be.physical_cores(str(tmp_path)) == 3
+    assert devices.physical_cores(str(tmp_path)) == 3
     # no topology: one core per CPU
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 8})
-    assert be.physical_cores(str(tmp_path)) == 2
+    assert devices.physical_cores(str(tmp_path)) == 2

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 import deltarun
-from deltarun.cli.main import cli
-from deltarun.runner import backend as be
 from deltarun.apps.bench import SCHEMA, SCHEMA_VERSION, TG_PROMPT
+from deltarun.cli.main import cli
+from deltarun.runner import devices
 
 
 def invoke(*args):
@@ -38,8 +38,8 @@ def test_json_schema_and_a_2x2_grid(model):
     assert data["deltarun_version"] == deltarun.__version__
     machine = data["machine"]
     assert {"platform", "machine", "processor", "python", "cpu_count", "cpu_affinity"} <= set(machine)
-    assert machine["ggml_cpu_features"] == be.cpu_features()
-    assert ("LLAMAFILE" in machine["ggml_cpu_features"]) == bool(be.ggml.ggml_cpu_has_llamafile())
+    assert machine["ggml_cpu_features"] == devices.cpu_features()
+    assert ("LLAMAFILE" in machine["ggml_cpu_features"]) == bool(devices.ggml.ggml_cpu_has_llamafile())
     assert machine["cpu_count"] == os.cpu_count()
     m = data["model"]
     assert m["path"] == str(model) and m["size_bytes"] > 0 and m["n_params"] > 0
@@ -93,9 +93,9 @@ def test_bad_arguments(model, args, message):
 
 def test_bench_says_when_ggml_lacks_the_llamafile_kernels(model, monkeypatch):
     args = ("bench", model, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-b", "8")
-    monkeypatch.setattr(be.ggml, "ggml_cpu_has_llamafile", lambda: 0)
+    monkeypatch.setattr(devices.ggml, "ggml_cpu_has_llamafile", lambda: 0)
     r = ok(*args)
     assert "scripts/install.sh" in r.stderr and "LLAMAFILE" not in r.stderr
-    monkeypatch.setattr(be.ggml, "ggml_cpu_has_llamafile", lambda: 1)
+    monkeypatch.setattr(devices.ggml, "ggml_cpu_has_llamafile", lambda: 1)
     r = ok(*args)
     assert "scripts/install.sh" not in r.stderr and "LLAMAFILE" in r.stderr

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 from deltarun.runner.model import Model
 
 PROMPT = 20      # tokens evaluated before the captured call

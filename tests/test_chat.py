@@ -20,10 +20,10 @@ import pytest
 from click.testing import CliRunner
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from deltarun.cli.main import cli
 from deltarun.apps.chat import ChatSession, StopMatcher, ThinkingSplitter, common_prefix_length
-from deltarun.runner.chat_template import ChatTemplate, qwen3_template_source
-from deltarun.runner.errors import ContextFullError, TokenizerError
+from deltarun.base.chat_template import ChatTemplate, qwen3_template_source
+from deltarun.base.errors import ContextFullError, TokenizerError
+from deltarun.cli.main import cli
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler
 

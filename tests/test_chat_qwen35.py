@@ -1,5 +1,5 @@
 """The Qwen3.5 chat template (models/data/qwen35-chat-template.jinja, llama.cpp's Qwen3.5-4B.jinja)
-rendered by deltarun.runner.chat_template. Expected texts are written out by hand from the
+rendered by deltarun.base.chat_template. Expected texts are written out by hand from the
 template's rules: ChatML turns, `<think>\\n` opened after the generation prompt unless
 enable_thinking is false (then an empty think block), tools listed as JSON in a `# Tools` system
 block, assistant tool calls in the XML form, tool results wrapped in `<tool_response>` inside a
@@ -13,9 +13,9 @@ import json
 import gguf
 import pytest
 
+from deltarun.base.chat_template import ChatTemplate
+from deltarun.base.errors import TokenizerError
 from deltarun.model_files import qwen35 as q35
-from deltarun.runner.chat_template import ChatTemplate
-from deltarun.runner.errors import TokenizerError
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou have access to the following functions:\n\n<tools>"

@@ -215,7 +215,7 @@ def test_copied_sequence_continues_like_the_original(tiny_model_path):
 def test_attention_reads_the_stored_v_rows_without_a_copy(tiny_model_path):
     """V is stored transposed (one row per channel across the cells), so the decode graph multiplies
     a view of the cache: no per-step CONT of n_kv cells of V."""
-    from deltarun.runner.ggml_util import ggml, name_of, ne
+    from deltarun.base.ggml_util import ggml, name_of, ne
 
     with Model(tiny_model_path("tiny"), n_ctx=512, kv_type="f16") as m:
         m.eval(prompt(300, seed=3))
@@ -269,7 +269,7 @@ def test_decode_reuses_graphs(tiny_model_path):
 def test_conv_state_written_by_one_set_rows(tiny_model_path, K, n_tokens):
     """The graph holds exactly one SET_ROWS into each layer's conv states, indexed by
     rs_s_slot_rev = {Kw-1..0} with Kw = min(n_tokens + 1, K)."""
-    from deltarun.runner.ggml_util import ggml, name_of, ne, nb, tensor_to_numpy
+    from deltarun.base.ggml_util import ggml, name_of, ne, nb, tensor_to_numpy
 
     with Model(tiny_model_path("tiny"), n_ctx=64, kv_type="f32", rs_slots=K) as m:
         toks = prompt(n_tokens, seed=12)

@@ -31,8 +31,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from deltarun.base import errors
 from deltarun.model_files.generate import write_model
-from deltarun.runner import errors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loader_errors import SCALAR_SIZES, walk  # noqa: E402  (the tests' own GGUF field walker)

@@ -17,9 +17,9 @@ import gguf
 import numpy as np
 import pytest
 
-from deltarun.graphs import available_architectures
-from deltarun.runner.errors import ModelFileError
-from deltarun.runner.ggml_util import ggml, name_of
+from deltarun.base.errors import ModelFileError
+from deltarun.base.ggml_util import ggml, name_of
+from deltarun.base.registry import available_architectures
 from deltarun.runner.model import Model
 
 from test_loader_errors import GV, rewrite

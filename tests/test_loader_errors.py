@@ -24,8 +24,8 @@ import gguf
 import numpy as np
 import pytest
 
+from deltarun.base.errors import DeltarunError, ModelFileError, TokenizerError, UnsupportedModelError
 from deltarun.model_files.generate import write_model
-from deltarun.runner.errors import DeltarunError, ModelFileError, TokenizerError, UnsupportedModelError
 from deltarun.runner.model import Model
 
 GV = gguf.GGUFValueType
@@ -536,8 +536,8 @@ def test_every_error_class_is_exercised():
 
 # --- the chat-template check on its own ---------------------------------------------------------
 def test_validate_chat_template():
+    from deltarun.base.template_check import validate_chat_template
     from deltarun.model_files.generate import chat_template
-    from deltarun.runner.template_check import validate_chat_template
 
     validate_chat_template(chat_template())
     validate_chat_template("{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}"

@@ -13,11 +13,11 @@ import gguf
 import numpy as np
 import pytest
 
-from deltarun.runner.fast_gguf import ArrayParts, FastGGUFReader, array_values
-from deltarun.runner.gguf_file import GGUFFile
-from deltarun.runner.ggml_util import ggml
+from deltarun.base.fast_gguf import ArrayParts, FastGGUFReader, array_values
+from deltarun.base.ggml_util import ggml
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.tokenizer import Tokenizer, TokenizerError, _rank_merges, _rank_merges_loop
 from deltarun.runner.model import KV_PAD, Model
-from deltarun.runner.tokenizer import Tokenizer, TokenizerError, _rank_merges, _rank_merges_loop
 
 from shipped_data import qwen2_vocab_gguf
 

@@ -322,7 +322,7 @@ def test_make_tiny_cli_writes_qwen35(tmp_path):
 
 def ggml_rope_multi(x: np.ndarray, pos4: np.ndarray, n_rot: int, sections, base: float, mode: int) -> np.ndarray:
     """Run ggml_rope_multi on the CPU: x numpy (T, heads, head_dim) f32, pos4 (4, T) int32."""
-    from deltarun.runner.ggml_compat import ggml
+    from deltarun.base.ggml_compat import ggml
 
     T, H, D = x.shape
     params = ggml.ggml_init_params(mem_size=64 * 1024 * 1024, mem_buffer=None, no_alloc=False)
@@ -347,7 +347,7 @@ def test_imrope_sections_match_ggml_with_distinct_position_streams():
     """With different temporal/height/width positions the section rule matters: the reference's
     HF rule and ggml's GGML_ROPE_TYPE_IMROPE agree (sections summing to n_rot / 2, as the published
     [11, 11, 10] for 64 rotary dims and the tiny [3, 3, 2] for 16)."""
-    from deltarun.runner.ggml_compat import ggml
+    from deltarun.base.ggml_compat import ggml
 
     rng = np.random.default_rng(0)
     for head_dim, n_rot, sections in ((64, 16, (3, 3, 2, 0)), (256, 64, (11, 11, 10, 0))):

@@ -111,7 +111,7 @@ def test_qwen35_pre_tokenizer_agrees_with_llamacpp_on_random_text(tmp_path):
     (measured: 3000 of 3000 random texts when this test was written)."""
     import json
 
-    from deltarun.runner.tokenizer import Tokenizer
+    from deltarun.base.tokenizer import Tokenizer
     from test_loader_errors import GV, rewrite
     from shipped_data import qwen2_vocab_gguf   # llama.cpp's Qwen2 vocabulary, shipped in tests/data
 

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from deltarun.cli.main import cli
-from deltarun.runner.backend import cpu_repack_buffer_type
 from deltarun.runner.model import Model
+from deltarun.runner.repack import cpu_repack_buffer_type
 
 from test_forward import MEASURED_MEDIAN, greedy_continuation, prompt, reference_greedy, reference_of  # noqa: F401
 

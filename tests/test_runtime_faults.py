@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from deltarun.apps.chat import ChatSession
+from deltarun.base.errors import BackendError, ContextFullError
 from deltarun.cli.main import cli
 from deltarun.runner import files
-from deltarun.runner.errors import BackendError, ContextFullError
 from deltarun.runner.model import Model
 
 

@@ -26,8 +26,8 @@ from admission_gate import AdmissionGate
 from deltarun.apps.chat import common_prefix_length
 from deltarun.apps.serve.server import ServeHandle, ServeSettings, free_port
 from deltarun.apps.serve.worker import CAPTURE_SLOTS
-from deltarun.runner.chat_template import ChatTemplate
-from deltarun.runner.gguf_file import GGUFFile
+from deltarun.base.chat_template import ChatTemplate
+from deltarun.base.gguf_file import GGUFFile
 from deltarun.runner.model import Model
 
 N_CTX = 1024

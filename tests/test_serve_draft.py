@@ -143,8 +143,8 @@ def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_ro
     drafts are not held, so they never count as cached), and the MTP block's KV rows after the
     resume (and after the work ahead) equal those a fresh server computes for the same conversation
     (the row before the resume point comes from the hidden row the cache kept)."""
-    from deltarun.runner.chat_template import ChatTemplate
-    from deltarun.runner.gguf_file import GGUFFile
+    from deltarun.base.chat_template import ChatTemplate
+    from deltarun.base.gguf_file import GGUFFile
 
     path = tiny_model_path("tiny-mtp")      # random weights: answers that are not just white space
     f = GGUFFile(path)

@@ -14,8 +14,8 @@ import pytest
 from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import SamplingRequest
 from deltarun.apps.serve.worker import Event, GenParams, Job, Worker, sample_top_k
-from deltarun.runner import backend as be
-from deltarun.runner.ggml_util import ggml
+from deltarun.base.ggml_util import ggml
+from deltarun.runner import scheduler
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows
 
@@ -84,13 +84,13 @@ def _alternating_run(path, keep: bool) -> tuple[np.ndarray, int]:
     with Model(path, n_ctx=128, n_seq_max=4, n_batch=16, n_threads=1) as m:
         if keep:
             m.keep_step_graphs(3)
-        real = be.Scheduler.allocate
+        real = scheduler.Scheduler.allocate
 
         def counting(self, gf, ctx):
             nonlocal allocations
             allocations += not self.holds(gf)
             real(self, gf, ctx)
-        be.Scheduler.allocate = counting
+        scheduler.Scheduler.allocate = counting
         try:
             toks = {s: [int(np.argmax(m.eval([3 + s, 9, 4, 1, 7], s)))] for s in range(3)}
             steps = []
@@ -104,7 +104,7 @@ def _alternating_run(path, keep: bool) -> tuple[np.ndarray, int]:
                 steps.append(np.stack([out[s] for s in range(3)]))
                 toks = {s: [int(np.argmax(out[s]))] for s in range(3)}
         finally:
-            be.Scheduler.allocate = real
+            scheduler.Scheduler.allocate = real
     return np.stack(steps), allocations
 
 
@@ -155,7 +155,7 @@ def test_graph_layout_resets_like_restore_srcs_and_forget_addresses(tiny_model_p
         assert node.contents.data                                  # it still has its old address
         layout.reset()
         assert ctypes.addressof(node.contents.src[0].contents) == original
-        assert be.snapshot_srcs(g.gf) == saved
+        assert scheduler.snapshot_srcs(g.gf) == saved
         t = ggml.ggml_get_first_tensor(g.ctx)
         while t:                                                    # every tensor forgot its address
             assert not t.contents.data and not t.contents.buffer
@@ -183,16 +183,16 @@ def test_tensor_and_node_addresses_read_at_once_equal_ggmls_walk(tiny_model_path
         m.eval(list(range(5, 30)), captures=[4, 11])
         m.eval([3])
         for g in m._graphs.values():
-            assert be.tensor_addresses(g.ctx).tolist() == _walk(g.ctx)
+            assert scheduler.tensor_addresses(g.ctx).tolist() == _walk(g.ctx)
             n = ggml.ggml_graph_n_nodes(g.gf)
-            assert be.node_addresses(g.gf).tolist() == [ctypes.addressof(ggml.ggml_graph_node(g.gf, i).contents)
+            assert scheduler.node_addresses(g.gf).tolist() == [ctypes.addressof(ggml.ggml_graph_node(g.gf, i).contents)
                                                         for i in range(n)]
     params = ggml.ggml_init_params(mem_size=1 << 20, mem_buffer=None, no_alloc=False)
     ctx = ggml.ggml_init(params)
     try:
         for n in (3, 100, 7, 1):                        # data inside the context: sizes differ
             ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, n)
-        assert be.tensor_addresses(ctx).tolist() == _walk(ctx) and len(_walk(ctx)) == 4
+        assert scheduler.tensor_addresses(ctx).tolist() == _walk(ctx) and len(_walk(ctx)) == 4
     finally:
         ggml.ggml_free(ctx)
 

@@ -280,7 +280,7 @@ def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
     from deltarun.apps.chat import followed_by_a_message
     from deltarun.apps.serve.prompts import PromptBuilder
     from deltarun.apps.serve.protocol import ChatRequest
-    from deltarun.runner.chat_template import ChatTemplate
+    from deltarun.base.chat_template import ChatTemplate
 
     pb = PromptBuilder(model, ChatTemplate.builtin(), None)
     rng = np.random.default_rng(0)
@@ -312,7 +312,7 @@ def test_a_next_turn_renders_only_its_new_boundaries(model, monkeypatch):
     the same checkpoints as a builder that remembers nothing."""
     from deltarun.apps.serve.prompts import PromptBuilder
     from deltarun.apps.serve.protocol import ChatRequest
-    from deltarun.runner.chat_template import ChatTemplate
+    from deltarun.base.chat_template import ChatTemplate
 
     pb = PromptBuilder(model, ChatTemplate.builtin(), None)
     calls = []
@@ -346,7 +346,7 @@ def test_next_turn_is_where_the_next_prompt_starts_its_new_message(model, monkey
     from deltarun.apps.chat import common_prefix_length
     from deltarun.apps.serve.prompts import PromptBuilder
     from deltarun.apps.serve.protocol import ChatRequest
-    from deltarun.runner.chat_template import ChatTemplate
+    from deltarun.base.chat_template import ChatTemplate
 
     tmpl = ChatTemplate.builtin() if template == "qwen3" else ChatTemplate(QWEN35_TEMPLATE.read_text())
     pb = PromptBuilder(model, tmpl, None)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deltarun.runner.errors import RollbackError
+from deltarun.apps.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats, _accept,
+                                         speculative_tokens)
+from deltarun.base.errors import RollbackError
 from deltarun.runner.generation import generate_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams
-from deltarun.apps.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats, _accept,
-                                         speculative_tokens)
 
 from reference import ReferenceModel
 
@@ -363,7 +363,7 @@ def test_sampled_mtp_drafts_use_separate_evaluations(tiny_model_path):
 
 
 def test_mtp_argmax_needs_the_mtp_block_and_every_row(tiny_model_path):
-    from deltarun.runner.errors import DeltarunError
+    from deltarun.base.errors import DeltarunError
 
     with Model(tiny_model_path("tiny-mtp"), n_ctx=64, rs_slots=3) as m:
         with pytest.raises(DeltarunError, match="MTP block"):

@@ -12,10 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltarun.model_files import make_tiny_vocab
-from deltarun.model_files.vocab import tiny_vocab
-from deltarun.runner.errors import TokenizerError
-from deltarun.runner.tokenizer import (
+from deltarun.base.errors import TokenizerError
+from deltarun.base.tokenizer import (
     BYTE_TO_UNICODE,
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_NORMAL,
@@ -23,6 +21,8 @@ from deltarun.runner.tokenizer import (
     StreamDecoder,
     Tokenizer,
 )
+from deltarun.model_files import make_tiny_vocab
+from deltarun.model_files.vocab import tiny_vocab
 
 from shipped_data import VOCAB_INPUTS, VOCAB_OUTPUTS, qwen2_vocab_gguf
 

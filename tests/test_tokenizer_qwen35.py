@@ -17,9 +17,9 @@ import gguf
 import pytest
 import regex
 
-from deltarun.runner.errors import TokenizerError
+from deltarun.base.errors import TokenizerError
 from shipped_data import qwen2_vocab_gguf
-from deltarun.runner.tokenizer import (
+from deltarun.base.tokenizer import (
     BYTE_TO_UNICODE,
     PRE_TOKENIZER_PATTERNS,
     TOKEN_TYPE_CONTROL,
@@ -48,7 +48,7 @@ VECTORS = load_vectors()
 @pytest.fixture(scope="module")
 def qwen35() -> Tokenizer:
     """llama.cpp's qwen35 vocabulary test file: the Qwen2 vocabulary with pre-tokenizer qwen35."""
-    from deltarun.runner.fast_gguf import array_values
+    from deltarun.base.fast_gguf import array_values
 
     fields = gguf.GGUFReader(qwen2_vocab_gguf()).fields
     value = {k: array_values(fields[f"tokenizer.ggml.{k}"]) for k in ("tokens", "token_type", "merges",

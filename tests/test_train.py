@@ -18,10 +18,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is in the optional `train` extra (pip install -e .[train])")
 pytest.importorskip("tokenizers", reason="HF tokenizers is in the optional `train` extra (pip install -e .[train])")
 
+from deltarun.base.gguf_file import GGUFFile  # noqa: E402
 from deltarun.model_files import generate as gen  # noqa: E402
 from deltarun.model_files.generate import ModelConfig, write_gguf  # noqa: E402
 from deltarun.model_files.vocab import TinyVocab  # noqa: E402
-from deltarun.runner.gguf_file import GGUFFile  # noqa: E402
 from deltarun.runner.model import Model  # noqa: E402
 
 from reference import load_gguf_weights  # noqa: E402
@@ -168,7 +168,7 @@ def test_hf_tokenizer_of_the_builtin_vocab_encodes_like_deltarun():
     """An HF tokenizer rebuilt from the shipped vocabulary and merges (qwen2 regex, byte level)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from deltarun.runner.tokenizer import PRE_TOKENIZER_PATTERNS
+    from deltarun.base.tokenizer import PRE_TOKENIZER_PATTERNS
 
     shipped = gen.ensure_default_model()
     vocab = vocab_of(shipped)

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from deltarun.base.gguf_file import GGUFFile
 from deltarun.cli.main import cli
 from deltarun.model_files import generate as gen
-from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.model import Model
 
 DATA = Path(__file__).parent / "data" / "trained"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from deltarun.runner import backend as be
+from deltarun.runner import devices
 
 REQUIRE = os.environ.get("DELTARUN_REQUIRE_VULKAN") == "1"
 ENV = {"GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"), "GGML_VK_DISABLE_F16": "1"}
@@ -46,7 +46,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _vulkan_devices() -> tuple[list[dict], str]:
-    if not be.build_has("vulkan"):
+    if not devices.build_has("vulkan"):
         return [], "this ggml-python build has no Vulkan backend (scripts/install-vulkan.sh builds one)"
     out = subprocess.run([sys.executable, "-m", "deltarun", "devices", "--json"], env=_env(), capture_output=True,
                          text=True, timeout=120)

@@ -37,11 +37,15 @@ JSON schema (`to_json`, `deltarun bench --output json`), version 1::
         {"test": "pp512" | "tg128", "kind": "pp" | "tg", "n_prompt": int, "n_gen": int,
          "backend": str, "gpu_layers": int | null, "threads": int, "batch": int, "repetitions": int,
          "samples_s": [float], "samples_tps": [float],
-         "avg_s": float, "avg_tps": float, "stddev_tps": float}
+         "avg_s": float, "avg_tps": float, "stddev_tps": float,
+         "ubatch_cost": float | null}
       ]
     }
 
-``n_depth`` and ``n_parallel`` (0 and 1 for plain pp/tg rows) are in each result row. With
+``n_depth`` and ``n_parallel`` (0 and 1 for plain pp/tg rows) are in each result row.
+``ubatch_cost`` (pp rows, when the grid measures pp1 too, e.g. ``-p 1,2,4,8``): the row's seconds
+over pp1's at the same backend, ngl, batch and threads (the markdown table's "x pp1" column);
+null elsewhere. pp1 is measured first whatever the order of -p. With
 ``profile`` the report also has ``"profiles": [...]``, one per backend/ngl/batch/threads for a pp
 ubatch (min(first -p, batch) tokens) and a tg ubatch (one token after TG_PROMPT): the objects of
 `deltarun.apps.op_profile.OpProfile.as_dict` (seconds per ggml op and per node group, the
@@ -69,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import numpy as np
 
 import deltarun
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 from deltarun.runner.units import format_bytes, format_count
 
 if TYPE_CHECKING:  # annotations only: the applications open models lazily
@@ -86,7 +90,7 @@ CLOCK: Callable[[], float] = time.perf_counter
 
 
 def machine_info() -> dict[str, Any]:
-    from deltarun.runner.backend import cpu_features
+    from deltarun.runner.devices import cpu_features
 
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -152,6 +156,10 @@ class BenchResult:
     samples_tps: list[float] = field(default_factory=list)
     n_depth: int = 0
     n_parallel: int = 1
+    #: pp tests when the grid has pp1: this ubatch's seconds over pp1's (same backend, ngl, batch,
+    #: threads). Decoding is weight-bound, so verifying N draft tokens pays off only while this
+    #: stays near 1 (issue 28's targets: pp2 <= 1.15, pp4 <= 1.3, pp8 <= 1.6).
+    ubatch_cost: float | None = None
 
     @property
     def avg_s(self) -> float:
@@ -247,12 +255,12 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
     Plain pp/tg tests run on a model opened with the context they need (`bench_context`), as
     before; depth tests and parallel tests each open the model again with the context / number
     of sequences they need, so they never change the plain tests' setup."""
-    from deltarun.runner.backend import physical_cores
+    from deltarun.runner.devices import physical_cores
     from deltarun.runner.model import Model
 
     if cfg.repetitions < 1:
         raise DeltarunError("repetitions must be at least 1")
-    pps = [p for p in cfg.n_prompt if p > 0]
+    pps = sorted((p for p in cfg.n_prompt if p > 0), key=lambda p: p != 1)   # pp1 first: ubatch_cost
     tgs = [n for n in cfg.n_gen if n > 0]
     depths = _depths(cfg)
     parallel = [p for p in cfg.parallel if p > 0]
@@ -287,7 +295,13 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
             sec = run()
             r.samples_s.append(sec)
             r.samples_tps.append((p or n) * n_par / sec if sec > 0 else float("inf"))
+        if kind == "pp" and p == 1:
+            one_token[(backend, ngl, batch, t)] = r.avg_s
+        elif kind == "pp" and (backend, ngl, batch, t) in one_token:
+            r.ubatch_cost = r.avg_s / one_token[(backend, ngl, batch, t)]
         return r
+
+    one_token: dict[tuple[Any, ...], float] = {}   # pp1 seconds per grid point, for ubatch_cost
 
     for backend, ngl, batch in grid:
         n_pp_profile = min(pps[0] if pps else 512, batch)
@@ -364,24 +378,35 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 
 # --------------------------------------------------------------------------------------------- output
 MD_COLUMNS = ("model", "size", "params", "backend", "ngl", "threads", "n_batch", "test", "t/s")
+COST_COLUMN = "x pp1"   # with ubatch costs: seconds of the ubatch relative to one token's
 
 
-def markdown_header() -> str:
-    head = "| " + " | ".join(MD_COLUMNS) + " |"
-    rule = "| " + " | ".join("-" * len(c) for c in MD_COLUMNS) + " |"
+def has_ubatch_cost(n_prompt: Sequence[int]) -> bool:
+    """Whether a grid reports ubatch costs: it measures pp1 and at least one larger ubatch."""
+    return 1 in n_prompt and any(p > 1 for p in n_prompt)
+
+
+def markdown_header(cost: bool = False) -> str:
+    cols = MD_COLUMNS + ((COST_COLUMN,) if cost else ())
+    head = "| " + " | ".join(cols) + " |"
+    rule = "| " + " | ".join("-" * len(c) for c in cols) + " |"
     return head + "\n" + rule
 
 
-def markdown_row(model: dict[str, Any], r: BenchResult) -> str:
+def markdown_row(model: dict[str, Any], r: BenchResult, cost: bool = False) -> str:
     name = model.get("name") or Path(model.get("path", "?")).name
     cells = (str(name), format_bytes(model.get("size_bytes", 0)), format_count(model.get("n_params", 0)),
              r.backend, "all" if r.gpu_layers is None else str(r.gpu_layers), str(r.threads), str(r.batch),
              r.test, f"{r.avg_tps:.2f} ± {r.stddev_tps:.2f}")
+    if cost:
+        cells += ("1.00" if r.kind == "pp" and r.n_prompt == 1
+                  else "" if r.ubatch_cost is None else f"{r.ubatch_cost:.2f}",)
     return "| " + " | ".join(cells) + " |"
 
 
 def to_markdown(report: BenchReport) -> str:
-    return "\n".join([markdown_header()] + [markdown_row(report.model, r) for r in report.results])
+    cost = any(r.ubatch_cost is not None for r in report.results)
+    return "\n".join([markdown_header(cost)] + [markdown_row(report.model, r, cost) for r in report.results])
 
 
 def to_json(report: BenchReport) -> str:
@@ -389,7 +414,8 @@ def to_json(report: BenchReport) -> str:
 
 
 CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "batch", "test", "kind",
-              "n_prompt", "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps", "n_depth", "n_parallel")
+              "n_prompt", "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps", "n_depth", "n_parallel",
+              "ubatch_cost")
 
 
 def to_csv(report: BenchReport) -> str:

@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import jinja2
 import numpy as np
 
-from deltarun.runner.chat_template import ChatTemplate
-from deltarun.runner.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.base.chat_template import ChatTemplate
+from deltarun.base.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.base.tokenizer import StreamDecoder
 from deltarun.runner.files import write_atomically
 from deltarun.runner.generation import GenerationStats, PlainStep, decode_tokens
 from deltarun.runner.sampling import GREEDY, Sampler
-from deltarun.runner.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:  # annotations only: the applications open models lazily
     from deltarun.runner.model import Model

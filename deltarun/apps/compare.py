@@ -102,7 +102,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 from deltarun.runner.sampling import log_softmax
 from deltarun.runner.units import format_table
 
@@ -233,7 +233,7 @@ class SideRun:
 
 
 def _weight_types(model: Model) -> dict[str, int]:
-    from deltarun.runner.ggml_util import ggml
+    from deltarun.base.ggml_util import ggml
 
     counts: Counter[str] = Counter()
     for t in model.weights.tensors.values():

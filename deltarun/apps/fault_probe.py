@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_memory_mb:
         _limit_memory(args.max_memory_mb)
 
-    from deltarun.runner.errors import DeltarunError
+    from deltarun.base.errors import DeltarunError
 
     try:
         line = probe(args.path, args.n_ctx, args.threads)

@@ -103,10 +103,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from deltarun.graphs.interface import UbatchShape
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
+from deltarun.base.ggml_util import NP_TYPES, ggml, name_of
+from deltarun.base.interface import UbatchShape
 from deltarun.runner.files import write_atomically
-from deltarun.runner.ggml_util import NP_TYPES, ggml, name_of
 from deltarun.runner.model import padded_n_kv
 from deltarun.runner.units import format_bytes, format_table
 
@@ -649,7 +649,7 @@ def capture_values(model: Model, tokens: list[int], *, n_seqs: int = 1, decode: 
 
     errors: list[Exception] = []
     builds = model.stats.n_graph_builds
-    model.sched.set_eval_callback(observe)  # the scheduler owns the ggml callback (backend.Scheduler)
+    model.sched.set_eval_callback(observe)  # the scheduler owns the ggml callback (scheduler.Scheduler)
     try:
         model.eval_batch({seq: list(last) for seq in range(n_seqs)}, all_logits=all_outputs)
     finally:

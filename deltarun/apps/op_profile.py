@@ -277,7 +277,7 @@ class _ComputeTimer:
 
 
 def _graph_nodes(gf: Any) -> list[tuple[int, str, str]]:
-    from deltarun.runner.ggml_util import ggml, name_of
+    from deltarun.base.ggml_util import ggml, name_of
 
     out = []
     for i in range(int(ggml.ggml_graph_n_nodes(gf))):

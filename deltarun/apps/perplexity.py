@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 from deltarun.runner.files import temporary_beside
 from deltarun.runner.sampling import log_softmax
 

@@ -16,7 +16,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 from deltarun.runner.generation import GenerationStats, decode_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import Sampler

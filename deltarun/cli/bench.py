@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 
+from deltarun.base.errors import ModelFileError
+from deltarun.base.interface import DELTA_NET_MODES
 from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, pin_threads_option, rpc_options
-from deltarun.graphs.interface import DELTA_NET_MODES
-from deltarun.runner.errors import ModelFileError
 from deltarun.runner.memory import KV_TYPES
 
 
@@ -83,16 +83,17 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
     -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
-    grid. pp<P>: P tokens evaluated from an empty state in ubatches of -b tokens. tg<N>: N
+    grid. pp<P>: P tokens evaluated from an empty state in ubatches of -b tokens; with pp1 in the
+    grid (-p 1,2,4,8) the column "x pp1" gives each ubatch's seconds relative to one token's. tg<N>: N
     single-token evaluations after a 16-token prompt. Each test runs once as a warm-up, then -r
     times; t/s is the mean ± standard deviation over those runs. tg<N>@d<D>: tg after D tokens of
     context. tg<N>x<P>: P sequences decoding N tokens together, t/s counted over all of them.
     --profile: seconds per ggml op and node group of one pp and one tg ubatch (a table after the
     results; "profiles" in the JSON).
     """
-    from deltarun.runner.backend import llamafile_note
-    from deltarun.apps.bench import (BenchConfig, BenchReport, iter_bench, machine_info, markdown_header,
-                                       markdown_row, to_csv, to_json)
+    from deltarun.apps.bench import (BenchConfig, BenchReport, has_ubatch_cost, iter_bench, machine_info,
+                                       markdown_header, markdown_row, to_csv, to_json)
+    from deltarun.runner.devices import llamafile_note
 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
                       batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
@@ -107,12 +108,13 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     info: dict[str, Any] = {}
     results = []
     profiles: list[Any] = []
+    cost = has_ubatch_cost(cfg.n_prompt)
     if output == "md":
-        click.echo(markdown_header())
+        click.echo(markdown_header(cost))
     for r in iter_bench(cfg, settings, info, profiles):
         results.append(r)
         if output == "md":
-            click.echo(markdown_row(info, r))
+            click.echo(markdown_row(info, r, cost))
     report = BenchReport(machine_info(), info, settings, results, profiles)
     if profiles and output == "md":
         from deltarun.apps.op_profile import format_profiles

@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import click
 
+from deltarun.base.errors import ContextFullError, DeltarunError
 from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
                                   sampling_params)
 from deltarun.cli.text_io import silence_stdout
-from deltarun.runner.errors import ContextFullError, DeltarunError
 
 HELP = """\
 Commands:
@@ -295,7 +295,7 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
     trained on Shakespeare) is used.
     """
     from deltarun.apps.chat import ChatSession
-    from deltarun.runner.chat_template import ChatTemplate
+    from deltarun.base.chat_template import ChatTemplate
     from deltarun.runner.sampling import Sampler
 
     stdin = sys.stdin

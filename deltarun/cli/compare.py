@@ -15,9 +15,9 @@ from pathlib import Path
 import click
 import numpy as np
 
+from deltarun.base.errors import DeltarunError
+from deltarun.base.interface import DELTA_NET_MODES
 from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, resolve_model
-from deltarun.graphs.interface import DELTA_NET_MODES
-from deltarun.runner.errors import DeltarunError
 
 DEFAULT_TOKENS = 16
 DEFAULT_STEPS = 8
@@ -36,8 +36,8 @@ def _pair(ctx: click.Context, param: click.Parameter, value: str | None) -> list
 def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: int) -> list[int]:
     """The prompt's tokens: -p encoded (repeated or cut to --tokens N when given), else N
     pseudo-random token ids (seeded) from the model's vocabulary."""
-    from deltarun.runner.gguf_file import GGUFFile
-    from deltarun.runner.tokenizer import Tokenizer
+    from deltarun.base.gguf_file import GGUFFile
+    from deltarun.base.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(GGUFFile(model).reader)
     if prompt is None:

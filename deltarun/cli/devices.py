@@ -19,21 +19,21 @@ def devices(as_json: bool, rpc: str | None) -> None:
     variants. ggml-vulkan lists CPU devices such as Mesa's lavapipe only with GGML_VK_VISIBLE_DEVICES=0.
     With --rpc, the devices of those RPC servers are listed too (their --backend name is rpc:HOST:PORT).
     """
-    from deltarun.runner.units import format_bytes, format_table
-    from deltarun.runner import backend as be
+    from deltarun.runner import devices as devices_mod
     from deltarun.runner import rpc as rpc_mod
+    from deltarun.runner.units import format_bytes, format_table
 
     servers = [rpc_mod.probe(ep) for ep in rpc_mod.parse_endpoints(rpc)] if rpc else []
     if servers:
         rpc_mod.add_servers([s.endpoint for s in servers])
-    devs = be.list_devices()
-    built = {kind: be.build_has(kind) for kind in be.DEVICE_KINDS}
-    best = be.best_device()
+    devs = devices_mod.list_devices()
+    built = {kind: devices_mod.build_has(kind) for kind in devices_mod.DEVICE_KINDS}
+    best = devices_mod.best_device()
     if as_json:
         click.echo(json.dumps({"devices": [d.to_dict() for d in devs], "built_with": built,
                                "auto": best.backend_name if best else "cpu",
-                               "cpu_features": be.cpu_features(),
-                               "ggml_python": getattr(be.ggml, "__version__", ""),
+                               "cpu_features": devices_mod.cpu_features(),
+                               "ggml_python": getattr(devices_mod.ggml, "__version__", ""),
                                "rpc": {"built_in": rpc_mod.available(),
                                        "servers": [{"endpoint": s.endpoint, "protocol": s.version_text,
                                                     "devices": len(s.devices)} for s in servers]}}, indent=1))
@@ -47,10 +47,10 @@ def devices(as_json: bool, rpc: str | None) -> None:
         click.echo(line)
     click.echo("")
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
-    features = be.cpu_features()
-    click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {be.physical_cores()}")
-    click.echo(f"ggml-python {getattr(be.ggml, '__version__', '?')}")
-    for note in (be.llamafile_note(features), be.patches_note()):
+    features = devices_mod.cpu_features()
+    click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {devices_mod.physical_cores()}")
+    click.echo(f"ggml-python {getattr(devices_mod.ggml, '__version__', '?')}")
+    for note in (devices_mod.llamafile_note(features), devices_mod.patches_note()):
         if note:
             click.echo(note)
     for s in servers:
@@ -59,7 +59,7 @@ def devices(as_json: bool, rpc: str | None) -> None:
                else f"rpc: not in this build; {rpc_mod.install_hint()}")
     for kind, ok in built.items():
         if not ok:
-            click.echo(f"{kind}: not in this build; {be.install_hint(kind)}")
+            click.echo(f"{kind}: not in this build; {devices_mod.install_hint(kind)}")
         elif not any(d.registry.lower() == kind for d in devs):
             hint = " (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)" if kind == "vulkan" else ""
             click.echo(f"{kind}: built in, but no device found{hint}")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
+from deltarun.base.errors import DeltarunError
 from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
                                   sampling_params)
 from deltarun.cli.text_io import read_text_file, silence_stdout
-from deltarun.runner.errors import DeltarunError
 
 
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -52,10 +52,10 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
     Timings go to stderr at the end, like llama.cpp's.
     """
-    from deltarun.runner.generation import GenerationStats, generate_tokens
     from deltarun.apps.speculative import SpeculativeStats, speculative_tokens
+    from deltarun.base.tokenizer import StreamDecoder
+    from deltarun.runner.generation import GenerationStats, generate_tokens
     from deltarun.runner.sampling import Sampler
-    from deltarun.runner.tokenizer import StreamDecoder
 
     text = _read_prompt(prompt, file)
     params = sampling_params(**opts)  # type: ignore[arg-type]

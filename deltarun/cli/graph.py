@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 
+from deltarun.base.errors import DeltarunError
+from deltarun.base.interface import DELTA_NET_MODES
 from deltarun.cli.options import check_backends, note_gpu_layers
-from deltarun.graphs.interface import DELTA_NET_MODES
-from deltarun.runner.errors import DeltarunError
 
 FORMATS = ("txt", "json", "dot", "svg", "html")
 DEFAULT_TOKENS = 8

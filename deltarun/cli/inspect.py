@@ -16,11 +16,11 @@ from typing import Any
 
 import click
 
+from deltarun.base.errors import ModelFileError
+from deltarun.base.gguf_file import GGUFFile
 from deltarun.cli.options import MODEL_DEFAULTS
-from deltarun.runner.units import format_bytes, format_count
-from deltarun.runner.errors import ModelFileError
-from deltarun.runner.gguf_file import GGUFFile
 from deltarun.runner.memory import KV_TYPES, memory_bytes
+from deltarun.runner.units import format_bytes, format_count
 
 LAYER_CODES = {"linear": "L", "attention": "A", "mtp": "M", "unknown": "?"}
 MAX_TEXT_VALUE = 72  # characters of a metadata value shown in the text view
@@ -107,16 +107,16 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
     runnable = False
     if arch is not None:
         try:
-            from deltarun.graphs import graph_builder_for
+            from deltarun.base.registry import graph_family_for
 
-            hp = getattr(graph_builder_for(f), "hp", None)   # reads and validates hparams and tensors
+            hp = getattr(graph_family_for(f), "hp", None)   # reads and validates hparams and tensors
             runnable = True
         except Exception as e:  # noqa: BLE001 - inspect reports whatever stops a run
             problems.append(_clean(e, f.path))
             hp = _try_hparams(f, arch)
     if runnable:
         try:
-            from deltarun.runner.tokenizer import Tokenizer
+            from deltarun.base.tokenizer import Tokenizer
 
             Tokenizer.from_gguf(f.reader)
         except Exception as e:  # noqa: BLE001
@@ -165,7 +165,7 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
 
 def _try_hparams(f: GGUFFile, arch: str) -> Any:
     """The family's hyper-parameters when they can be read even though the file cannot run."""
-    from deltarun.graphs import available_architectures
+    from deltarun.base.registry import available_architectures
 
     entry = available_architectures().get(arch)
     if entry is None:

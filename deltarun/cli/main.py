@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 
 # command name -> "module:attribute"; modules are imported only when their command runs.
 COMMANDS: dict[str, str] = {

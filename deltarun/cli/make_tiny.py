@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
+from deltarun.base.errors import DeltarunError
 from deltarun.model_files import qwen35
 from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
-from deltarun.runner.errors import DeltarunError
 
 
 @click.command("make-tiny")

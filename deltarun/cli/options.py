@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import click
 
-from deltarun.graphs.interface import DELTA_NET_MODES
-from deltarun.runner.backend import physical_cores
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
+from deltarun.base.interface import DELTA_NET_MODES
+from deltarun.runner.devices import physical_cores
 from deltarun.runner.memory import KV_TYPES
 from deltarun.runner.sampling import SamplingParams
 
@@ -172,7 +172,8 @@ def check_backends(names: list[str]) -> None:
 
 def note_gpu_layers(backends: list[str], gpu_layers: Any) -> None:
     """Say so when --gpu-layers is given but every backend is the CPU, where it changes nothing."""
-    from deltarun.runner.backend import best_device, check_backend
+    from deltarun.runner.backend import check_backend
+    from deltarun.runner.devices import best_device
 
     if gpu_layers is None or gpu_layers == []:
         return
@@ -220,8 +221,8 @@ def check_draft(model: Path, draft: str | None) -> None:
     if draft is None or draft == "ngram":
         return
     from deltarun.apps.speculative import check_draft_vocab
-    from deltarun.graphs.interface import graph_family_for
-    from deltarun.runner.gguf_file import GGUFFile
+    from deltarun.base.gguf_file import GGUFFile
+    from deltarun.base.registry import graph_family_for
 
     target = graph_family_for(GGUFFile(model)).hp
     if draft == "mtp":

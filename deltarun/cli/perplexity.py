@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
+from deltarun.base.errors import DeltarunError
 from deltarun.cli.options import model_argument, model_options, open_model
 from deltarun.cli.text_io import read_text_file
-from deltarun.runner.errors import DeltarunError
 
 
 def _fmt(x: float, digits: int = 4) -> str:

@@ -34,20 +34,21 @@ from deltarun.runner.rpc import DEFAULT_PORT
                    "loads the same model again sends hashes instead of the bytes.")
 def rpc_server(host: str, port: int, backend: str, threads: int | None, cache_dir: Path | None) -> None:
     """Serve a local ggml device to `--rpc HOST:PORT` clients (ggml's RPC server; Ctrl-C stops it)."""
-    from deltarun.runner import backend as be
+    from deltarun.base.errors import BackendError
+    from deltarun.runner import devices
     from deltarun.runner import rpc
-    from deltarun.runner.errors import BackendError
+    from deltarun.runner.backend import vulkan_workaround
 
     rpc.require()
-    kind, index = be.parse_backend_name(backend)
+    kind, index = devices.parse_backend_name(backend)
     if kind in ("cpu-ref", "auto"):
         raise BackendError(f"rpc-server serves cpu, vulkan[:N] or cuda[:N], not {backend!r}")
     if kind == "cpu":
-        dev = next(d for d in be.list_devices() if d.registry == "CPU")
+        dev = next(d for d in devices.list_devices() if d.registry == "CPU")
     else:
-        dev = be.find_device(kind, index)
+        dev = devices.find_device(kind, index)
         if dev.registry == "Vulkan":
-            be.vulkan_workaround()
+            vulkan_workaround()
     address = rpc.ipv4_address(host, "rpc-server --host")   # ggml binds an IPv4 dotted quad only
     rpc.check_port_free(address, port)
     if cache_dir is not None:
@@ -56,7 +57,7 @@ def rpc_server(host: str, port: int, backend: str, threads: int | None, cache_di
         click.secho(f"warning: listening on {host}:{port}: the RPC protocol has no authentication or "
                     f"encryption; anyone who can reach this port can run code on {dev.name} and read its "
                     f"memory. Use it on a trusted network only (or an SSH tunnel).", fg="yellow", err=True)
-    n_threads = threads or be.physical_cores()
+    n_threads = threads or devices.physical_cores()
     endpoint = f"{address}:{port}"
     done = threading.Event()
 

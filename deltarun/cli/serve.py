@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
+from deltarun.base.errors import DeltarunError
 from deltarun.cli.options import (check_draft, draft_model_options, draft_options, model_argument, model_options,
                                   open_model, resolve_model)
-from deltarun.runner.errors import DeltarunError
 
 
 def is_loopback(host: str) -> bool:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from deltarun.base.ggml_util import Tensor
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.interface import BuiltGraph, HParams, UbatchShape
 from deltarun.graphs import spec
 from deltarun.graphs.blocks import head
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.blocks.delta_net import CHUNK_SIZE
-from deltarun.graphs.interface import BuiltGraph, HParams, UbatchShape
-from deltarun.runner.gguf_file import GGUFFile
-from deltarun.runner.ggml_util import Tensor
 
 Spec = dict[str, tuple[tuple[int, ...], bool]]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from deltarun.graphs.interface import UbatchData, UbatchShape
-from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml, set_name
+from deltarun.base.ggml_util import Tensor, c_array, ctypes, ggml, set_name
+from deltarun.base.interface import UbatchData, UbatchShape
 
 NEG_INF = -np.inf
 _NP_OF_GGML = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32, ggml.GGML_TYPE_I64: np.int64}

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from deltarun.base.ggml_util import Tensor, ggml
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.interface import HParams
 from deltarun.graphs import spec
 from deltarun.graphs.blocks import attention, delta_net, ffn, head
 from deltarun.graphs.blocks.attention import full_attention, output_ids
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.blocks.delta_net import CHUNK_SIZE, DeltaNet, linear_attention
 from deltarun.graphs.family import HybridFamily, Spec
-from deltarun.graphs.interface import HParams
-from deltarun.runner.gguf_file import GGUFFile
-from deltarun.runner.ggml_util import Tensor, ggml
 
 __all__ = ["Qwen3NextGraph", "CHUNK_SIZE"]
 

@@ -12,9 +12,9 @@ import math
 
 import gguf
 
-from deltarun.graphs.interface import HParams
-from deltarun.runner.errors import ModelFileError, TokenizerError, UnsupportedModelError
-from deltarun.runner.gguf_file import GGUFFile
+from deltarun.base.errors import ModelFileError, TokenizerError, UnsupportedModelError
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.interface import HParams
 
 # Types ggml's CPU backend multiplies (mul_mat / mul_mat_id / get_rows) for weight matrices.
 MATMUL_TYPES = {

@@ -1,6 +1,7 @@
-"""The runtime core: GGUF loading, weights, backends and the scheduler, memory (KV cache and
-rollback-slot recurrent state), the model, the tokenizer, sampling and the decode loop.
+"""The runtime core: devices, backends, layer placement and the scheduler, weights, memory (KV cache
+and rollback-slot recurrent state), the model, sampling and the decode loop.
 
-Nothing here imports from `deltarun.apps` or `deltarun.cli`; graphs come in through the
-`deltarun.graphs` interface.
+It imports only `deltarun.base` (errors, ggml, the GGUF file and its tokenizer): a file's graph
+family is found at run time through `deltarun.base.registry` and used through
+`deltarun.base.interface`, never imported from `deltarun.graphs`.
 """

@@ -34,7 +34,7 @@ import os
 import threading
 from typing import Any
 
-from deltarun.runner.ggml_util import ggml
+from deltarun.base.ggml_util import ggml
 
 
 def core_cpus(sysfs: str = "/sys/devices/system/cpu") -> list[int]:

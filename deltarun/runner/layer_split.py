@@ -15,7 +15,7 @@ graph, ~250 KiB for the bench model, on every token). Otherwise they stay on the
 tied embeddings (the LM head shares them) they go with the output layer.
 
 Each layer's weights, KV cache and recurrent state live on its device (Weights and Memory place
-them through `layer` / `for_tensor`, the same interface as `backend.Placement`), and
+them through `layer` / `for_tensor`, the same interface as `placement.Placement`), and
 ggml_backend_sched runs each op where its weights are, copying activations across devices at
 layer boundaries. The scheduler's backends are the split devices in order, then the CPU.
 """
@@ -26,10 +26,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from deltarun.base.errors import BackendError
+from deltarun.base.ggml_util import ctypes, ggml
 from deltarun.runner import rpc
-from deltarun.runner.backend import Backend, DeviceInfo, Placement
-from deltarun.runner.errors import BackendError
-from deltarun.runner.ggml_util import ctypes, ggml
+from deltarun.runner.backend import Backend
+from deltarun.runner.devices import DeviceInfo
+from deltarun.runner.placement import Placement
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
@@ -206,7 +208,7 @@ def resolve(backend: str, endpoints: str | Sequence[str] | None,
 
 def placement(n_layer: int, local: Backend, gpu_layers: int | None, endpoints: Sequence[str],
               tensor_split: Sequence[float] | None) -> "Placement | LayerSplit":
-    """`backend.Placement` (one device and the CPU) unless the layers are split over several devices."""
+    """`placement.Placement` (one device and the CPU) unless the layers are split over several devices."""
     if not endpoints and tensor_split is None:
         return Placement(n_layer, local, gpu_layers)
     return open_split(n_layer, local, endpoints, tensor_split, gpu_layers)

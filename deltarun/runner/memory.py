@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from deltarun.graphs.interface import HParams
-from deltarun.runner.backend import Backend, Placement, alloc_tensors
-from deltarun.runner.errors import BackendError, RollbackError
-from deltarun.runner.ggml_util import (Tensor, ggml, new_context, numpy_to_tensor, set_name,
-                                      tensor_to_numpy)
+from deltarun.base.errors import BackendError, RollbackError
+from deltarun.base.ggml_util import (Tensor, ggml, new_context, numpy_to_tensor, set_name,
+                                     tensor_to_numpy)
+from deltarun.base.interface import HParams
+from deltarun.runner.backend import Backend, alloc_tensors
+from deltarun.runner.placement import Placement
 
 KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
 

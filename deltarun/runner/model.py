@@ -16,14 +16,15 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from deltarun.graphs.interface import (DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape,
-                                      graph_family_for)
+from deltarun.base.errors import ContextFullError, DeltarunError
+from deltarun.base.ggml_util import ggml, new_context, tensor_to_numpy
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape
+from deltarun.base.registry import graph_family_for
 from deltarun.runner import layer_split
-from deltarun.runner.backend import Backend, Scheduler, init_backend
-from deltarun.runner.errors import ContextFullError, DeltarunError
-from deltarun.runner.gguf_file import GGUFFile
-from deltarun.runner.ggml_util import ggml, new_context, tensor_to_numpy
+from deltarun.runner.backend import Backend, init_backend
 from deltarun.runner.memory import Memory, RecurrentState, StateCheckpoint
+from deltarun.runner.scheduler import Scheduler
 from deltarun.runner.weights import Weights
 
 KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reused for 256 steps
@@ -339,7 +340,7 @@ class Model:
         draft verification) step. ggml's scheduler holds one allocated graph, so a server that
         interleaves prompt chunks with decode steps, or decodes two runs of cells, re-allocated
         graphs every step (`Scheduler.allocate`: 0.6 ms for the built-in model's decode graph before
-        `backend.GraphLayout`, two decode steps of one sequence). Each extra scheduler reserves
+        `scheduler.GraphLayout`, two decode steps of one sequence). Each extra scheduler reserves
         compute buffers for the largest step graph (rs_slots tokens of every cell): small next to
         the prompt graphs'. Off by default: tools that profile or dump `model.sched` see every
         graph there.

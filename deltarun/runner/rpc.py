@@ -55,8 +55,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from deltarun.runner.errors import BackendError
-from deltarun.runner.ggml_util import ctypes, ggml
+from deltarun.base.errors import BackendError
+from deltarun.base.ggml_util import ctypes, ggml
+from deltarun.runner.devices import DeviceInfo, list_devices
 
 #: The protocol ggml-rpc.cpp speaks in the ggml that ggml-python 0.0.45 vendors.
 PROTOCOL = (4, 0, 1)
@@ -281,10 +282,8 @@ def registered() -> list[str]:
     return list(_REGISTERED)
 
 
-def server_devices(endpoint: str) -> list[Any]:
+def server_devices(endpoint: str) -> list[DeviceInfo]:
     """The registry's DeviceInfo of each device of a registered server, in its order."""
-    from deltarun.runner.backend import list_devices
-
     return [d for d in list_devices() if d.registry == "RPC" and d.description == endpoint]
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from deltarun.runner.backend import (Backend, Placement, alloc_tensors, cpu_repack_buffer_type, repack_supports,
-                                    without_debug_log)
-from deltarun.runner.errors import BackendError, ModelFileError
-from deltarun.runner.gguf_file import GGUFFile, TensorInfo
-from deltarun.runner.ggml_util import Tensor, ctypes, ggml, new_context, set_name
+from deltarun.base.errors import BackendError, ModelFileError
+from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context, set_name
+from deltarun.base.gguf_file import GGUFFile, TensorInfo
+from deltarun.runner.backend import Backend, alloc_tensors
+from deltarun.runner.placement import Placement
+from deltarun.runner.repack import cpu_repack_buffer_type, repack_supports, without_debug_log
 
 TENSOR_ALIGNMENT = 32
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from deltarun.base.tokenizer import PRE_TOKENIZER_PATTERNS
 from deltarun.model_files.make_tiny_vocab import QWEN3_ADDED_TOKENS, converter_token_type
 from deltarun.model_files.vocab import TinyVocab
-from deltarun.runner.tokenizer import PRE_TOKENIZER_PATTERNS
 
 ENDOFTEXT = "<|endoftext|>"
 

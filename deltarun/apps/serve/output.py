@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from deltarun.apps.chat import THINK_CLOSE, THINK_OPEN, StopMatcher, ThinkingSplitter, _partial_suffix
-from deltarun.runner.tokenizer import StreamDecoder
+from deltarun.base.tokenizer import StreamDecoder
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)

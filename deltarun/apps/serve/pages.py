@@ -20,7 +20,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from deltarun.apps.serve.protocol import ApiError
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 
 DEFAULT_TOKENS = 8
 DEFAULT_DECODE_PAST = 32

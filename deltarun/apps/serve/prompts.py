@@ -30,8 +30,8 @@ import numpy as np
 from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_turn, opens_thinking, tokens_before
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
-from deltarun.runner.chat_template import ChatTemplate
-from deltarun.runner.errors import TokenizerError
+from deltarun.base.chat_template import ChatTemplate
+from deltarun.base.errors import TokenizerError
 
 #: Message boundaries are looked for among the last this many messages only (each costs a render).
 BOUNDARY_MESSAGES = 8

@@ -26,7 +26,7 @@ from deltarun.apps.serve.grammar import GrammarFactory
 from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.prompts import PromptBuilder
 from deltarun.apps.serve.worker import Worker
-from deltarun.runner.chat_template import ChatTemplate
+from deltarun.base.chat_template import ChatTemplate
 
 
 @dataclass

@@ -55,7 +55,7 @@ from typing import Any, Callable
 from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.protocol import ApiError
 from deltarun.apps.serve.worker import Event, Job, Worker
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 5.0
@@ -69,7 +69,7 @@ class ModelInfo:
     """What the HTTP side reads of the model, in the parent: sizes from the child, tokenizer from the GGUF."""
 
     def __init__(self, path: str | Path, n_ctx: int, n_batch: int, rs_slots: int, hp: Any):
-        from deltarun.runner.gguf_file import GGUFFile
+        from deltarun.base.gguf_file import GGUFFile
 
         self.path = Path(path)
         self.n_ctx, self.n_batch, self.rs_slots, self.hp = n_ctx, n_batch, rs_slots, hp

@@ -68,7 +68,7 @@ from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.output import Delta, OutputStream
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
-from deltarun.runner.errors import DeltarunError
+from deltarun.base.errors import DeltarunError
 from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows
 
 _ids = itertools.count(1)
@@ -863,7 +863,7 @@ def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int]) -> in
     if p.greedy or not 0 < k < logits.shape[0] // 8:
         return sampler.sample(logits, history)
     x = sampler.penalized(np.asarray(logits, dtype=np.float32), history)
-    best = np.argpartition(-x, k - 1)[:k]
+    best = np.argpartition(-x, k - 1)[:k - 1]
     best = best[np.argsort(-x[best], kind="stable")]
     reduced = Sampler.__new__(Sampler)
     reduced.params, reduced.rng = dataclasses.replace(p, repeat_penalty=1.0), sampler.rng

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 
+from deltarun.base.ggml_util import Tensor, c_array, ctypes, ggml, nb
+from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.inputs import AttentionKVInput, OutputIdsInput, PositionsInput
-from deltarun.graphs.interface import HParams
-from deltarun.runner.ggml_util import Tensor, c_array, ctypes, ggml, nb
 
 Spec = dict[str, tuple[tuple[int, ...], bool]]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
+from deltarun.base.ggml_util import Tensor, ggml, set_name
+from deltarun.base.interface import HParams, UbatchShape
 from deltarun.graphs.inputs import GraphInput
-from deltarun.graphs.interface import HParams, UbatchShape
-from deltarun.runner.ggml_util import Tensor, ggml, set_name
 
 In = TypeVar("In", bound=GraphInput)
 

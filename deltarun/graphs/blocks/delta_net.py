@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from deltarun.base.ggml_util import Tensor, ggml, nb, ne
+from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.inputs import RecurrentStateInput
-from deltarun.graphs.interface import HParams
-from deltarun.runner.ggml_util import Tensor, ggml, nb, ne
 
 CHUNK_SIZE = 64  # chunk length of the primitive (chunked) delta rule
 

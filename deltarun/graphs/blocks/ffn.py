@@ -3,9 +3,9 @@ dense SwiGLU FFN (qwen35)."""
 
 from __future__ import annotations
 
+from deltarun.base.ggml_util import Tensor, ggml, nb, ne
+from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
-from deltarun.graphs.interface import HParams
-from deltarun.runner.ggml_util import Tensor, ggml, nb, ne
 
 Spec = dict[str, tuple[tuple[int, ...], bool]]
 

@@ -8,10 +8,10 @@ the family (its own KV cache), then shared_head_norm (or output_norm) and the LM
 
 from __future__ import annotations
 
+from deltarun.base.ggml_util import Tensor, ggml
+from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.inputs import HiddenInput, TokensInput
-from deltarun.graphs.interface import HParams
-from deltarun.runner.ggml_util import Tensor, ggml
 
 Spec = dict[str, tuple[tuple[int, ...], bool]]
 

@@ -1,24 +1,23 @@
-"""What the runner knows about a model family: the one module `deltarun.runner` imports from graphs/.
+"""What the runner knows about a model family, and what a family implements: the contract between
+`deltarun.runner` and `deltarun.graphs`, which never import each other.
 
 A family (qwen3next, qwen35, qwen35moe, ...) is a class registered in the `deltarun.graphs`
-entry-point group that follows `GraphFamily`: constructed from the opened GGUF file, it reads and
-validates the hyper-parameters (`hp`, an `HParams`), names the weights it reads, and adds the
-forward pass of one ubatch shape to a ggml graph. The graph it returns (`BuiltGraph`) carries its
-inputs as objects (see `deltarun.graphs.inputs`) that fill themselves from a `UbatchData`, so the
-runner never needs to know which inputs an architecture has.
+entry-point group (`deltarun.base.registry` finds it) that follows `GraphFamily`: constructed from
+the opened GGUF file, it reads and validates the hyper-parameters (`hp`, an `HParams`), names the
+weights it reads, and adds the forward pass of one ubatch shape to a ggml graph. The graph it
+returns (`BuiltGraph`) carries its inputs as objects (`Input`; graphs/inputs.py has the family
+side) that fill themselves from a `UbatchData`, so the runner never needs to know which inputs an
+architecture has.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from deltarun.runner.ggml_util import Tensor
-
-if TYPE_CHECKING:  # pragma: no cover
-    from deltarun.graphs.inputs import GraphInput
+from deltarun.base.ggml_util import Tensor
 
 DELTA_NET_MODES = ("fused", "primitive")
 
@@ -131,6 +130,25 @@ class HParams:
         return [i for i in range(self.n_layer) if not self.recurrent[i]]
 
 
+class Input(Protocol):
+    """A graph input as the runner uses it (`deltarun.graphs.inputs.GraphInput` is the family side)."""
+
+    #: True when the values follow from the ubatch shape alone (filled once in `bind`)
+    constant: bool
+    #: the input's tensors by name
+    tensors: dict[str, Tensor]
+
+    @property
+    def used(self) -> bool:
+        """Whether the allocated graph reads any of the tensors (known after `bind`)."""
+
+    def bind(self, shape: UbatchShape) -> list[tuple[Tensor, int, int]]:
+        """Make the host arrays of the used tensors; returns (tensor, host address, nbytes) of each."""
+
+    def set_input(self, data: UbatchData) -> None:
+        """Write this step's values into the host arrays."""
+
+
 @dataclass
 class BuiltGraph:
     """A family's answer to `build`: the graph inputs (objects that fill themselves) and outputs.
@@ -141,7 +159,7 @@ class BuiltGraph:
     `mtp_result_output` (the MTP block's logits on those rows).
     """
 
-    inputs: list["GraphInput"]
+    inputs: list[Input]
     outputs: dict[str, Tensor]
 
     @property
@@ -169,10 +187,3 @@ class GraphFamily(Protocol):
 
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
         """Add the forward pass of one ubatch of shape `ub` to `gf`."""
-
-
-def graph_family_for(gguf_file: Any) -> GraphFamily:
-    """The registered family of the file's architecture (see deltarun.graphs)."""
-    from deltarun.graphs import graph_builder_for
-
-    return graph_builder_for(gguf_file)

@@ -2,7 +2,7 @@
 
 Some functions declare a `typing.NewType` as their ctypes restype, so ctypes returns a C int and
 a 64-bit pointer comes back cut to 32 bits. Setting the restype to c_void_p repairs them. Import
-`ggml` through this module (`from deltarun.runner.ggml_compat import ggml`) so the fixes are in
+`ggml` through this module (`from deltarun.base.ggml_compat import ggml`) so the fixes are in
 place before any call.
 """
 

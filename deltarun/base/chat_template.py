@@ -26,7 +26,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from deltarun.runner.errors import TokenizerError
+from deltarun.base.errors import TokenizerError
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 BUILTIN_NAME = "built-in Qwen3 ChatML template"

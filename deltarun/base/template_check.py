@@ -7,8 +7,8 @@ reported with its line at load time as a `TokenizerError`.
 
 from __future__ import annotations
 
-from deltarun.runner.chat_template import make_environment
-from deltarun.runner.errors import TokenizerError
+from deltarun.base.chat_template import make_environment
+from deltarun.base.errors import TokenizerError
 
 
 def validate_chat_template(template: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from deltarun.runner.ggml_compat import ggml
+from deltarun.base.ggml_compat import ggml
 
 Tensor = Any  # ctypes pointer to ggml_tensor
 
@@ -31,6 +31,11 @@ def nb(t: Tensor) -> tuple[int, int, int, int]:
 
 def name_of(t: Tensor) -> str:
     return ggml.ggml_get_name(t).decode(errors="replace")
+
+
+def c_text(b: bytes | None) -> str:
+    """A C string from ggml (a name, a description) as text; '' for NULL."""
+    return (b or b"").decode(errors="replace")
 
 
 def set_name(t: Tensor, name: str) -> Tensor:
@@ -72,5 +77,5 @@ def c_array(ctype: Any, values: list[Any]) -> Any:
     return (ctype * len(values))(*values)
 
 
-__all__ = ["ggml", "ne", "nb", "name_of", "set_name", "new_context", "tensor_to_numpy", "numpy_to_tensor",
-           "nbytes", "c_array", "ctypes", "Tensor"]
+__all__ = ["ggml", "ne", "nb", "name_of", "c_text", "set_name", "new_context", "tensor_to_numpy",
+           "numpy_to_tensor", "nbytes", "c_array", "ctypes", "Tensor"]

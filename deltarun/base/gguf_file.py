@@ -22,8 +22,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from deltarun.runner.errors import ModelFileError, TokenizerError
-from deltarun.runner.fast_gguf import open_reader
+from deltarun.base.errors import ModelFileError, TokenizerError
+from deltarun.base.fast_gguf import open_reader
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -357,7 +357,7 @@ class GGUFFile:
         for metadata of the wrong type, which the tokenizer itself would trip over.
         """
         if self._tokenizer is None:
-            from deltarun.runner.tokenizer import Tokenizer
+            from deltarun.base.tokenizer import Tokenizer
 
             self._check_tokenizer_types()
             try:
@@ -390,7 +390,7 @@ class GGUFFile:
     def chat_templates(self) -> dict[str, str]:
         """Every chat template in the file (`tokenizer.chat_template` and named variants), checked to
         parse as Jinja; raises `TokenizerError` naming the file and the template otherwise."""
-        from deltarun.runner.template_check import validate_chat_template
+        from deltarun.base.template_check import validate_chat_template
 
         out: dict[str, str] = {}
         for key in self.layout.kv_types:

@@ -22,7 +22,7 @@ from typing import Any
 
 import regex
 
-from deltarun.runner.errors import TokenizerError
+from deltarun.base.errors import TokenizerError
 
 # GGUF token types (gguf.TokenType), spelled out so this module does not depend on their enum.
 TOKEN_TYPE_NORMAL = 1
@@ -496,7 +496,7 @@ def _field_value(fields: dict[str, Any], key: str, required: bool = False) -> An
                 f"the model file has no {key!r} metadata; cannot build the tokenizer"
             )
         return None
-    from deltarun.runner.fast_gguf import array_values  # contents(), without per-item arrays
+    from deltarun.base.fast_gguf import array_values  # contents(), without per-item arrays
 
     try:
         return array_values(field)

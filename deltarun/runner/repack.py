@@ -1,0 +1,83 @@
+"""ggml's CPU repack buffer type: weights laid out for the CPU's GEMV/GEMM kernels at load."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context
+
+
+def cpu_repack_buffer_type() -> Any | None:
+    """ggml's CPU_REPACK buffer type, when this build has it (None otherwise).
+
+    Weights set into it are stored as interleaved rows for ggml's AVX2 / AVX-512 / NEON GEMV and
+    GEMM kernels of their type (Q4_0, Q4_K, IQ4_NL, MXFP4 on x86; Q2_K with AVX-512; more on ARM):
+    llama.cpp's default CPU "extra buffer type". Found through the CPU registry's
+    `ggml_backend_dev_get_extra_bufts`, which ggml exports by name only.
+    """
+    reg = ggml.ggml_backend_cpu_reg()
+    fn = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    dev = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not fn or not dev:
+        return None
+    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
+    i = 0
+    while extra and extra[i]:
+        if ggml.ggml_backend_buft_name(extra[i]) == b"CPU_REPACK":
+            return extra[i]
+        i += 1
+    return None
+
+
+def repack_supports(weight: Tensor, buft: Any) -> bool:
+    """Whether ggml's CPU backend computes the product that reads `weight` (MUL_MAT for a matrix,
+    MUL_MAT_ID for stacked experts, F32 activations) with `weight` stored in `buft`: asked of ggml,
+    as llama.cpp does, with a probe node whose weight lies in an empty buffer of that type. A
+    weight that a graph also reads otherwise (get_rows) must not be repacked: the caller knows."""
+    dims = int(ggml.ggml_n_dims(weight))
+    if dims not in (2, 3):
+        return False
+    dev = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
+    probe_buffer = ggml.ggml_backend_buft_alloc_buffer(buft, 0)
+    ctx = new_context(8)
+    try:
+        ne = weight.contents.ne
+        w = ggml.ggml_new_tensor(ctx, weight.contents.type, dims, ne)
+        w.contents.buffer = probe_buffer
+        if dims == 3:
+            x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, ne[0], 1, 1)
+            ids = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, 1, 1)
+            op = ggml.ggml_mul_mat_id(ctx, w, x, ids)
+        else:
+            op = ggml.ggml_mul_mat(ctx, w, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, ne[0], 1))
+        return bool(ggml.ggml_backend_dev_supports_op(dev, op))
+    finally:
+        ggml.ggml_free(ctx)
+        if probe_buffer:
+            ggml.ggml_backend_buffer_free(probe_buffer)
+
+
+@contextlib.contextmanager
+def without_debug_log() -> Iterator[None]:
+    """ggml's log without its DEBUG lines for the duration (the CPU repack announces every tensor
+    it lays out); other lines go where they went before."""
+    cb, ud = ggml.ggml_log_callback(), ctypes.c_void_p()
+    ggml.ggml_log_get(ctypes.byref(cb), ctypes.byref(ud))
+    previous = cb if ctypes.cast(cb, ctypes.c_void_p).value else None
+
+    def forward(level: int, text: bytes, user_data: Any) -> None:
+        if level == ggml.GGML_LOG_LEVEL_DEBUG:
+            return
+        if previous is not None:
+            previous(level, text, user_data)
+        elif text:
+            os.write(2, text)
+
+    hook = ggml.ggml_log_callback(forward)
+    ggml.ggml_log_set(hook, ud)
+    try:
+        yield
+    finally:
+        ggml.ggml_log_set(previous if previous is not None else ggml.ggml_log_callback(), ud)
