@@ -8,8 +8,9 @@
 Every measurement runs in a fresh Python process (imports excluded from the timed part, page
 cache warm: the file was read before). The big file is the Qwen3-Next architecture written by
 deltarun.model_files.generate with hidden 2048, 8 layers, 16 experts, F16, and the real Qwen2
-vocabulary of /work/shared/data/vocab/ggml-vocab-qwen2.gguf (151,936 tokens, 151,387 merges), so
-its metadata is as heavy as a real Qwen3-Next file's; it goes to /tmp, never into the repo.
+vocabulary of llama.cpp's ggml-vocab-qwen2.gguf (151,936 tokens, 151,387 merges: where
+deltarun.model_files.vocab.qwen2_vocab_path finds it), so its metadata is as heavy as a real
+Qwen3-Next file's; it goes to /tmp, never into the repo.
 """
 
 from __future__ import annotations

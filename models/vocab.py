@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
 import gguf
 
@@ -74,8 +75,10 @@ def tiny_vocab() -> TinyVocab:
 
 
 #: llama.cpp's Qwen2 vocabulary file (151,936 tokens, 151,387 merges): the real vocabulary of
-#: Qwen2 and Qwen3-Next. Set DELTARUN_QWEN2_VOCAB to use a copy elsewhere.
-QWEN2_VOCAB_FILE = "/work/shared/data/vocab/ggml-vocab-qwen2.gguf"
+#: Qwen2 and Qwen3-Next, in the shared reference folder beside the checkout (as make_tiny_vocab.py
+#: reads it). Set DELTARUN_QWEN2_VOCAB to use a copy elsewhere.
+QWEN2_VOCAB_FILE = str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "vocab"
+                       / "ggml-vocab-qwen2.gguf")
 QWEN2_VOCAB_ENV = "DELTARUN_QWEN2_VOCAB"
 
 

@@ -1,6 +1,6 @@
 """Plain-numpy float64 reference of the Qwen3-Next forward pass.
 
-Written from the math of the model (see /work/shared/docs/qwen3next-gguf.md), not from any ggml
+Written from the math of the model (see shared/docs/qwen3next-gguf.md), not from any ggml
 graph, so other tests can use it as ground truth for logits and recurrent states.
 
 Weights are a dict keyed by GGUF tensor names (``blk.N.attn_qkv.weight``...) holding numpy arrays

@@ -5,7 +5,7 @@
                           -> + residual -> RMSNorm -> dense SwiGLU FFN -> + residual ]
            -> RMSNorm -> LM head;  MTP block as qwen3next's, with a dense FFN
 
-What differs from qwen3next (see /work/shared/docs/qwen35-gguf.md and llama.cpp's
+What differs from qwen3next (see shared/docs/qwen35-gguf.md and llama.cpp's
 src/models/qwen35.cpp): keys under `qwen35.`; interleaved multi-section rope
 (`rope.dimension_sections`, 4 positions per token); separate `ssm_beta` / `ssm_alpha` instead
 of the fused `ssm_ba`, no legacy `ssm_in`; value heads stored tiled by the converter, so q/k
