@@ -863,7 +863,7 @@ def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int]) -> in
     if p.greedy or not 0 < k < logits.shape[0] // 8:
         return sampler.sample(logits, history)
     x = sampler.penalized(np.asarray(logits, dtype=np.float32), history)
-    best = np.argpartition(-x, k - 1)[:k - 1]
+    best = np.argpartition(-x, k - 1)[:k]
     best = best[np.argsort(-x[best], kind="stable")]
     reduced = Sampler.__new__(Sampler)
     reduced.params, reduced.rng = dataclasses.replace(p, repeat_penalty=1.0), sampler.rng
