@@ -77,6 +77,12 @@ class Qwen35Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     layer_types: tuple[str, ...] = field(default=())
+    #: Scales what each block adds to the residual stream (its output projections), as
+    #: `generate.ModelConfig.residual_scale`. Near 0 the model "echoes": the residual stays the
+    #: input token's embedding, so with tied embeddings greedy decoding repeats the last token, and
+    #: the MTP block's eh_proj passes the embedding through, so every MTP draft is right, at the
+    #: same shapes and cost as random weights (speculative-decoding benchmarks).
+    residual_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:  # transformers' default pattern (Qwen3_5TextConfig.__post_init__)
@@ -88,6 +94,8 @@ class Qwen35Config:
                              "(use config_with to change the depth)")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.residual_scale < 1.0 and not self.tie_word_embeddings:
+            raise ValueError("an echo model (residual_scale < 1) needs tied embeddings: its LM head is the embedding")
 
     @property
     def arch(self) -> str:
@@ -142,6 +150,13 @@ PRESETS: dict[str, Qwen35Config] = {
 # bench-qwen35 with the published 248,320-row embedding and LM head (tied), which dominate
 # decoding a 0.8B model: llama.cpp's Qwen2 vocabulary padded as the converter pads (models/vocab.py).
 PRESETS["bench-qwen35-vocab248k"] = dataclasses.replace(PRESETS["bench-qwen35"], vocab="qwen2-248k")
+# Speculative decoding at weight-bound shapes: the same layers with the 151,936-token Qwen2
+# vocabulary (674M parameters), with random weights (MTP drafts almost never right) and as echo
+# models (every draft right; see Qwen35Config.residual_scale: small, not zero, so every product
+# still runs on real numbers). Same tensors, types and cost per token.
+PRESETS["bench-qwen35-vocab151k"] = dataclasses.replace(PRESETS["bench-qwen35"], vocab="qwen2")
+PRESETS["bench-qwen35-echo"] = dataclasses.replace(PRESETS["bench-qwen35"], residual_scale=1e-3)
+PRESETS["bench-qwen35-echo-vocab151k"] = dataclasses.replace(PRESETS["bench-qwen35-vocab151k"], residual_scale=1e-3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,7 +172,7 @@ def hf_weights(cfg: Qwen35Config, n_vocab: int, seed: int = 0) -> dict[str, np.n
     """
     rng = np.random.default_rng(seed)
     E = cfg.hidden_size
-    depth_scale = 1.0 / np.sqrt(2.0 * max(cfg.num_hidden_layers, 1))
+    depth_scale = cfg.residual_scale / np.sqrt(2.0 * max(cfg.num_hidden_layers, 1))   # output projections
 
     def lin(n_out: int, n_in: int, scale: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((n_out, n_in)) * (scale / np.sqrt(n_in))).astype(np.float32)
@@ -227,7 +242,10 @@ def hf_weights(cfg: Qwen35Config, n_vocab: int, seed: int = 0) -> dict[str, np.n
     for j in range(cfg.mtp_num_hidden_layers):
         w.update(block(f"mtp.layers.{j}.", recurrent=False))
     if cfg.mtp_num_hidden_layers:
-        w["mtp.fc.weight"] = lin(E, 2 * E)
+        fc = lin(E, 2 * E)
+        if cfg.residual_scale < 1.0:   # echo models: fc(concat(embedding, hidden)) passes the embedding
+            fc = np.concatenate([np.eye(E, dtype=np.float32), fc[:, E:] * cfg.residual_scale], axis=1)
+        w["mtp.fc.weight"] = fc
         w["mtp.pre_fc_norm_embedding.weight"] = znorm(E)
         w["mtp.pre_fc_norm_hidden.weight"] = znorm(E)
         w["mtp.norm.weight"] = znorm(E)

@@ -99,3 +99,22 @@ def test_bench_says_when_ggml_lacks_the_llamafile_kernels(model, monkeypatch):
     monkeypatch.setattr(devices.ggml, "ggml_cpu_has_llamafile", lambda: 1)
     r = ok(*args)
     assert "scripts/install.sh" not in r.stderr and "LLAMAFILE" in r.stderr
+
+
+def test_ubatch_cost_is_each_pp_over_pp1(model):
+    """-p 4,1,2: pp1 is measured first whatever the order, and every larger ubatch reports its
+    seconds over pp1's (JSON, CSV and the markdown "x pp1" column)."""
+    r = ok("bench", model, "-p", "4,1,2", "-n", "2", "-r", "2", "-t", "1", "-b", "8", "-o", "json")
+    rows = json.loads(r.stdout)["results"]
+    assert [x["test"] for x in rows] == ["pp1", "pp4", "pp2", "tg2"]
+    pp1 = rows[0]["avg_s"]
+    assert rows[0]["ubatch_cost"] is None and rows[3]["ubatch_cost"] is None
+    for x in rows[1:3]:
+        assert x["ubatch_cost"] == pytest.approx(x["avg_s"] / pp1)
+    md = ok("bench", model, "-p", "1,2", "-n", "0", "-r", "1", "-t", "1", "-b", "8").stdout.strip().splitlines()
+    assert md[0].endswith("| t/s | x pp1 |")
+    assert md[2].endswith("| 1.00 |")
+    cost = float(md[3].rsplit("|", 2)[1])
+    assert cost > 0 and md[3].split("|")[8].strip() == "pp2"
+    plain = ok("bench", model, "-p", "2", "-n", "0", "-r", "1", "-t", "1", "-b", "8").stdout.splitlines()
+    assert plain[0].endswith("| t/s |")   # no pp1 in the grid: no cost column

@@ -219,6 +219,35 @@ def test_checkpoint_restore_returns_to_the_prompt_state(tiny_model_path):
             m.restore(cp)
 
 
+def test_a_checkpoint_before_a_rollback_is_stale_once_those_positions_are_evaluated_again(tiny_model_path):
+    """A checkpoint at length 9, then a rollback of 2 and two other tokens evaluated at positions
+    7-8: the KV rows there are the new tokens', so the checkpoint cannot be restored any more. One
+    taken at 7, where the rollback stopped, still can, and goes on as a run that never saw the
+    rolled-back tokens (the numpy reference)."""
+    path = tiny_model_path("tiny")
+    a, b, c, d = prompt(7, 30), prompt(2, 31), prompt(2, 32), prompt(3, 33)
+    ref = ReferenceModel.from_gguf(path)
+    ref.forward(a)
+    expected = ref.forward(d)
+    with Model(path, n_ctx=64, kv_type="f32", rs_slots=4) as m:
+        m.eval(a)
+        at_7 = m.checkpoint()
+        m.eval(b)
+        at_9 = m.checkpoint()
+        m.rollback(2)
+        m.eval(c)                                # positions 7-8 again, other tokens
+        assert m.tokens() == a + c
+        assert not m.can_restore(at_9)
+        with pytest.raises(RollbackError, match="stale"):
+            m.restore(at_9)
+        assert m.tokens() == a + c               # a refused restore changes nothing
+        assert m.can_restore(at_7)
+        m.restore(at_7)
+        assert m.n_past() == 7 and m.tokens() == a
+        got = m.eval(d, all_logits=True)
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
+
+
 @pytest.mark.parametrize("preset", ["tiny-echo", "tiny-mtp"])
 @pytest.mark.parametrize("draft", ["ngram", "mtp"])
 def test_chat_with_draft_gives_the_plain_answers(tiny_model_path, draft, preset):
@@ -385,3 +414,19 @@ def test_small_mtp_graphs_leave_the_trunk_graph_allocated(tiny_model_path):
         assert m.sched._allocated is trunk and m._mtp_sched._allocated is not None
         m.mtp_eval(prompt(4), m.last_hidden[0].repeat(2, 0), 0)     # more rows than slots: the trunk's scheduler
         assert m.sched._allocated is not trunk
+
+
+def test_qwen35_echo_preset_accepts_every_mtp_draft(tiny_model_path):
+    """models/qwen35.py's echo models (residual_scale near 0, tied embeddings; the bench-qwen35-echo
+    presets at real shapes): greedy repeats the last token and every MTP draft is right; the same
+    weights at full residual scale give drafts that are almost never right."""
+    echo = tiny_model_path("tiny-qwen35", tie_word_embeddings=True, residual_scale=1e-3)
+    toks = prompt(8, 9)
+    base = _plain(echo, toks, 24)
+    assert base == [toks[-1]] * 24
+    out, st = _speculative(echo, toks, 24, lambda m: MtpDraft(m), 3, mtp=True)
+    assert out == base and st.acceptance == 1.0 and st.tokens_per_step > 3.5
+    plain = tiny_model_path("tiny-qwen35", tie_word_embeddings=True)
+    base = _plain(plain, toks, 24)
+    out, st = _speculative(plain, toks, 24, lambda m: MtpDraft(m), 3, mtp=True)
+    assert out == base and st.acceptance < 0.5

@@ -20,7 +20,9 @@ from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
                    "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024), "
                    "bench-vocab151k (bench with the real 151,936-token Qwen2 vocabulary); "
-                   "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes).")
+                   "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes), "
+                   "bench-qwen35-echo (the same shapes, greedy repeats the last token: every MTP draft right), "
+                   "-vocab151k / -vocab248k (with the real 151,936 / 248,320-token vocabularies).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
 @click.option("--seed", "-s", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
