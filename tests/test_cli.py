@@ -415,6 +415,45 @@ def test_n_minus_one_generates_until_the_context_is_full_in_generate_and_chat(ti
     assert c.exit_code == 0 and "[context full: 24/24 tokens" in c.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_repeat_penalty_window_ends_with_the_newest_token(tiny_model_path, command):
+    """llama.cpp's window: the last N tokens including the one just generated. The echo model
+    repeats the last token; with N = 2 and a strong penalty the last two are out, so no token
+    equals either of the two before it (a window one token late lets each token repeat once).
+    The output is a greedy loop with the penalty worked out here in numpy."""
+    from deltarun.apps.chat import ChatSession
+
+    path = tiny_model_path("tiny-echo")
+    n, last_n, penalty = 12, 2, 10.0
+    with Model(path, n_ctx=256, n_threads=1, kv_type="f32") as m:
+        if command == "generate":
+            prompt = m.tokenizer.encode(PROMPT)
+        else:
+            prompt = ChatSession(m).prompt_tokens([{"role": "user", "content": PROMPT}])
+        history, out = list(prompt), []
+        logits = m.eval(prompt)
+        for _ in range(n):
+            x = logits.astype(np.float64)
+            for t in set(history[-last_n:]):
+                x[t] = x[t] / penalty if x[t] > 0 else x[t] * penalty
+            t = int(np.argmax(x))
+            if m.tokenizer.is_eog(t):
+                break
+            history.append(t)
+            out.append(t)
+            logits = m.eval([t])
+        want = m.tokenizer.decode(out)
+    assert len(out) == n and all(t not in history[i - last_n:i] for i, t in enumerate(out, len(prompt)))
+    args = ["-n", str(n), "--temp", "0", "--repeat-penalty", str(penalty), "--repeat-last-n", str(last_n),
+            "--kv-type", "f32", *FAST]
+    if command == "generate":
+        r = ok("generate", path, "-p", PROMPT, *args)
+    else:
+        r = CliRunner().invoke(cli, ["chat", str(path), *args], input=PROMPT + "\n")
+        assert r.exit_code == 0, (r.output, r.exception)
+    assert r.stdout_bytes.decode() == want + "\n"           # bytes: click's r.stdout turns \r\n into \n
+
+
 def test_write_errors_name_the_users_path(tiny_model, tmp_path):
     target = tmp_path / "no-such-dir" / "graph.json"
     r = run("graph", tiny_model, "--format", "json", "-o", target)

@@ -19,6 +19,7 @@ import time
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from admission_gate import AdmissionGate
@@ -219,6 +220,43 @@ def test_seed_and_penalties(client):
     pen_lp = _ask(client, msgs, max_tokens=16, ignore_eos=True, logprobs=True, frequency_penalty=2.0,
                   presence_penalty=2.0)
     assert len(set(ids(pen_lp))) >= len(set(ids(plain_lp)))
+
+
+def test_presence_and_frequency_penalties_by_openais_formula(client, model_path):
+    """OpenAI: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty, count[j]
+    how often j was sampled so far (the prompt's tokens do not count). logit_bias puts "a", "b",
+    "c" far ahead of the rest so the penalties decide among them; the greedy answer is worked out
+    here in numpy from the model's raw logits, and differs from what no penalty, the two penalties
+    swapped or a count that includes the prompt would give."""
+    with Model(model_path, n_ctx=N_CTX, n_batch=64, n_threads=1) as m:
+        a, b, c = (m.tokenizer.token_id(ch) for ch in "abc")
+        prompt = m.tokenizer.encode("Once upon a time a cat") + [a]
+        bias = {a: 100.0, b: 99.0, c: 98.0}
+
+        def greedy(penalty, counts) -> list[int]:
+            m.reset()
+            logits, out, counts = m.eval(prompt), [], dict(counts)
+            for _ in range(12):
+                x = logits.astype(np.float64)
+                for t, v in bias.items():
+                    x[t] += v
+                for t, n in counts.items():
+                    x[t] -= penalty(n)
+                top2 = np.sort(x)[-2:]
+                assert top2[1] - top2[0] > 0.05           # no near-tie: the server's logits may differ slightly
+                out.append(int(np.argmax(x)))
+                counts[out[-1]] = counts.get(out[-1], 0) + 1
+                logits = m.eval(out[-1:])
+            return out
+
+        want = greedy(lambda n: n * 0.5 + (n > 0) * 1.5, {})
+        for other in (greedy(lambda n: 0.0, {}), greedy(lambda n: n * 1.5 + (n > 0) * 0.5, {}),
+                      greedy(lambda n: n * 0.5 + (n > 0) * 1.5, {a: 1})):
+            assert other != want
+        text = m.tokenizer.decode(want)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, presence_penalty=1.5,
+                                  frequency_penalty=0.5, logit_bias={str(t): v for t, v in bias.items()})
+    assert r.usage.completion_tokens == 12 and r.choices[0].text == text
 
 
 # --------------------------------------------------------------------------------------------- errors

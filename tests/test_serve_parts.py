@@ -110,6 +110,32 @@ def test_top_k_by_partition_draws_from_the_same_distribution():
     assert np.abs(draws - want).max() < 0.03
 
 
+@pytest.mark.parametrize("draw", ["sample_top_k", "Sampler.sample"])
+def test_top_k_alone_limits_the_draw_to_the_k_best(draw):
+    """Top-p 1 and min-p 0 keep everything: only k = 10 limits the draw among 400 close logits
+    (the 11th best about as likely as the 10th). Exactly the 10 best after the repetition
+    penalty are drawn, each as often as its softmax among them, computed here."""
+    from deltarun.apps.serve.worker import sample_top_k
+    from deltarun.runner.sampling import Sampler, SamplingParams
+
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=400) * 0.3).astype(np.float32)
+    history = [int(i) for i in np.argsort(-logits)[[0, 3]]]      # penalised: the best stays, the 4th drops out
+    params = SamplingParams(temperature=1.0, top_k=10, top_p=1.0, min_p=0.0, repeat_penalty=1.5, seed=3)
+    x = logits.astype(np.float64)
+    for t in history:                                             # llama.cpp: divide positive, multiply negative
+        x[t] = x[t] / 1.5 if x[t] > 0 else x[t] * 1.5
+    best = np.argsort(-x)[:10]
+    want = np.zeros(400)
+    want[best] = np.exp(x[best]) / np.exp(x[best]).sum()
+    sampler = Sampler(params)
+    one = sample_top_k if draw == "sample_top_k" else Sampler.sample
+    n = 20000
+    draws = np.bincount([one(sampler, logits, history) for _ in range(n)], minlength=400) / n
+    assert set(np.flatnonzero(draws)) == set(best.tolist())
+    assert np.abs(draws - want).max() < 5 * np.sqrt(want.max() * (1 - want.max()) / n)   # 5 standard deviations
+
+
 def test_loopback_detection():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.10")
@@ -430,6 +456,78 @@ def test_prompt_cache_keeps_the_replaced_tail_aside(model):
     cache.budget = cache.nbytes() - 1
     cache._enforce_budget()
     assert cache.cells[0].aside is None and sorted(cache.cells[0].checkpoints) == [16]
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_a_cell_cut_below_its_aside_drops_it(model):
+    """The aside's tail continues the cell's first `start` positions. Once the cell goes back
+    below that start (here one position, to a checkpoint at 15) and other tokens fill those
+    positions, the aside is no continuation any more: resending the old prompt (and its answer)
+    must not resume from it, but give the logits of a fresh evaluation."""
+    model.reset()
+    cache = PromptCache(model, 3, budget_bytes=1 << 30)
+    prompt = list(range(100, 140))
+    answer = [7, 8, 9, 10, 11]
+    ahead = prompt[:16] + list(range(200, 210))
+
+    model.eval(prompt[:15], seq=0)
+    cache.checkpoint(0)
+    model.eval(prompt[15:16], seq=0)
+    cache.checkpoint(0)
+    cache.checkpoint(0, logits=model.eval(prompt[16:], seq=0))
+    model.eval(answer, seq=0)
+    cache.finished(0, answer_start=16)
+    cache.apply(cache.lookup(ahead, [0]), 0, keep_tail=True)          # work ahead: the tail goes aside
+    assert cache.cells[0].aside is not None and cache.cells[0].aside.start == 16
+    model.eval(ahead[16:], seq=0)
+    cache.finished(0, answer_start=len(ahead))
+    branch = prompt[:15] + [300, 301, 302]                            # position 15 gets another token
+    r = cache.lookup(branch, [0])
+    assert (r.how, r.pos, r.cell) == ("checkpoint", 15, 0)
+    cache.apply(r, 0)
+    model.eval(branch[15:], seq=0)
+    cache.finished(0, answer_start=len(branch))
+    # the old prompt again, then its answer
+    r = cache.lookup(prompt, [0])
+    cache.apply(r, 0)
+    got = model.eval(prompt[r.pos:], seq=0) if r.pos < len(prompt) else r.logits
+    got_answer = model.eval(answer, seq=0, all_logits=True)
+    fresh = Model.logits_for(model, prompt + answer)
+    assert rel_err(got, fresh[len(prompt) - 1]) < 1e-4 and rel_err(got_answer, fresh[len(prompt):]) < 1e-4
+
+
+def test_a_lookup_after_a_rollback_plans_none_beyond_the_slots_left(tiny_model_path):
+    """A cell ends with a 4-token verification step of which 2 drafts were rolled back: of the
+    K-1 = 3 tokens its slots reached, 1 is left. A prompt that leaves the cell one token back rolls
+    back; one that leaves it two back resumes from the checkpoint (a rollback there is one Memory
+    refuses). Both go on as a fresh evaluation does."""
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=128, n_seq_max=2, n_batch=32, rs_slots=4, n_threads=1,
+               kv_type="f32") as m:
+        cache = PromptCache(m, 2, budget_bytes=1 << 30)
+        prompt = list(range(100, 120))
+        m.eval(prompt, seq=0)
+        cache.checkpoint(0)
+        m.eval([7, 8, 9, 10], seq=0, all_logits=True)
+        m.rollback(2, 0)
+        cache.finished(0, answer_start=len(prompt))
+        assert m.tokens(0) == prompt + [7, 8]
+
+        def check(new: list[int], want: tuple[str, int]) -> None:
+            r = cache.lookup(prompt + new, [0])
+            assert (r.how, r.pos, r.cell) == (*want, 0)
+            cache.apply(r, 0)
+            got = m.eval((prompt + new)[r.pos:], seq=0)
+            m.memory.clear_seq(1)
+            fresh = m.eval(prompt + new, seq=1)
+            assert rel_err(got, fresh) < 1e-5
+            cache.finished(0, answer_start=len(prompt))
+
+        assert cache.lookup(prompt + [3, 4], [0]).how == "checkpoint"      # two tokens back: too far
+        check([7, 5], ("rollback", 21))                                      # one back: the token left
+        check([3, 4], ("checkpoint", 20))        # two back from [5], a 1-token ubatch, which reaches one
 
 
 def test_kv_rows_read_and_written_from_a_start_position(model):

@@ -168,6 +168,20 @@ def test_lone_surrogates_become_replacement_characters() -> None:
     assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"
 
 
+def test_a_merge_listed_twice_keeps_its_first_rank() -> None:
+    """llama.cpp ranks a pair by its first line (later repeats add nothing). "a b" is rank 0 and
+    again rank 2, "b c" rank 1: "abc" merges a+b first, and no merge joins "ab" and "c"; with
+    "a b" at rank 2, b+c would go first instead."""
+    tokens = byte_tokens() + ["ab", "bc"]
+    for merges in (["a b", "b c", "a b"], ["a b", "b c", "a b", "a b"]):
+        tok = Tokenizer(tokens, [TOKEN_TYPE_NORMAL] * len(tokens), merges, bos_id=0, eos_id=0)
+        assert tok.encode("abc") == [256, tokens.index("c")]
+        assert tok.encode("bcab") == [257, 256]
+    # without the repeat, the same ranks
+    tok = Tokenizer(tokens, [TOKEN_TYPE_NORMAL] * len(tokens), ["a b", "b c"], bos_id=0, eos_id=0)
+    assert tok.encode("abc") == [256, tokens.index("c")]
+
+
 def test_long_word_is_not_quadratic() -> None:
     tok = mini_tokenizer()
     assert tok.encode("hello" * 20000) == [259] * 20000
