@@ -124,7 +124,8 @@ def test_draft_model_all_and_none_accepted(tiny_model_path, draft_max):
     out, st = _speculative(target, toks, 30, same, draft_max)
     assert out == base and st.acceptance == 1.0
     out, st = _speculative(target, toks, 30, other, draft_max)
-    assert out == base and st.n_accepted <= 1 and st.n_drafted >= 10    # rejected and rolled back
+    # rejected and rolled back (then drafting pauses: DraftLength)
+    assert out == base and st.n_accepted <= 1 and st.n_drafted >= draft_max + 1
 
 
 def test_drafts_on_random_models_never_change_greedy_output(tiny_model_path):
@@ -312,9 +313,9 @@ class RecordingMtpDraft(MtpDraft):
         self.mtp_rows_evaluated = 0
         real = target.mtp_eval
 
-        def counted(tokens, hidden, start, seq=0):
+        def counted(tokens, hidden, start, seq=0, n_outputs=None):
             self.mtp_rows_evaluated += len(tokens)
-            return real(tokens, hidden, start, seq)
+            return real(tokens, hidden, start, seq, n_outputs)
         target.mtp_eval = counted
 
     def propose(self, history, n, sampler):
@@ -327,12 +328,16 @@ class RecordingMtpDraft(MtpDraft):
 @pytest.mark.parametrize("preset,delta_net,draft_max", [("tiny-mtp", "fused", 1), ("tiny-mtp", "primitive", 3),
                                                         ("tiny-qwen35", "fused", 3), ("tiny-qwen35moe", "primitive", 1),
                                                         ("tiny-qwen35moe", "fused", 2)])
-def test_mtp_drafts_in_graph_equal_separate_ones(tiny_model_path, preset, delta_net, draft_max):
+def test_mtp_drafts_in_graph_equal_separate_ones(tiny_model_path, monkeypatch, preset, delta_net, draft_max):
     """Random weights: nearly every draft is rejected and rolled back, so the MTP KV rows of
     rejected positions (written by the verification graph) must be masked and overwritten like the
     trunk's. Every round's first-draft logits and drafts equal those of separate MTP evaluations,
     greedy output is plain decoding's, and in the graph no kept row is evaluated twice: separate MTP
-    rows are only the prompt's and the chained drafts'."""
+    rows are only the prompt's and the chained drafts'. (Drafting never pauses here: every step
+    drafts, as the comparison needs.)"""
+    from deltarun.apps.speculative import DraftLength
+
+    monkeypatch.setattr(DraftLength, "MIN_ACCEPTANCE", 0.0)
     path = tiny_model_path(preset)
     toks = prompt(10, 8)
     base = _plain(path, toks, 16, delta_net=delta_net)
@@ -430,3 +435,85 @@ def test_qwen35_echo_preset_accepts_every_mtp_draft(tiny_model_path):
     base = _plain(plain, toks, 24)
     out, st = _speculative(plain, toks, 24, lambda m: MtpDraft(m), 3, mtp=True)
     assert out == base and st.acceptance < 0.5
+
+
+def _lengths(length, accepted_of) -> list[int]:
+    """Drive a DraftLength: each step asks for a length and reports accepted_of(k) of k accepted."""
+    out = []
+    for _ in range(200):
+        k = length.next()
+        out.append(k)
+        length.update(k, accepted_of(k))
+    return out
+
+
+def test_draft_length_grows_shrinks_and_pauses_when_drafts_are_wrong():
+    from deltarun.apps.speculative import DraftLength
+
+    assert _lengths(DraftLength(5), lambda k: k)[:3] == [5, 5, 5]       # all right: the full length
+    length = DraftLength(5)
+    length.update(5, 2)
+    assert length.next() == 3                                           # one past the accepted ones
+    length.update(3, 3)
+    assert length.next() == 4                                           # all accepted: one more
+    wrong = _lengths(DraftLength(3), lambda k: 0)
+    # two failing steps, then pauses of 4, 8, 16, 32, 64, 64 steps, each followed by a 1-token probe
+    assert wrong[:2] == [3, 1] and wrong[2:6] == [0] * 4 and wrong[6] == 1 and wrong[7:15] == [0] * 8
+    assert sum(wrong) <= 12 and sum(1 for k in wrong if k) <= 8
+    # a probe that is accepted resumes drafting
+    length = DraftLength(3)
+    for _ in range(7):
+        length.update(length.next(), 0)
+    assert length.probing is False and length.paused == 8               # the probe failed: twice the pause
+    length = DraftLength(3)
+    for _ in range(6):
+        length.update(length.next(), 0)
+    assert length.next() == 1
+    length.update(1, 1)
+    assert length.next() == 2 and length.paused == 0
+
+
+def test_mtp_deferred_rows_give_the_drafts_of_rows_committed_at_once(tiny_model_path):
+    """MtpDraft(defer=True) keeps rows aside and evaluates them in one ubatch (LM head on the last
+    row only) when a draft is asked for: the drafts and the MTP block's first logits are those of
+    rows committed one step at a time."""
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(10, 12)
+    firsts = {}
+    for defer in (False, True):
+        with Model(path, n_ctx=256, kv_type="f32", rs_slots=4, mtp=True) as m:
+            d = MtpDraft(m, in_graph=False, defer=defer)
+            logits = m.eval(toks, all_logits=True)
+            rows = m.last_hidden[0]
+            d.commit(toks[1:], rows[:-1], 0)
+            history = list(toks)
+            for _ in range(6):                  # plain steps: one kept token each
+                nxt = int(np.argmax(logits[-1]))
+                d.commit([nxt], m.last_hidden[0][-1:], len(history) - 1)
+                history.append(nxt)
+                logits = m.eval([nxt], all_logits=True)
+            assert (len(d.deferred) == 1 and len(d.deferred[0][0]) == 15) == defer
+            draft = d.propose(history + [int(np.argmax(logits[-1]))], 3, Sampler(GREEDY))
+            firsts[defer] = (draft.tokens, d.first[0] if d.first is not None else None)
+            assert not d.deferred
+    assert firsts[True][0] == firsts[False][0] and len(firsts[True][0]) == 3
+
+
+def test_mtp_on_wrong_drafts_pauses_and_keeps_greedy_output(tiny_model_path):
+    """Random weights: MTP drafts are wrong, so drafting pauses (a probe now and then) and the
+    MTP block runs only for probes; the output stays plain greedy decoding's."""
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(10, 13)
+    base = _plain(path, toks, 60)
+    calls = []
+
+    def counting(m):
+        d = MtpDraft(m, defer=True)
+        real = m.mtp_eval
+        m.mtp_eval = lambda *a, **kw: (calls.append(len(a[0])), real(*a, **kw))[1]
+        return d
+
+    out, st = _speculative(path, toks, 60, counting, 3, mtp=True)
+    assert out == base
+    assert st.n_drafted <= 14 and st.n_steps >= 50
+    assert len(calls) <= 2 * 7        # a flush (and a chained draft) per drafting step, none while paused

@@ -161,17 +161,26 @@ class MtpDraft:
     block on every row's (argmax, hidden) (`Model.eval(..., mtp_argmax=True)`), and `commit` takes
     the rows it kept from there instead of evaluating them again: one graph evaluation per step at
     draft-max 1. Rows whose kept token is not the argmax are evaluated separately, as without it.
+
+    `defer` (generate and chat): rows not computed in the graph are kept aside and evaluated
+    together, in one MTP ubatch whose LM head runs for the last row only, when the next draft is
+    asked for. While `DraftLength` pauses drafting, steps then cost what plain decoding costs
+    (the MTP block's LM head is as large as the trunk's). The server commits at once (its prompt
+    cache keeps cells whose MTP rows must be filled).
     """
 
     needs_hidden = True
 
-    def __init__(self, target: Model, in_graph: bool = True, seq: int = 0):
+    def __init__(self, target: Model, in_graph: bool = True, seq: int = 0, defer: bool = False):
         if not target.memory.mtp_layers:
             raise DeltarunError("MTP drafts need a model with an MTP block opened with mtp=True")
         self.model = target
         self.in_graph = in_graph
+        self.defer = defer
         self.seq = seq      # the target sequence whose MTP KV rows this source fills (a server moves it)
         self.first: tuple[np.ndarray, np.ndarray] | None = None   # logits and output of the last row
+        #: deferred rows: runs of (tokens, hidden rows, first position), in commit order
+        self.deferred: list[tuple[list[int], np.ndarray, int]] = []
 
     def start(self, prompt: list[int]) -> None:
         self.first = None
@@ -179,6 +188,8 @@ class MtpDraft:
     def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
         m = self.model
         pos = len(history) - 2     # position of the last committed token (whose hidden we hold)
+        if n > 0 and self.deferred:
+            self._evaluate_deferred()
         if self.first is None or n <= 0 or pos + n + 1 > m.n_ctx:
             return Draft([], [])
         logits, out = self.first
@@ -197,18 +208,43 @@ class MtpDraft:
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
         """Feed rows (hidden_i, token_{i+1}) for positions start.. and keep the last row's output as
         the first draft of the next round. Rows the last trunk evaluation already ran through the
-        MTP block with the same token (`Model.last_mtp`) are taken from there."""
+        MTP block with the same token (`Model.last_mtp`) are taken from there; with `defer` the
+        others wait for the next `propose`."""
         m = self.model
         done = self._rows_in_graph(next_tokens, start)
         if done == len(next_tokens):
             rows = m.last_mtp
             self.first = (rows.logits[done - 1], rows.out[done - 1:done])
             return
+        if self.defer:
+            self.first = None
+            self._keep_aside(next_tokens[done:], np.array(hiddens[done:]), start + done)
+            return
         while done < len(next_tokens):
             step = min(m.n_batch, len(next_tokens) - done)
             logits, out = m.mtp_eval(next_tokens[done:done + step], hiddens[done:done + step], start + done,
                                      self.seq)
             done += step
+        self.first = (logits[-1], out[-1:])
+
+    def _keep_aside(self, tokens: list[int], hiddens: np.ndarray, start: int) -> None:
+        """Add rows to the deferred ones, joining the last run when they follow it."""
+        if self.deferred:
+            toks, rows, first = self.deferred[-1]
+            if first + len(toks) == start:
+                self.deferred[-1] = (toks + tokens, np.concatenate([rows, hiddens]), first)
+                return
+        self.deferred.append((list(tokens), hiddens, start))
+
+    def _evaluate_deferred(self) -> None:
+        """Write every deferred row's K/V (in commit order: a position committed twice, across a
+        rollback, ends with its last rows), computing the LM head for the very last row only."""
+        m = self.model
+        runs, self.deferred = self.deferred, []
+        for toks, rows, first in runs:
+            for at in range(0, len(toks), m.n_batch):
+                logits, out = m.mtp_eval(toks[at:at + m.n_batch], rows[at:at + m.n_batch], first + at, self.seq,
+                                         n_outputs=1)
         self.first = (logits[-1], out[-1:])
 
     def _rows_in_graph(self, next_tokens: list[int], start: int) -> int:
@@ -230,6 +266,60 @@ class MtpDraft:
 
     def close(self) -> None:
         pass
+
+
+class DraftLength:
+    """How many tokens to draft for the next verification step, from the acceptance so far.
+
+    After a step whose drafts were all accepted, one more (up to k_max); after a rejection, one
+    past the accepted ones (rows of a verification ubatch are not free). When drafts stop paying
+    (the moving average of the accepted fraction, weight AVERAGE_WEIGHT per step, falls below
+    MIN_ACCEPTANCE) drafting pauses for a few steps of plain decoding, then one drafted token
+    probes again: a rejected probe doubles the pause (MIN_PAUSE up to MAX_PAUSE steps), an accepted
+    one resumes drafting. So a draft source that is never right costs a few verification steps
+    and a probe now and then over plain decoding. The length depends only on earlier steps, never
+    on the current step's draws, so sampled output keeps the target's distribution exactly.
+    """
+
+    MIN_ACCEPTANCE = 0.3     # a draft token costs about a third of a token here (MTP: its LM head)
+    AVERAGE_WEIGHT = 0.5
+    MIN_PAUSE = 4
+    MAX_PAUSE = 64
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.k = k_max
+        self.average = 1.0
+        self.paused = 0                 # steps left without drafts
+        self.pause = self.MIN_PAUSE     # the next pause's length
+        self.probing = False
+
+    def next(self) -> int:
+        """The length for this step (call once per step; 0 while paused)."""
+        if self.paused:
+            self.paused -= 1
+            self.probing = self.paused == 0
+            return 0
+        return 1 if self.probing else self.k
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        """What the step's verification kept of its n_drafted tokens."""
+        if n_drafted == 0:
+            return
+        if self.probing:
+            self.probing = False
+            if n_accepted == 0:
+                self._pause()
+            else:
+                self.average, self.pause, self.k = 1.0, self.MIN_PAUSE, min(self.k_max, 2)
+            return
+        self.average += self.AVERAGE_WEIGHT * (n_accepted / n_drafted - self.average)
+        self.k = min(self.k_max, max(self.k, n_drafted) + 1) if n_accepted == n_drafted else n_accepted + 1
+        if self.average < self.MIN_ACCEPTANCE:
+            self._pause()
+
+    def _pause(self) -> None:
+        self.paused, self.pause = self.pause, min(2 * self.pause, self.MAX_PAUSE)
 
 
 @dataclass
@@ -320,6 +410,7 @@ class SpeculativeStep:
                  context: tuple[list[int], np.ndarray | None, int] | None = None):
         self.model, self.sampler, self.draft, self.seq = model, sampler, draft, seq
         self.k_max = _slots_for(model, draft_max)
+        self.length = DraftLength(self.k_max)
         self.stats = stats if stats is not None else SpeculativeStats()
         self.wants_hidden = draft.needs_hidden
         #: verification graphs also run the MTP block on their argmax rows (see MtpDraft.in_graph)
@@ -342,13 +433,16 @@ class SpeculativeStep:
         room = model.n_ctx - model.n_past(seq) - 1
         if room < 0:
             return None
-        k = max(0, min(self.k_max, budget - 1, room))
+        k = max(0, min(self.length.next(), budget - 1, room))
         proposal = self.draft.propose(history, k, self.sampler) if k else Draft([], [])
-        out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True, mtp_argmax=self.mtp_argmax)
+        # without drafts a deferring MTP source keeps the row aside: no MTP block in this graph
+        in_graph = self.mtp_argmax and (bool(proposal.tokens) or not getattr(self.draft, "defer", False))
+        out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True, mtp_argmax=in_graph)
         stats.n_steps += 1
         stats.n_drafted += len(proposal.tokens)
         n_ok, nxt = _accept(self.sampler, out, proposal, history)
         stats.n_accepted += n_ok
+        self.length.update(len(proposal.tokens), n_ok)
         if len(proposal.tokens) > n_ok:
             model.rollback(len(proposal.tokens) - n_ok, seq)
         kept = proposal.tokens[:n_ok] + [nxt]

@@ -203,15 +203,30 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                  pin_threads=pin_threads)
 
 
+#: --draft-max when not given: llama.cpp's MTP depth (each MTP draft runs the block and its LM head
+#: in turn), and a longer reach for the cheap n-gram and draft-model sources.
+DRAFT_MAX_DEFAULTS = {"mtp": 3}
+DRAFT_MAX_DEFAULT = 8
+
+
+def _draft_max(ctx: click.Context, param: click.Parameter, value: int | None) -> int:
+    """--draft-max, or the default of the --draft source (processed first: --draft is eager)."""
+    if value is not None:
+        return value
+    return DRAFT_MAX_DEFAULTS.get(ctx.params.get("draft") or "", DRAFT_MAX_DEFAULT)
+
+
 def draft_options(f: F) -> F:
     """--draft ngram|mtp|PATH --draft-max N: speculative decoding."""
     return _apply(f, [
-        click.option("--draft", default=None, metavar="ngram|mtp|PATH",
+        click.option("--draft", default=None, metavar="ngram|mtp|PATH", is_eager=True,
                      help="Speculative decoding: prompt-lookup n-grams, the model's MTP block, or a smaller "
                           "draft GGUF with the same vocabulary."),
-        click.option("--draft-max", type=click.IntRange(min=1, max=64), default=8, show_default=True,
-                     help="Most drafted tokens verified per target ubatch (needs --rs-slots > N; raised "
-                          "automatically)."),
+        click.option("--draft-max", type=click.IntRange(min=1, max=64), default=None, callback=_draft_max,
+                     help=f"Most drafted tokens verified per target ubatch (needs --rs-slots > N; raised "
+                          f"automatically) [default: {DRAFT_MAX_DEFAULTS['mtp']} with mtp, {DRAFT_MAX_DEFAULT} "
+                          f"otherwise]. The length adapts to how many are accepted, and drafting pauses while "
+                          f"drafts are mostly wrong."),
     ])
 
 
@@ -256,7 +271,7 @@ def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int,
         if draft == "ngram":
             return target, NgramDraft()
         if draft == "mtp":
-            return target, MtpDraft(target)
+            return target, MtpDraft(target, defer=True)
         source = ModelDraft(open_model(Path(draft), quiet=True, **draft_model_options(opts)), target.hp.n_vocab)
         return target, source
     except BaseException:

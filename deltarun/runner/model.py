@@ -287,16 +287,22 @@ class Model:
         """
         self.memory.copy_seq(src, dst)
 
-    def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Run the MTP block on rows (token i, hidden i) at positions start..; returns logits [n, vocab]
-        and the block's output hidden states [n, n_embd] (fed back to chain further drafts)."""
+    def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0,
+                 n_outputs: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Run the MTP block on rows (token i, hidden i) at positions start..; returns logits
+        [n_outputs, vocab] and the block's output hidden states [n_outputs, n_embd] (fed back to
+        chain further drafts) of the last n_outputs rows (default: every row). Every row's K/V is
+        written to the MTP block's cache either way; fewer outputs skip their LM-head columns."""
         if not self.memory.mtp_layers:
             raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
         n = len(tokens)
         if start + n > self.n_ctx:
             raise ContextFullError(f"context full: MTP rows up to position {start + n} exceed {self.n_ctx}")
+        n_out = n if n_outputs is None else n_outputs
+        if not 1 <= n_out <= n:
+            raise DeltarunError(f"n_outputs must be 1..{n} (got {n_out})")
         n_kv = padded_n_kv(start + n, self.n_ctx)
-        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n, n_kv=n_kv, seq_head=seq,
+        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n_out, n_kv=n_kv, seq_head=seq,
                             delta_net=self.delta_net, mtp=True)
         g = self.graph(shape)
         sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
@@ -304,8 +310,8 @@ class Model:
         pos = np.arange(start, start + n, dtype=np.int32)[None, :]
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=[list(tokens)], hidden=hidden))
         sched.compute(g.gf)
-        logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n, self.hp.n_vocab)
-        out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n, self.hp.n_embd)
+        logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n_out, self.hp.n_vocab)
+        out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_out, self.hp.n_embd)
         return logits, out
 
     def _draft_sched(self) -> Scheduler:

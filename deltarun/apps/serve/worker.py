@@ -124,7 +124,7 @@ class Job:
         self.speculates = False           # drafts are verified for it (else it only keeps the MTP rows up)
         self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
         self.n_drafted = self.n_accepted = 0
-        self.k_next = 0                   # drafts to ask for next step (see Worker._settle)
+        self.draft_length: Any = None     # apps.speculative.DraftLength: drafts to ask for next step
         self.generated: list[int] = []
         self.history: list[int] = []
         self.output: OutputStream | None = None
@@ -458,10 +458,10 @@ class Worker:
         prompt (a returning conversation only evaluates what is new to the draft model; any other
         sequence is evaluated again from the start by `ModelDraft.propose`).
         """
-        from deltarun.apps.speculative import ModelDraft, MtpDraft
+        from deltarun.apps.speculative import DraftLength, ModelDraft, MtpDraft
 
         job.speculates = self._can_speculate(job)
-        job.k_next = self.k_max
+        job.draft_length = DraftLength(self.k_max)
         if self.draft == "mtp":
             job.draft = MtpDraft(self.model, seq=job.cell)
             job.mtp_tail = (resume_hidden, job.pos - 1) if resume_hidden is not None and job.pos > 0 else None
@@ -742,7 +742,7 @@ class Worker:
             k = 0
             if j.speculates:
                 room = model.n_ctx - model.n_past(j.cell) - 1
-                k = max(0, min(j.k_next, j.params.max_tokens - len(j.generated) - 1, room))
+                k = max(0, min(j.draft_length.next(), j.params.max_tokens - len(j.generated) - 1, room))
             try:
                 proposals[j.id] = j.draft.propose(j.history, k, j.sampler) if k else Draft([], [])
             except Exception as e:  # noqa: BLE001 - a failing draft ends its job, not the server
@@ -804,10 +804,8 @@ class Worker:
         if job.draft is not None and job.draft.needs_hidden:     # the MTP block's rows follow the kept tokens
             job.draft.commit(kept, rows[:n_ok + 1], model.n_past(job.cell) - n_ok - 1)
             self.cache.note_hidden(job.cell, rows[:n_ok + 1])
-        if job.speculates and n_draft:
-            # the next step's draft length follows acceptance: one more after all were accepted, one
-            # past the accepted ones after a rejection (rows of the verification ubatch are not free)
-            job.k_next = min(self.k_max, max(job.k_next, n_draft) + 1) if n_ok == n_draft else n_ok + 1
+        if job.speculates:
+            job.draft_length.update(n_draft, n_ok)
         if job.speculates:
             job.n_drafted += n_draft
             job.n_accepted += n_ok
