@@ -1,11 +1,14 @@
-"""ggml's CPU Q8_0 matrix-vector product (a decode step's path) against numpy.
+"""ggml's CPU Q8_0 matrix products with 1-9 columns (decode and verification steps) against numpy.
 
 scripts/ggml-patches/q8_0-read-ahead.patch rewrites the x86 loop of ggml_vec_dot_q8_0_q8_0 (two
-blocks per iteration on two accumulators, rows read ahead): these shapes cover an odd block count
-(the one-block tail), a single block, rows that end where the read-ahead runs past the matrix,
-and thread counts that split the rows unevenly. One token (a vector) takes the vec_dot path; two
-take llamafile's, which the patch leaves alone and which is checked the same way. They hold for
-the stock kernel as well.
+blocks per iteration on two accumulators, rows read ahead): one token (a vector) takes that path.
+scripts/ggml-patches/q8_0-few-columns.patch gives 2-8 columns a kernel of their own on AVX-512
+VNNI CPUs (llamafile's tinyBLAS otherwise, and from 9 columns on): tiles of 4 rows (2 from 5
+columns), block pairs with a one-block tail, each thread one contiguous range of rows, the next
+tile read ahead. These shapes cover an odd block count (the tail), a single block, row counts
+that leave a partial tile and rows that end where the read-ahead runs past the matrix, column
+counts of every tile shape, and thread counts that split the rows unevenly. They hold for the
+stock kernels as well.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def _matvec(w_q: np.ndarray, k: int, n_rows: int, x: np.ndarray, threads: int) -
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("k,n_rows,n_tok", [(32, 5, 1), (64, 33, 1), (96, 17, 1), (1024, 129, 1), (3200, 7, 1),
-                                            (160, 40, 2)])
+                                            (160, 40, 2), (32, 3, 2), (96, 37, 3), (1024, 130, 4), (64, 9, 5),
+                                            (3200, 11, 6), (224, 66, 7), (1056, 45, 8), (96, 21, 9)])
 def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows + threads)
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
