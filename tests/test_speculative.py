@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace as dataclass_replace
+
 import numpy as np
 import pytest
 
@@ -517,3 +519,78 @@ def test_mtp_on_wrong_drafts_pauses_and_keeps_greedy_output(tiny_model_path):
     assert out == base
     assert st.n_drafted <= 14 and st.n_steps >= 50
     assert len(calls) <= 2 * 7        # a flush (and a chained draft) per drafting step, none while paused
+
+
+#: chi-square critical values at p = 0.001 for 1..15 degrees of freedom (the usual table)
+CHI2_CRITICAL_0001 = [10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322, 26.124, 27.877, 29.588,
+                      31.264, 32.909, 34.528, 36.123, 37.697]
+
+
+class TableDraft:
+    """Drafts the token after t1 from a fixed distribution q[t1] (drawn with the sampler's generator)."""
+
+    needs_hidden = False
+
+    def __init__(self, table: dict[int, np.ndarray]):
+        self.table = table
+
+    def start(self, prompt):
+        pass
+
+    def propose(self, history, n, sampler):
+        q = self.table[history[-1]]
+        return Draft([int(sampler.rng.choice(q.size, p=q))], [q])
+
+    def commit(self, next_tokens, hiddens, start):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("source", ["table", "mtp"])
+def test_sampling_with_drafts_keeps_the_targets_distribution(tiny_model_path, source):
+    """temperature 1, top-k 4: the first token is drawn from the target, the second goes through a
+    drafted token and speculative sampling's min(1, p/q) rule with the residual max(p - q, 0).
+    Over 1,200 seeded generations the (first, second) pairs must follow the target's exact joint
+    distribution p(t1) p(t2 | t1), computed from its logits (a chi-square test at p = 0.001, cells
+    under 5 expected draws pooled). "table" drafts from a q that overlaps p in part (p's tokens
+    weighted in reverse, plus a token p never draws), so keeping drafts too often, or resampling a
+    rejection from p or q instead of the residual, fails; "mtp" drafts with the MTP block."""
+    from deltarun.runner.sampling import Sampler, SamplingParams
+
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(6, 14)
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    with Model(path, n_ctx=64, kv_type="f32", rs_slots=2, mtp=True) as m:
+        probe = Sampler(params)
+        p1 = probe.distribution(m.eval(toks), toks)
+        joint, table = {}, {}
+        for t1 in np.flatnonzero(p1):
+            m.reset()
+            m.eval(toks)
+            p2 = probe.distribution(m.eval([int(t1)]), toks + [int(t1)])
+            support = np.flatnonzero(p2)
+            for t2 in support:
+                joint[(int(t1), int(t2))] = p1[t1] * p2[t2]
+            q = np.zeros_like(p2)
+            q[support[np.argsort(p2[support])]] = np.sort(p2[support])[::-1] * 0.8
+            q[(support.max() + 1) % q.size] = 0.2
+            table[int(t1)] = q / q.sum()
+        counts: dict[tuple[int, int], int] = {}
+        n, drafted = 1200, 0
+        for seed in range(n):
+            m.reset()
+            st = SpeculativeStats()
+            draft = TableDraft(table) if source == "table" else MtpDraft(m)
+            out = list(speculative_tokens(m, toks, 3, Sampler(dataclass_replace(params, seed=seed)), draft, 1,
+                                          stats=st, stop_at_eog=False))
+            drafted += st.n_drafted
+            counts[(out[0], out[1])] = counts.get((out[0], out[1]), 0) + 1
+    assert drafted == n and set(counts) <= set(joint)
+    expected = {c: n * p for c, p in joint.items()}
+    small = [c for c, e in expected.items() if e < 5]
+    cells = [([c], e) for c, e in expected.items() if e >= 5] + ([(small, sum(expected[c] for c in small))] if small else [])
+    chi2 = sum((sum(counts.get(c, 0) for c in group) - e) ** 2 / e for group, e in cells)
+    assert len(cells) >= 6
+    assert chi2 < CHI2_CRITICAL_0001[len(cells) - 2], (chi2, len(cells) - 1)
