@@ -13,14 +13,15 @@ conversation with the chat template, tokenizes it, and compares it with the toke
 the longest common prefix is kept and only the rest is evaluated. Usually that is exactly the new
 user message (plus the end of the previous answer). When the template renders earlier turns
 differently (Qwen3 drops the thinking of earlier answers) or a stop string / interruption left
-tokens that are not part of the conversation, the extra tokens are undone with `Model.rollback`
+tokens that are not part of the conversation, the extra tokens are undone with `Memory.rollback`
 when the recurrent rollback slots reach back far enough (they cover the last ubatch only, so in
 practice a prompt whose answer was cancelled before its first token, with --rs-slots > 1), and
 otherwise the model returns to the checkpoint of its recurrent state taken during the previous
 prompt where the template can change its mind about it (right after the assistant header, before
 any think block: Qwen3 and Qwen3.5 drop the thinking of earlier answers and leave out the empty
 think block that a prompt without thinking holds; see `_checkpoint_position`), and only when that
-does not reach either is the model reset and the prompt recomputed (`last_recomputed`). The
+does not reach either is the model reset and the prompt recomputed (`last_recomputed`); the
+choice is the resume planner's (runner/resume.py), which the server's prompt cache asks too. The
 interactive chat calls `prefill_next_turn` while the user types: it evaluates the conversation as
 the next turn will render it up to where the next message's text begins (the answer just given,
 re-rendered; before the first turn the system prompt), so the next turn evaluates only the new
@@ -50,10 +51,11 @@ import jinja2
 import numpy as np
 
 from deltarun.base.chat_template import ChatTemplate
-from deltarun.base.errors import ContextFullError, DeltarunError, RollbackError
+from deltarun.base.errors import ContextFullError, DeltarunError
 from deltarun.base.tokenizer import StreamDecoder
 from deltarun.runner.files import write_atomically
 from deltarun.runner.generation import GenerationStats, PlainStep, decode_tokens
+from deltarun.runner.resume import Held, Saved, common_prefix_length, plan_resume
 from deltarun.runner.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:  # annotations only: the applications open models lazily
@@ -125,16 +127,6 @@ class SessionTotals:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64)
-    y = np.asarray(b[:n], dtype=np.int64)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if diff.size else n
-
-
 def followed_by_a_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` and a user message with the STAND_IN text: rendered, it shows where the template
     puts a next message's text, and, the messages rendered as not the last, how they look then."""
@@ -619,30 +611,28 @@ class ChatSession:
                 and self._logits[1] == self.model.n_past(self.seq))
 
     def _sync(self, prompt: list[int], stats: TurnStats) -> int:
-        """Make the model hold a prefix of `prompt`; returns its length (tokens reused)."""
-        held = self.model.tokens(self.seq)
-        n = common_prefix_length(held, prompt)
-        if n == len(prompt) == len(held) and self._logits_valid():
-            return n
-        n = min(n, len(prompt) - 1)    # the last prompt token is evaluated for its logits
-        drop = len(held) - n
-        if drop > 0:
+        """Make the model hold a prefix of `prompt`; returns its length (tokens reused). Where it
+        resumes (live, rollback, the checkpoint, from scratch) is `runner.resume.plan_resume`'s
+        choice; only the one checkpoint of the last prompt is chat's own."""
+        memory = self.model.memory
+        cp = self._checkpoint
+        saved = [Saved("checkpoint", cp.tokens, {cp.n_past: cp}, restorable=memory.can_restore)] \
+            if cp is not None else []
+        held = Held.of(memory, self.seq, self._logits[2] if self._logits_valid() else None, saved)
+        plan = plan_resume(prompt, [held])
+        n_held = len(held.tokens)
+        if n_held > plan.pos:
             self._logits = None
-            try:
-                self.model.rollback(drop, self.seq)
-                stats.rolled_back += drop
-            except RollbackError:
-                cp = self._checkpoint
-                if cp is not None and cp.n_past <= n and cp.tokens == prompt[:cp.n_past] \
-                        and self.model.can_restore(cp):
-                    self.model.restore(cp)     # e.g. Qwen3 re-rendered the last answer without its thinking
-                    stats.restored = True
-                    n = cp.n_past
-                else:
-                    self.model.reset()
-                    stats.recomputed = True
-                    n = 0
-        return n
+        if plan.kind == "rollback":
+            memory.rollback(plan.n_rollback, self.seq)
+            stats.rolled_back += plan.n_rollback
+        elif plan.kind == "checkpoint":
+            memory.restore(plan.state)     # e.g. Qwen3 re-rendered the last answer without its thinking
+            stats.restored = True
+        elif plan.kind == "fresh" and n_held:
+            memory.clear()
+            stats.recomputed = True
+        return plan.pos
 
     def _checkpoint_position(self, prompt_text: str, prompt: list[int]) -> int | None:
         """How many tokens of `prompt` the next turn's rendering will surely repeat.

@@ -207,7 +207,7 @@ class Memory:
         state = self.seqs[seq]
         if n_tokens == 0:
             return
-        limit = min(state.last_ubatch, self.rs_slots - 1) - state.rolled_back
+        limit = self.rollback_limit(seq)
         if not 0 < n_tokens <= limit:
             raise RollbackError(
                 f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.rs_slots} rollback "
@@ -217,6 +217,22 @@ class Memory:
         state.n_past -= n_tokens
         del state.tokens[len(state.tokens) - n_tokens:]
         self.truncations.append((seq, state.n_past))
+
+    def rollback_limit(self, seq: int = 0) -> int:
+        """How many tokens `rollback` can still undo in `seq`: min(m, K-1) after a ubatch of m
+        tokens, less those already undone since (the resume planner, runner/resume.py, plans no
+        rollback beyond it)."""
+        state = self.seqs[seq]
+        return min(state.last_ubatch, self.rs_slots - 1) - state.rolled_back
+
+    def advance(self, seq: int, tokens: list[int]) -> None:
+        """Bookkeeping after a ubatch appended `tokens` to `seq` (its KV rows and rollback slots
+        written by the graph): n_past, tokens, and what a rollback may undo from now on."""
+        st = self.seqs[seq]
+        st.n_past += len(tokens)
+        st.tokens.extend(tokens)
+        st.last_ubatch = len(tokens)
+        st.rolled_back = 0
 
     def copy_seq(self, src: int, dst: int) -> None:
         """Make sequence dst a copy of src: KV rows, live recurrent state, bookkeeping."""

@@ -277,7 +277,8 @@ class Model:
         return sizes
 
     def rollback(self, n_tokens: int, seq: int = 0) -> None:
-        """Drop the last n_tokens of a sequence (at most K-1, within the last ubatch; see Memory.rollback)."""
+        """Drop the last n_tokens of a sequence (at most `Memory.rollback_limit`: K-1 within the last
+        ubatch; see Memory.rollback)."""
         self.memory.rollback(n_tokens, seq)
 
     def copy_seq(self, src: int, dst: int) -> None:
@@ -487,8 +488,7 @@ class Model:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab]."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
-        seqs = [self.memory.seqs[seq_head + i] for i in range(n_seqs)]
-        starts = [st.n_past for st in seqs]
+        starts = [self.memory.seqs[seq_head + i].n_past for i in range(n_seqs)]
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
@@ -504,11 +504,8 @@ class Model:
         hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
         self.last_hidden = hidden
-        for st, toks in zip(seqs, tokens):
-            st.n_past += n
-            st.tokens.extend(toks)
-            st.last_ubatch = n
-            st.rolled_back = 0
+        for i, toks in enumerate(tokens):
+            self.memory.advance(seq_head + i, toks)
         self.stats.n_eval_tokens += n * n_seqs
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0

@@ -30,10 +30,12 @@ pushes it out then finds the copy made and does not wait for it. The copy stays 
 cell (`CellInfo.copy`) only while the cell holds exactly those tokens; once the cell moves on, the
 copy is a stale prefix of it and is dropped.
 
-For a request the cache looks at every idle cell (and its aside) and host entry, computes the
-common token prefix p with the prompt and the longest length r <= p it can resume at (the cell's
-live state when the prompt extends it, a rollback, or a checkpoint), and picks the largest r. Only
-the prompt after r is evaluated; r is the request's `cached_tokens`.
+For a request the cache describes every idle cell (its tokens, the rollback its slots still
+reach, its checkpoints and aside) and host entry to the resume planner (`runner/resume.py`, which
+chat asks too). It computes the common token prefix p with the prompt and the longest length
+r <= p each can resume at (the cell's live state when the prompt extends it, a rollback, or a
+checkpoint), and picks the largest r. Only the prompt after r is evaluated; r is the request's
+`cached_tokens`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from deltarun.apps.chat import common_prefix_length
 from deltarun.runner.memory import KVRows, RecurrentState
+from deltarun.runner.resume import Held, Plan, Saved, plan_resume
 
 
 @dataclass
@@ -133,7 +135,11 @@ class Resume:
 
 
 KEEP_PER_CELL = 2
-_PREFERENCE = {"live": 4, "rollback": 3, "checkpoint": 2, "aside": 2, "host": 1, "fresh": 0}
+
+
+def _kept_logits(cp: Checkpoint) -> np.ndarray | None:
+    """The logits kept with a checkpoint (prompt ends only): what the planner asks of a state."""
+    return cp.logits
 
 
 class PromptCache:
@@ -145,56 +151,24 @@ class PromptCache:
         self.n_evictions = 0
 
     # --- lookup ------------------------------------------------------------------------------
-    @staticmethod
-    def _best_checkpoint(cps: dict[int, Checkpoint], p: int, n_prompt: int) -> Checkpoint | None:
-        best = None
-        for pos, cp in cps.items():
-            usable = pos <= p and (pos < n_prompt or cp.logits is not None)
-            if usable and (best is None or pos > best.pos):
-                best = cp
-        return best
-
-    def _cell_resume(self, cell: int, prompt: list[int]) -> Resume:
-        held = self.model.tokens(cell)
-        n, L = len(held), len(prompt)
-        p = common_prefix_length(held, prompt)
-        info = self.cells[cell]
-        if 0 < p == n < L:
-            return Resume(n, "live", cell)
-        best = Resume()
-        if p == n == L and L in info.checkpoints and info.checkpoints[L].logits is not None:
-            return Resume(L, "live", cell, logits=info.checkpoints[L].logits)
-        target = min(p, L - 1)
-        st = self.model.memory.seqs[cell]
-        limit = min(st.last_ubatch, self.model.rs_slots - 1) - st.rolled_back
-        if 0 < n - target <= limit:
-            best = Resume(target, "rollback", cell)
-        cp = self._best_checkpoint(info.checkpoints, p, L)
-        if cp is not None and cp.pos > best.pos:
-            best = Resume(cp.pos, "checkpoint", cell, checkpoint=cp,
-                          logits=cp.logits if cp.pos == L else None)
-        a = info.aside
-        if a is not None:
-            cp = self._best_checkpoint(a.checkpoints, common_prefix_length(a.tokens, prompt), L)
-            if cp is not None and cp.pos > best.pos:
-                best = Resume(cp.pos, "aside", cell, checkpoint=cp, logits=cp.logits if cp.pos == L else None)
-        return best
+    def _held(self, cell: int) -> Held:
+        """What `cell` holds, for the planner: its tokens and rollback slots, its checkpoints (the
+        one at its end may keep the logits) and its aside."""
+        info, memory = self.cells[cell], self.model.memory
+        tokens = memory.seqs[cell].tokens
+        end = info.checkpoints.get(len(tokens))
+        saved = [Saved("checkpoint", tokens, info.checkpoints, _kept_logits)]
+        if info.aside is not None:
+            saved.append(Saved("aside", info.aside.tokens, info.aside.checkpoints, _kept_logits, owner=info.aside))
+        return Held.of(memory, cell, end.logits if end is not None else None, saved)
 
     def lookup(self, prompt: list[int], idle: list[int]) -> Resume:
-        """The best place to resume `prompt` from among the idle cells and the host entries."""
-        best = Resume()
-        for c in idle:
-            r = self._cell_resume(c, prompt)
-            if (r.pos, _PREFERENCE[r.how]) > (best.pos, _PREFERENCE[best.how]):
-                best = r
-        for e in self.host:
-            p = common_prefix_length(e.tokens, prompt)
-            if p <= best.pos:
-                continue
-            cp = self._best_checkpoint(e.checkpoints, p, len(prompt))
-            if cp is not None and cp.pos > best.pos:
-                best = Resume(cp.pos, "host", entry=e, checkpoint=cp,
-                              logits=cp.logits if cp.pos == len(prompt) else None)
+        """The best place to resume `prompt` from among the idle cells and the host entries (the
+        choice is `runner.resume.plan_resume`'s)."""
+        plan: Plan = plan_resume(prompt, [self._held(c) for c in idle],
+                                 [Saved("host", e.tokens, e.checkpoints, _kept_logits, owner=e) for e in self.host])
+        best = Resume(plan.pos, plan.kind, plan.seq, entry=plan.saved.owner if plan.kind == "host" else None,
+                      checkpoint=plan.state, logits=plan.logits)
         if best.how == "aside":
             rows = self.cells[best.cell].aside.hidden
         else:
@@ -224,7 +198,7 @@ class PromptCache:
         elif r.how == "rollback":
             if keep_tail:
                 self._set_aside(cell, r.pos)
-            model.rollback(model.n_past(cell) - r.pos, cell)
+            model.memory.rollback(model.n_past(cell) - r.pos, cell)
             info.truncate(r.pos)
         elif r.how == "checkpoint":
             if r.pos < info.answer_start:          # a branch or another conversation: keep the old one too
