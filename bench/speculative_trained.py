@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from deltarun.apps.speculative import MtpDraft, NgramDraft, SpeculativeStats, speculative_tokens
+from deltarun.runner.speculative import MtpDraft, NgramDraft, SpeculativeStats, speculative_tokens
 from deltarun.runner.generation import GenerationStats, generate_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler

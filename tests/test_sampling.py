@@ -3,10 +3,14 @@ and draws that follow them."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
-from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams, log_softmax
+from deltarun.runner import sampling
+from deltarun.runner.sampling import (GREEDY, LogitsProcessors, Sampler, SamplingParams, accept_draft, log_softmax,
+                                      sample_rows)
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
 
@@ -105,3 +109,66 @@ def test_log_softmax_against_the_definition():
     x = np.array([[1.0, 2.0, 3.0], [1000.0, 1000.0, 0.0]])
     np.testing.assert_allclose(log_softmax(x)[0], np.log(np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum()))
     np.testing.assert_allclose(log_softmax(x)[1], [np.log(0.5), np.log(0.5), -1000.0 - np.log(2.0)])
+
+
+# --- the processors the server offers, top-k by partition, the acceptance rule -------------------
+class _Grammar:
+    """A grammar stub: allows a fixed set of tokens, records what it is moved past."""
+
+    def __init__(self, allowed):
+        self.allowed, self.accepted = allowed, []
+
+    def mask(self, logits):
+        return np.where(np.isin(np.arange(logits.shape[0]), self.allowed), logits, -np.inf).astype(np.float32)
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
+def test_logits_processors_penalties_bias_ban_and_grammar():
+    """OpenAI's penalties over the accepted tokens (logit -= count * frequency + (count > 0) *
+    presence), logit bias (ids outside the row ignored), banned ids and the grammar mask; the
+    input row is not changed, and without processors the row is passed through."""
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
+    grammar = _Grammar([0, 1, 2, 3])
+    proc = LogitsProcessors(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={1: 2.0, 9: 5.0, -1: 1.0},
+                            banned=[3], grammar=grammar)
+    assert not proc.verifies_drafts
+    np.testing.assert_array_equal(proc(x), [1.0, 4.0, 3.0, -np.inf, -np.inf])     # nothing accepted yet
+    for t in (0, 0, 2):
+        proc.accept(t)
+    np.testing.assert_array_equal(proc(x), [1.0 - 2 * 0.25 - 0.5, 4.0, 3.0 - 0.25 - 0.5, -np.inf, -np.inf])
+    np.testing.assert_array_equal(x, [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert grammar.accepted == [0, 0, 2]
+    assert LogitsProcessors()(x) is x and LogitsProcessors(logit_bias={2: 1.0}).verifies_drafts
+    assert Sampler(GREEDY).sample(x, [], proc) == 1
+    rows = np.stack([x, x[::-1].copy()])
+    assert sample_rows([Sampler(GREEDY), Sampler(GREEDY)], rows, [[], []], processors=[proc, None]) == [1, 0]
+
+
+def test_top_k_by_partition_gives_the_full_sorts_tokens_and_draws(monkeypatch):
+    """Top-k by partition (k < vocab / 8) keeps what a stable sort of the whole row keeps (equal
+    logits at the k-th place: the lowest ids): the same distribution and the same seeded draws."""
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.normal(size=4000), 1).astype(np.float32)         # many equal logits
+    logits[rng.integers(4000, size=500)] = -np.inf
+    history = [int(t) for t in np.argsort(-logits)[:6]]
+    params = SamplingParams(temperature=1.2, top_k=45, top_p=0.99, min_p=0.0, repeat_penalty=1.2, seed=4)
+    fast = Sampler(params)
+    x = np.sort(fast.penalized(logits, history))[::-1]
+    assert fast.partitions(logits.size) and x[params.top_k - 1] == x[params.top_k]   # a tie at the k-th place
+    dist, draws = fast.distribution(logits, history), [fast.sample(logits, history) for _ in range(300)]
+    monkeypatch.setattr(sampling, "PARTITION_BELOW", 10**9)
+    slow = Sampler(params)
+    assert not slow.partitions(logits.size)
+    np.testing.assert_array_equal(dist, slow.distribution(logits, history))
+    assert draws == [slow.sample(logits, history) for _ in range(300)]
+
+
+def test_drafts_are_not_verified_under_processors_with_state():
+    rows = np.zeros((2, 4), dtype=np.float32)
+    draft = types.SimpleNamespace(tokens=[1], probs=[None])
+    for proc in (LogitsProcessors(presence_penalty=1.0), LogitsProcessors(grammar=_Grammar([1]))):
+        with pytest.raises(ValueError):
+            accept_draft(Sampler(GREEDY), rows, draft, [], proc)
+    assert accept_draft(Sampler(GREEDY), rows, draft, [], LogitsProcessors(banned=[0]))[0] == 1

@@ -210,7 +210,7 @@ def test_draft_model_state_follows_conversations_across_slots_and_host_ram(tiny_
     draft GGUF that has the target's trunk: after every proposal the draft model's sequence holds
     exactly the conversation's tokens (reused when it held a prefix, evaluated again otherwise),
     every answer is the plain server's and every draft is accepted."""
-    from deltarun.apps.speculative import ModelDraft
+    from deltarun.runner.speculative import ModelDraft
 
     target, draft = tiny_model_path("tiny-mtp"), tiny_model_path("tiny")
     wrong, propose = [], ModelDraft.propose

@@ -13,11 +13,11 @@ import pytest
 
 from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import SamplingRequest
-from deltarun.apps.serve.worker import Event, GenParams, Job, Worker, sample_top_k
+from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
 from deltarun.base.ggml_util import ggml
 from deltarun.runner import scheduler
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows
+from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows, sample_top_k
 
 
 # --- sampling -------------------------------------------------------------------------------------

@@ -96,8 +96,7 @@ def test_request_checks():
 
 
 def test_top_k_by_partition_draws_from_the_same_distribution():
-    from deltarun.apps.serve.worker import sample_top_k
-    from deltarun.runner.sampling import Sampler, SamplingParams
+    from deltarun.runner.sampling import Sampler, SamplingParams, sample_top_k
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=5000).astype(np.float32) * 3
@@ -115,8 +114,7 @@ def test_top_k_alone_limits_the_draw_to_the_k_best(draw):
     """Top-p 1 and min-p 0 keep everything: only k = 10 limits the draw among 400 close logits
     (the 11th best about as likely as the 10th). Exactly the 10 best after the repetition
     penalty are drawn, each as often as its softmax among them, computed here."""
-    from deltarun.apps.serve.worker import sample_top_k
-    from deltarun.runner.sampling import Sampler, SamplingParams
+    from deltarun.runner.sampling import Sampler, SamplingParams, sample_top_k
 
     rng = np.random.default_rng(1)
     logits = (rng.normal(size=400) * 0.3).astype(np.float32)

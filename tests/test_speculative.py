@@ -7,12 +7,12 @@ from dataclasses import replace as dataclass_replace
 import numpy as np
 import pytest
 
-from deltarun.apps.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats, _accept,
-                                         speculative_tokens)
 from deltarun.base.errors import RollbackError
 from deltarun.runner.generation import generate_tokens
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams
+from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams, accept_draft
+from deltarun.runner.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats,
+                                         speculative_tokens)
 
 from reference import ReferenceModel
 
@@ -154,12 +154,12 @@ def test_speculative_sampling_keeps_the_target_distribution():
     n = 20000
     for _ in range(n):
         d = int(sampler.rng.choice(vocab, p=q))
-        n_ok, nxt = _accept(sampler, logits, Draft([d], [q]), [])
+        n_ok, nxt = accept_draft(sampler, logits, Draft([d], [q]), [])
         counts[d if n_ok == 1 else nxt] += 1
     # 4 standard deviations of a binomial proportion at n = 20000 is below 0.015
     np.testing.assert_allclose(counts / n, p, atol=0.015)
     # a point-mass draft (n-gram) is accepted with probability p[d]
-    acc = sum(_accept(sampler, logits, Draft([2], [None]), [])[0] for _ in range(n)) / n
+    acc = sum(accept_draft(sampler, logits, Draft([2], [None]), [])[0] for _ in range(n)) / n
     assert abs(acc - p[2]) < 0.015
 
 
@@ -337,7 +337,7 @@ def test_mtp_drafts_in_graph_equal_separate_ones(tiny_model_path, monkeypatch, p
     greedy output is plain decoding's, and in the graph no kept row is evaluated twice: separate MTP
     rows are only the prompt's and the chained drafts'. (Drafting never pauses here: every step
     drafts, as the comparison needs.)"""
-    from deltarun.apps.speculative import DraftLength
+    from deltarun.runner.speculative import DraftLength
 
     monkeypatch.setattr(DraftLength, "MIN_ACCEPTANCE", 0.0)
     path = tiny_model_path(preset)
@@ -450,7 +450,7 @@ def _lengths(length, accepted_of) -> list[int]:
 
 
 def test_draft_length_grows_shrinks_and_pauses_when_drafts_are_wrong():
-    from deltarun.apps.speculative import DraftLength
+    from deltarun.runner.speculative import DraftLength
 
     assert _lengths(DraftLength(5), lambda k: k)[:3] == [5, 5, 5]       # all right: the full length
     length = DraftLength(5)

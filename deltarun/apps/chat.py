@@ -147,7 +147,7 @@ def tokens_before(tokenize: Callable[[str], list[int]], text: str, end: int, tok
     return common_prefix_length(tokenize(text[:end]), tokens) if end > 0 else 0
 
 
-def _partial_suffix(text: str, needles: Sequence[str]) -> int:
+def partial_suffix(text: str, needles: Sequence[str]) -> int:
     """Length of the longest end of `text` that is a proper prefix of one of `needles`."""
     best = 0
     for s in needles:
@@ -184,7 +184,7 @@ class StopMatcher:
             self.hit, self.pending = s, ""
             self.kept += buf[:i]
             return buf[:i]
-        hold = _partial_suffix(buf, self.stops)
+        hold = partial_suffix(buf, self.stops)
         out, self.pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
         self.kept += out
         return out
@@ -223,7 +223,7 @@ class ThinkingSplitter:
                 out += [(False, buf[:i]), (True, tag)]
             buf = buf[i + len(tag):]
             self.thinking = not self.thinking
-        hold = _partial_suffix(buf, [THINK_CLOSE if self.thinking else THINK_OPEN])
+        hold = partial_suffix(buf, [THINK_CLOSE if self.thinking else THINK_OPEN])
         out.append((self.thinking, buf[:len(buf) - hold]))
         self.pending = buf[len(buf) - hold:]
         return [(k, t) for k, t in out if t]
@@ -496,7 +496,7 @@ class ChatSession:
     def _step(self, answer: list[int], stats: TurnStats) -> tuple[Any, GenerationStats]:
         """The decode loop's step for this turn (plain or speculative) and the counters it fills."""
         if self.draft is not None:
-            from deltarun.apps.speculative import SpeculativeStats, SpeculativeStep
+            from deltarun.runner.speculative import SpeculativeStats, SpeculativeStep
 
             self.draft_stats = spec = SpeculativeStats()
             self._logits = None      # the speculative step evaluates through the model directly

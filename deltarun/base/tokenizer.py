@@ -240,6 +240,11 @@ class Tokenizer:
         """The GGUF token type of ``token_id``."""
         return self._types[self._valid_id(token_id)]
 
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        """The ids of the tokens that end generation (see `is_eog`)."""
+        return self._eog_ids
+
     def is_eog(self, token_id: int) -> bool:
         """True for tokens that end generation (eos, eot, ``<|im_end|>``, ``<|endoftext|>``)."""
         return token_id in self._eog_ids

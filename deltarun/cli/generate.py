@@ -52,7 +52,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
     Timings go to stderr at the end, like llama.cpp's.
     """
-    from deltarun.apps.speculative import SpeculativeStats, speculative_tokens
+    from deltarun.runner.speculative import SpeculativeStats, speculative_tokens
     from deltarun.base.tokenizer import StreamDecoder
     from deltarun.runner.generation import GenerationStats, generate_tokens
     from deltarun.runner.sampling import Sampler

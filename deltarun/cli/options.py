@@ -235,7 +235,7 @@ def check_draft(model: Path, draft: str | None) -> None:
     missing draft file, a draft model with another vocabulary, mtp on a model without an MTP block."""
     if draft is None or draft == "ngram":
         return
-    from deltarun.apps.speculative import check_draft_vocab
+    from deltarun.runner.speculative import check_draft_vocab
     from deltarun.base.gguf_file import GGUFFile
     from deltarun.base.registry import graph_family_for
 
@@ -258,7 +258,7 @@ def draft_model_options(opts: dict[str, Any]) -> dict[str, Any]:
 
 def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int, **opts: Any):
     """Open the target (with enough rollback slots and its MTP block if asked) and the draft source."""
-    from deltarun.apps.speculative import ModelDraft, MtpDraft, NgramDraft
+    from deltarun.runner.speculative import ModelDraft, MtpDraft, NgramDraft
 
     if draft is None:
         return open_model(model, **opts), None

@@ -7,7 +7,7 @@
 `decode_tokens` owns the stopping rules (the -n limit, an end-of-generation token, a full
 context, the caller's `on_token` callback asking to stop) and the counters; where the next tokens
 come from is a `Step`: `PlainStep` evaluates the last token and samples one more, the speculative
-step (`deltarun.apps.speculative.SpeculativeStep`) verifies several drafted tokens in one ubatch.
+step (`deltarun.runner.speculative.SpeculativeStep`) verifies several drafted tokens in one ubatch.
 """
 
 from __future__ import annotations

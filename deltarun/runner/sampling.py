@@ -1,13 +1,28 @@
-"""Token sampling from one row of logits, in llama.cpp's default order.
+"""Token sampling: the one sampler of generate, chat, speculative decoding and the server.
 
-penalties -> top-k -> top-p -> min-p -> temperature -> draw. Temperature <= 0 is greedy (argmax
-after penalties). Works on the single logits row it is given; never copies more than that row.
+A row of logits goes through the request's logits processors (`LogitsProcessors`, the server's
+OpenAI fields; the command line has none), then the sampler's chain (`Sampler`, llama.cpp's
+default order):
+
+    presence and frequency penalties -> logit bias -> banned tokens (ignore_eos: the
+    end-of-generation ids) -> grammar mask  |  repetition penalty -> top-k -> top-p -> min-p
+    -> temperature -> draw
+
+Temperature <= 0 is greedy (argmax after the processors and the repetition penalty). Top-k takes
+the k best by partition where that pays (k < vocab / 8), with the tokens and order a full sort
+gives. The processors that keep state (the counts of the presence and frequency penalties, the
+grammar) advance with `LogitsProcessors.accept`, once per token kept. `sample_rows` samples the
+rows of a server step together; `sample_top_k` is the server's draw.
+
+Speculative decoding's acceptance rule (`accept_draft`: min(1, p/q), a rejection resampled from
+the residual max(p - q, 0)) is here too, so verification draws from exactly what plain sampling
+draws from.
 """
-
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import collections
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -37,8 +52,84 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
+class Grammar(Protocol):
+    """A constraint on the output (the server's llguidance matcher): which tokens may come next."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """Logits with every token the grammar forbids at -inf (a new array)."""
+
+    def accept(self, token: int) -> None:
+        """The grammar's state moves past `token`."""
+
+
+@dataclass
+class LogitsProcessors:
+    """What a request changes in the logits before the sampler's chain (OpenAI's fields).
+
+    Presence and frequency penalties follow OpenAI's formula, over the tokens generated so far
+    (`accept`): logit[j] -= count[j] * frequency + (count[j] > 0) * presence. `banned` tokens are
+    never drawn (ignore_eos bans the end-of-generation ids). One object per generation: the counts
+    and the grammar are its state.
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    banned: Sequence[int] = ()
+    grammar: Grammar | None = None
+    counts: collections.Counter[int] = field(default_factory=collections.Counter)
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether drafted tokens can be verified under these processors: only when none of them
+        depends on the tokens before (counts, grammar), which a drafted token would change."""
+        return not self.presence_penalty and not self.frequency_penalty and self.grammar is None
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """The logits after the processors: a float32 copy where any applies, else the row itself."""
+        x = np.asarray(logits, dtype=np.float32)
+        penalties = bool(self.counts) and bool(self.presence_penalty or self.frequency_penalty)
+        if penalties or self.logit_bias or len(self.banned):
+            x = x.copy()
+            if penalties:
+                ids = np.fromiter(self.counts.keys(), dtype=np.int64)
+                cnt = np.fromiter(self.counts.values(), dtype=np.float32)
+                x[ids] -= self.presence_penalty + self.frequency_penalty * cnt
+            for t, b in self.logit_bias.items():
+                if 0 <= t < x.shape[0]:
+                    x[t] += b
+            if len(self.banned):
+                x[np.asarray(self.banned, dtype=np.int64)] = -np.inf
+        if self.grammar is not None:
+            x = self.grammar.mask(x)
+        return x
+
+    def accept(self, token: int) -> None:
+        """A token was kept: it counts for the penalties from now on, and the grammar moves past it."""
+        self.counts[token] += 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
+
+
+class Proposal(Protocol):
+    """Drafted tokens and the distribution each was drawn from (None: a deterministic proposal, a
+    point mass): `runner.speculative.Draft`."""
+
+    tokens: list[int]
+    probs: list[np.ndarray | None]
+
+
+#: top-k by partition pays when k is below this fraction of the vocabulary
+PARTITION_BELOW = 8
+
+
 class Sampler:
-    """Draws tokens; one random generator per sampler so a seed reproduces a whole generation."""
+    """Draws tokens; one random generator per sampler so a seed reproduces a whole generation.
+
+    `processors` (the request's `LogitsProcessors`, None: none) apply before the chain in every
+    method that takes them. Drafted tokens (`draft`) are drawn with the sampling parameters alone:
+    any draft distribution is verified exactly, and the processors' state follows kept tokens only.
+    """
 
     def __init__(self, params: SamplingParams = GREEDY):
         self.params = params
@@ -56,17 +147,61 @@ class Sampler:
         out[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         return out
 
-    def distribution(self, logits: np.ndarray, history: list[int] | None = None) -> np.ndarray:
+    def adjusted(self, logits: np.ndarray, history: list[int],
+                 processors: LogitsProcessors | None = None) -> np.ndarray:
+        """The logits the chain's truncation sees: after the processors and the repetition penalty."""
+        x = logits if processors is None else processors(logits)
+        return self.penalized(x, history)
+
+    def distribution(self, logits: np.ndarray, history: list[int] | None = None,
+                     processors: LogitsProcessors | None = None) -> np.ndarray:
         """The probabilities the sampler draws from (one-hot when greedy); used by speculative sampling."""
-        p = self.params
-        x = self.penalized(np.asarray(logits, dtype=np.float32), history or [])
+        x = np.asarray(logits, dtype=np.float32) if processors is None else processors(logits)
         probs = np.zeros(x.shape[0], dtype=np.float64)
-        if p.greedy:
-            probs[int(np.argmax(x))] = 1.0
+        if self.params.greedy:
+            probs[int(np.argmax(self.penalized(x, history or [])))] = 1.0
             return probs
-        order = np.argsort(-x, kind="stable")
-        if 0 < p.top_k < order.size:
-            order = order[: p.top_k]
+        ids, w = self._candidates(x, history or [])
+        probs[ids] = w
+        return probs
+
+    def sample(self, logits: np.ndarray, history: list[int] | None = None,
+               processors: LogitsProcessors | None = None) -> int:
+        """One token: the argmax when greedy, else a draw from `distribution` (the random number
+        mapped to tokens in token-id order)."""
+        return self._sample(logits, history or [], processors, rank_order=False)
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One token drawn from a distribution over the vocabulary."""
+        return int(self.rng.choice(probs.size, p=probs))
+
+    def draft(self, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
+        """One drafted token and the distribution it was drawn from (None: greedy, a point mass),
+        with the sampling parameters alone (see the class)."""
+        q = self.distribution(logits, history)
+        if self.params.greedy:
+            return int(np.argmax(q)), None
+        return self.draw(q), q
+
+    # --- the chain ---------------------------------------------------------------------------------
+    def _sample(self, logits: np.ndarray, history: list[int], processors: LogitsProcessors | None,
+                rank_order: bool) -> int:
+        if self.params.greedy:
+            return int(np.argmax(self.adjusted(np.asarray(logits), history, processors)))
+        x = np.asarray(logits, dtype=np.float32) if processors is None else processors(logits)
+        ids, w = self._candidates(x, history, rank_order)
+        if not rank_order:                 # the tokens in id order: what drawing from `distribution` draws
+            by_id = np.argsort(ids)
+            ids, w = ids[by_id], w[by_id]
+        return int(ids[self.rng.choice(ids.size, p=w)])
+
+    def _candidates(self, logits: np.ndarray, history: list[int],
+                    rank_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens that may be drawn, best first, and their probabilities: repetition penalty,
+        top-k, top-p, min-p, temperature."""
+        p = self.params
+        x = self.penalized(np.asarray(logits, dtype=np.float32), history)
+        order = self._top_k(x, rank_order)
         kept = x[order].astype(np.float64)
         w = np.exp(kept - kept[0])
         w /= w.sum()
@@ -77,43 +212,105 @@ class Sampler:
             keep = np.exp(kept - kept[0]) >= p.min_p
             order, kept = order[keep], kept[keep]
         w = np.exp((kept - kept[0]) / p.temperature)
-        probs[order] = w / w.sum()
-        return probs
+        return order, w / w.sum()
 
-    def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
-        if self.params.greedy:
-            return int(np.argmax(self.penalized(np.asarray(logits), history or [])))
-        probs = self.distribution(logits, history)
-        return int(self.rng.choice(probs.size, p=probs))
+    def _top_k(self, x: np.ndarray, rank_order: bool = False) -> np.ndarray:
+        """The k best tokens (all with top-k off), best first; by partition where that pays.
+
+        Equal logits come in id order and the k-th place goes to the lowest ids, as a stable sort of
+        the whole row has them, except for `sample_top_k`'s draw (`rank_order`), which keeps the
+        tokens and order argpartition gives among equal logits, as the server always has."""
+        k, n = self.params.top_k, x.shape[0]
+        if not 0 < k < n:
+            return np.argsort(-x, kind="stable")
+        if not self.partitions(n):
+            return np.argsort(-x, kind="stable")[:k]
+        best = np.argpartition(-x, k - 1)[:k]
+        if not rank_order:
+            v = x[best].min()                                 # the k-th best logit
+            above = np.flatnonzero(x > v)
+            best = np.concatenate([above, np.flatnonzero(x == v)[:k - above.size]])
+            if best.size != k:                                # NaN logits: whatever the sort makes of them
+                return np.argsort(-x, kind="stable")[:k]
+        return best[np.argsort(-x[best], kind="stable")]
+
+    def partitions(self, n_vocab: int) -> bool:
+        """Whether top-k is taken by partition (instead of a full sort) on rows of n_vocab logits."""
+        return 0 < self.params.top_k < n_vocab // PARTITION_BELOW
+
+
+def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int],
+                 processors: LogitsProcessors | None = None) -> int:
+    """The server's draw: `sampler.sample`'s distribution, and where top-k is taken by partition
+    the random number mapped to the k best in rank order (as the server has always drawn them;
+    token-id order there would change seeded outputs)."""
+    rank_order = sampler.partitions(np.shape(logits)[-1])
+    return sampler._sample(logits, history, processors, rank_order=rank_order)
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[list[int]],
-                draw: Callable[[Sampler, np.ndarray, list[int]], int] | None = None) -> list[int]:
-    """The next token of several sequences at once: row i of `logits` [n, vocab] with samplers[i]
-    and histories[i], the same tokens as `samplers[i].sample(logits[i], histories[i])` row by row.
+                draw: Callable[..., int] | None = None,
+                processors: Sequence[LogitsProcessors | None] | None = None) -> list[int]:
+    """The next token of several sequences at once: row i of `logits` [n, vocab] with samplers[i],
+    histories[i] and processors[i], the same tokens as `draw(samplers[i], logits[i], histories[i],
+    processors[i])` row by row (default `Sampler.sample`; the server passes `sample_top_k`).
 
     A server step decodes one token for every running sequence; the greedy rows (the usual load)
-    get their repetition penalty (when they have one) and then one argmax over all of them, instead
-    of a Python call chain and an argmax per row. The other rows are drawn in row order, each with
-    its own sampler's generator (so a seed gives the same tokens as sampling that sequence alone),
-    by `draw` (default `Sampler.sample`; the server passes its top-k-by-partition variant).
+    get their processors and repetition penalty (when they have them) and then one argmax over all
+    of them, instead of a Python call chain and an argmax per row. The other rows are drawn in row
+    order, each with its own sampler's generator (so a seed gives the same tokens as sampling that
+    sequence alone).
     """
     x = np.asarray(logits, dtype=np.float32)
-    if x.ndim != 2 or x.shape[0] != len(samplers) or len(histories) != len(samplers):
-        raise ValueError(f"sample_rows: {len(samplers)} samplers and {len(histories)} histories for logits "
-                         f"of shape {x.shape}")
+    procs = list(processors) if processors is not None else [None] * len(samplers)
+    if x.ndim != 2 or x.shape[0] != len(samplers) or len(histories) != len(samplers) or len(procs) != len(samplers):
+        raise ValueError(f"sample_rows: {len(samplers)} samplers, {len(histories)} histories and {len(procs)} "
+                         f"processors for logits of shape {x.shape}")
     out = [0] * len(samplers)
     greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
     if greedy:
-        rows = x[greedy]                                     # a copy: penalties go into it
+        rows = x[greedy]                                     # a copy: processors and penalties go into it
         for k, i in enumerate(greedy):
-            p = samplers[i].params
-            if p.repeat_penalty != 1.0 and histories[i] and p.repeat_last_n != 0:
-                rows[k] = samplers[i].penalized(rows[k], histories[i])
+            row = rows[k]
+            new = samplers[i].adjusted(row, histories[i], procs[i])
+            if new is not row:
+                rows[k] = new
         for i, t in zip(greedy, rows.argmax(axis=1).tolist()):
             out[i] = t
     one = draw or Sampler.sample
     for i, s in enumerate(samplers):
         if not s.params.greedy:
-            out[i] = int(one(s, x[i], histories[i]))
+            out[i] = int(one(s, x[i], histories[i], procs[i]))
     return out
+
+
+def accept_draft(sampler: Sampler, logits: np.ndarray, draft: Proposal, history: list[int],
+                 processors: LogitsProcessors | None = None) -> tuple[int, int]:
+    """Speculative decoding's acceptance rule: how many of `draft`'s tokens the target keeps and
+    the token that follows them (a correction, or the bonus token after all of them).
+
+    `logits` holds the target's rows for the last kept token and each drafted one. Greedy: a draft
+    is kept while it is the target's argmax. Sampled: draft d (drawn from q) is kept with
+    probability min(1, p[d] / q[d]); a rejection draws from the residual max(p - q, 0), which leaves
+    the output distributed exactly as the target's sampling (a point-mass q when the draft is
+    deterministic).
+    """
+    if draft.tokens and processors is not None and not processors.verifies_drafts:
+        raise ValueError("drafts cannot be verified under presence or frequency penalties or a grammar")
+    local = list(history)
+    for i, d in enumerate(draft.tokens):
+        if sampler.params.greedy:
+            best = sampler.sample(logits[i], local, processors)
+            if best != d:
+                return i, best
+        else:
+            p = sampler.distribution(logits[i], local, processors)
+            q = draft.probs[i]
+            q_d = 1.0 if q is None else float(q[d])
+            if sampler.rng.random() >= min(1.0, p[d] / q_d):
+                residual = np.maximum(p - (np.eye(1, p.size, d)[0] if q is None else q), 0.0)
+                total = residual.sum()
+                tok = int(sampler.rng.choice(p.size, p=residual / total)) if total > 0 else int(np.argmax(p))
+                return i, tok
+        local.append(d)
+    return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local, processors)

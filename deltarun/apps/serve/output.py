@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from deltarun.apps.chat import THINK_CLOSE, THINK_OPEN, StopMatcher, ThinkingSplitter, _partial_suffix
+from deltarun.apps.chat import THINK_CLOSE, THINK_OPEN, StopMatcher, ThinkingSplitter, partial_suffix
 from deltarun.base.tokenizer import StreamDecoder
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -120,7 +120,7 @@ class ToolCallStream:
             else:
                 i = buf.find(TOOL_OPEN)
                 if i < 0:
-                    hold = _partial_suffix(buf, [TOOL_OPEN])
+                    hold = partial_suffix(buf, [TOOL_OPEN])
                     out.content += buf[:len(buf) - hold]
                     self.pending = buf[len(buf) - hold:]
                     return out

@@ -25,7 +25,7 @@ from deltarun.apps.serve.app import ServerState, create_app
 from deltarun.apps.serve.grammar import GrammarFactory
 from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.prompts import PromptBuilder
-from deltarun.apps.serve.worker import Worker
+from deltarun.apps.serve.worker import Worker, end_of_generation_ids
 from deltarun.base.chat_template import ChatTemplate
 
 
@@ -48,14 +48,8 @@ class ServeSettings:
     open_draft: Callable[[], Any] | None = None
 
 
-def _eog_ids(model: Any) -> list[int]:
-    tok = model.tokenizer
-    ids = sorted(getattr(tok, "_eog_ids", ()) or [t for t in (tok.eos_id, tok.eot_id) if t is not None])
-    return [i for i in ids if i < model.hp.n_vocab]
-
-
 def _grammar_factory(m: Any) -> GrammarFactory:      # module level: it pickles (supervisor.py)
-    return GrammarFactory(m.tokenizer, m.hp.n_vocab, _eog_ids(m))
+    return GrammarFactory(m.tokenizer, m.hp.n_vocab, end_of_generation_ids(m))
 
 
 def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerState]:

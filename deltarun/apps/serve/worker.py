@@ -69,7 +69,9 @@ from deltarun.apps.serve.output import Delta, OutputStream
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
-from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows
+from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams, sample_rows, sample_top_k
+from deltarun.runner.speculative import (Draft, DraftLength, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
+                                         commit_kept, draft_limit, propose, verify)
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
@@ -124,13 +126,13 @@ class Job:
         self.speculates = False           # drafts are verified for it (else it only keeps the MTP rows up)
         self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
         self.n_drafted = self.n_accepted = 0
-        self.draft_length: Any = None     # apps.speculative.DraftLength: drafts to ask for next step
+        self.draft_length: DraftLength | None = None    # drafts to ask for next step
         self.generated: list[int] = []
         self.history: list[int] = []
         self.output: OutputStream | None = None
-        self.constraint: Any = None
+        self.constraint: Any = None       # its grammar (apps.serve.grammar.Constraint)
         self.sampler: Sampler | None = None
-        self.counts: collections.Counter[int] = collections.Counter()
+        self.processors: LogitsProcessors | None = None    # see Worker._processors
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_first = self.t_end = 0.0
 
@@ -161,8 +163,6 @@ class Worker:
         if draft not in (None, "ngram", "mtp") and open_draft is None:
             raise ValueError(f"--draft {draft!r}: a draft model needs open_draft (a function opening it "
                              f"with one sequence per slot)")
-        from deltarun.apps.speculative import NgramDraft
-
         #: None, "ngram", "mtp" or the draft model's path
         self.draft = draft
         self._ngram = NgramDraft()        # stateless: shared by every job
@@ -292,9 +292,7 @@ class Worker:
 
     def _open_drafts(self) -> None:
         """Check the model can verify drafts and open the draft model (one sequence per slot)."""
-        from deltarun.apps.speculative import _slots_for, check_draft_vocab
-
-        self.k_max = _slots_for(self.model, self.draft_max)
+        self.k_max = draft_limit(self.model, self.draft_max)
         if self.draft == "mtp" and not self.model.memory.mtp_layers:
             raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
         if self.draft not in ("ngram", "mtp"):
@@ -439,8 +437,6 @@ class Worker:
         job.cell, job.pos, job.n_cached = resume.cell, resume.pos, resume.pos
         job.t_admit = time.perf_counter()
         if self.draft == "mtp":            # the MTP block's KV rows follow the prompt, as for a request
-            from deltarun.apps.speculative import MtpDraft
-
             job.draft = MtpDraft(self.model, seq=job.cell)
             job.mtp_tail = (resume.hidden, job.pos - 1) if resume.hidden is not None and job.pos > 0 else None
         job.state = "prefill"
@@ -458,8 +454,6 @@ class Worker:
         prompt (a returning conversation only evaluates what is new to the draft model; any other
         sequence is evaluated again from the start by `ModelDraft.propose`).
         """
-        from deltarun.apps.speculative import DraftLength, ModelDraft, MtpDraft
-
         job.speculates = self._can_speculate(job)
         job.draft_length = DraftLength(self.k_max)
         if self.draft == "mtp":
@@ -617,20 +611,17 @@ class Worker:
         self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
 
     def _advance_run(self, run: list[Job], out: dict[int, np.ndarray]) -> None:
-        """`_advance` for every job of a decoded run. The jobs that their sampler alone samples (no
-        penalty but the repetition one, no bias, grammar or logprobs: `_pick` would add nothing)
-        get their tokens together from `sample_rows`; then every job streams its token in cell
-        order, as `_advance` job by job would."""
-        together = [j for j in run if self._sampler_only(j)] if len(run) > 1 else []
+        """`_advance` for every job of a decoded run. The jobs without a grammar get their tokens
+        together from `sample_rows` (a grammar's mask is the one processor that may fail, which must
+        end its job alone); then every job streams its token in cell order, as `_advance` job by job
+        would."""
+        together = [j for j in run if j.constraint is None] if len(run) > 1 else []
         tokens: dict[int, int] = {}
         if len(together) > 1:
             try:
-                x = np.stack([out[j.cell] for j in together])
-                masked = [k for k, j in enumerate(together) if j.params.req.ignore_eos]
-                if masked:                     # as _pick: end-of-generation tokens are never chosen
-                    x[np.ix_(masked, self._eog_ids())] = -np.inf
-                picked = sample_rows([j.sampler for j in together], x, [j.history for j in together],
-                                     draw=sample_top_k)
+                picked = sample_rows([j.sampler for j in together], np.stack([out[j.cell] for j in together]),
+                                     [j.history for j in together], draw=sample_top_k,
+                                     processors=[self._processors(j) for j in together])
                 tokens = {j.id: t for j, t in zip(together, picked)}
             except Exception:  # noqa: BLE001 - each job then samples alone, and reports its own error
                 tokens = {}
@@ -642,47 +633,32 @@ class Worker:
             elif j.cancelled:
                 self._release(j)
             else:
-                self._guard(j, lambda job, t=t: self._take(job, t, None))
+                self._guard(j, lambda job, t=t, lg=out[j.cell]: self._take(job, t, self._logprobs(job, lg, t)))
 
-    @staticmethod
-    def _sampler_only(job: Job) -> bool:
-        """Whether `_pick` would only mask end-of-generation tokens (ignore_eos) and call the sampler."""
-        r = job.params.req
-        return (job.constraint is None and not r.logprobs and not r.logit_bias and not r.presence_penalty
-                and not r.frequency_penalty)
+    def _processors(self, job: Job) -> LogitsProcessors:
+        """The job's logits processors (penalties, bias, ignore_eos, grammar), made from its request
+        when it first samples."""
+        if job.processors is None:
+            r = job.params.req
+            job.processors = LogitsProcessors(
+                presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
+                banned=end_of_generation_ids(self.model) if r.ignore_eos else (), grammar=job.constraint)
+        return job.processors
 
     def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
-        """Sample the next token (penalties, bias, grammar mask, then the sampler)."""
-        r, tok = job.params.req, self.model.tokenizer
-        x = np.asarray(logits, dtype=np.float32)
-        raw = x
-        if r.presence_penalty or r.frequency_penalty or r.logit_bias or r.ignore_eos:
-            x = x.copy()
-            if job.counts and (r.presence_penalty or r.frequency_penalty):
-                ids = np.fromiter(job.counts.keys(), dtype=np.int64)
-                cnt = np.fromiter(job.counts.values(), dtype=np.float32)
-                x[ids] -= r.presence_penalty + r.frequency_penalty * cnt
-            for t, b in r.logit_bias.items():
-                if 0 <= t < x.shape[0]:
-                    x[t] += b
-            if r.ignore_eos:
-                x[self._eog_ids()] = -np.inf
-        if job.constraint is not None:
-            x = job.constraint.mask(x)
-        t = sample_top_k(job.sampler, x, job.history)
-        info = None
-        if r.logprobs:
-            lp = raw.astype(np.float64) - raw.max()
-            lp = lp - np.log(np.exp(lp).sum())
-            info = _logprob_entry(tok, t, lp, r.top_logprobs)
-        return t, info
+        """Sample the next token (the job's processors, then its sampler) and its logprobs entry."""
+        t = sample_top_k(job.sampler, logits, job.history, self._processors(job))
+        return t, self._logprobs(job, logits, t)
 
-    def _eog_ids(self) -> list[int]:
-        tok = self.model.tokenizer
-        ids = getattr(tok, "_eog_ids", None)
-        if ids is None:
-            ids = [t for t in (tok.eos_id, tok.eot_id) if t is not None]
-        return [i for i in ids if i < self.model.hp.n_vocab]
+    def _logprobs(self, job: Job, logits: np.ndarray, token: int) -> dict[str, Any] | None:
+        """The logprobs entry of a sampled token (from the model's logits), when the request asks."""
+        r = job.params.req
+        if not r.logprobs:
+            return None
+        raw = np.asarray(logits, dtype=np.float32)
+        lp = raw.astype(np.float64) - raw.max()
+        lp = lp - np.log(np.exp(lp).sum())
+        return _logprob_entry(self.model.tokenizer, token, lp, r.top_logprobs)
 
     def _advance(self, job: Job, logits: np.ndarray) -> None:
         """Sample the job's next token, stream it, and decide whether the job goes on."""
@@ -702,9 +678,7 @@ class Worker:
             return False
         job.generated.append(token)
         job.history.append(token)
-        job.counts[token] += 1
-        if job.constraint is not None:
-            job.constraint.accept(token)
+        self._processors(job).accept(token)
         delta = job.output.push(token)
         reason = None
         if job.output.stopped or (job.constraint is not None and job.constraint.done):
@@ -728,23 +702,19 @@ class Worker:
 
     def _decode_speculative(self, jobs: list[Job]) -> None:
         """One verification step for every generating job (see the module docstring): drafts per
-        job, one ubatch per run of consecutive cells, then per job the longest agreeing prefix
-        (greedy) or speculative sampling's min(1, p/q) rule (`apps.speculative._accept`), and a
-        rollback of the rest."""
-        from deltarun.apps.speculative import Draft
-
+        job, one ubatch per run of consecutive cells, then per job `speculative.verify` (the
+        longest agreeing prefix, or speculative sampling's min(1, p/q) rule, and a rollback of the
+        rest)."""
         model = self.model
         proposals: dict[int, Draft] = {}
         for j in list(jobs):
             if j.cancelled:
                 self._release(j)
                 continue
-            k = 0
-            if j.speculates:
-                room = model.n_ctx - model.n_past(j.cell) - 1
-                k = max(0, min(j.draft_length.next(), j.params.max_tokens - len(j.generated) - 1, room))
             try:
-                proposals[j.id] = j.draft.propose(j.history, k, j.sampler) if k else Draft([], [])
+                proposals[j.id] = propose(j.draft, j.draft_length, j.history, j.params.max_tokens - len(j.generated),
+                                          model.n_ctx - model.n_past(j.cell) - 1, j.sampler) \
+                    if j.speculates else Draft([], [])
             except Exception as e:  # noqa: BLE001 - a failing draft ends its job, not the server
                 self._fail(j, _server_error(e))
         jobs = [j for j in jobs if j.id in proposals and j.state == "decode"]
@@ -755,9 +725,9 @@ class Worker:
         step = time.perf_counter() - t_step
         self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
 
-    def _verify_run(self, run: list[Job], proposals: dict[int, Any]) -> None:
-        from deltarun.apps.speculative import Draft
-
+    def _verify_run(self, run: list[Job], proposals: dict[int, Draft]) -> None:
+        """One ubatch for a run of cells: each job's pending token and drafts, padded with filler
+        to the longest row."""
         model = self.model
         width = 1 + max(len(proposals[j.id].tokens) for j in run)
         width = min([width] + [model.n_ctx - model.n_past(j.cell) for j in run])
@@ -780,32 +750,27 @@ class Worker:
             self._guard(j, lambda job, lg=out[j.cell], rows=hidden[i]: self._settle(job, proposals[job.id], lg, rows))
         self.metrics.decode_step(sum(len(j.generated) for j in run) - before, time.perf_counter() - t0)
 
-    def _settle(self, job: Job, proposal: Any, logits: np.ndarray, rows: np.ndarray) -> None:
-        """Accept what the target agrees with, roll back the rest of the job's row, stream the kept tokens."""
-        from deltarun.apps.speculative import _accept
-
+    def _settle(self, job: Job, proposal: Draft, logits: np.ndarray, rows: np.ndarray) -> None:
+        """A job's rows of a verification ubatch: `speculative.verify` for a job that speculates; for
+        one that does not, its filler rolled back and its next token picked from the first row.
+        Then the kept tokens are streamed."""
         model = self.model
-        n_draft = len(proposal.tokens)
         info = None
         if job.speculates:
-            if job.params.req.ignore_eos:          # as _pick does: end-of-generation tokens are never chosen
-                logits = logits.copy()
-                logits[:, self._eog_ids()] = -np.inf
-            n_ok, nxt = _accept(job.sampler, logits[:n_draft + 1], proposal, job.history)
+            n_ok, kept = verify(model, job.cell, logits, proposal, job.sampler, job.history,
+                                processors=self._processors(job), source=job.draft, hidden=rows,
+                                length=job.draft_length)
         else:
-            n_ok = 0
-        model.rollback(len(logits) - 1 - n_ok, job.cell)
-        if not job.speculates:
+            model.rollback(len(logits) - 1, job.cell)
             if job.cancelled:
                 self._release(job)
                 return
             nxt, info = self._pick(job, logits[0])
-        kept = proposal.tokens[:n_ok] + [nxt]
+            n_ok, kept = 0, [nxt]
+            commit_kept(job.draft, model, job.cell, kept, rows)
         if job.draft is not None and job.draft.needs_hidden:     # the MTP block's rows follow the kept tokens
-            job.draft.commit(kept, rows[:n_ok + 1], model.n_past(job.cell) - n_ok - 1)
             self.cache.note_hidden(job.cell, rows[:n_ok + 1])
-        if job.speculates:
-            job.draft_length.update(n_draft, n_ok)
+        n_draft = len(proposal.tokens)
         if job.speculates:
             job.n_drafted += n_draft
             job.n_accepted += n_ok
@@ -847,25 +812,10 @@ def _runs(jobs: list[Job]) -> list[list[Job]]:
     return runs
 
 
-def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int]) -> int:
-    """`sampler.sample`, but with top-k applied first by partition instead of a full sort.
-
-    Sampler.distribution sorts the whole vocabulary (151k entries on Qwen models: about 10 ms per
-    token and sequence); with top-k on, only the k best can be drawn, so the repetition penalty is
-    applied to the full row, the k best are picked with argpartition, and the same sampler (same
-    random generator) draws among them. The distribution is the same; which of several tokens
-    tied at the k-th place is kept may differ.
-    """
-    p = sampler.params
-    k = p.top_k
-    if p.greedy or not 0 < k < logits.shape[0] // 8:
-        return sampler.sample(logits, history)
-    x = sampler.penalized(np.asarray(logits, dtype=np.float32), history)
-    best = np.argpartition(-x, k - 1)[:k]
-    best = best[np.argsort(-x[best], kind="stable")]
-    reduced = Sampler.__new__(Sampler)
-    reduced.params, reduced.rng = dataclasses.replace(p, repeat_penalty=1.0), sampler.rng
-    return int(best[reduced.sample(x[best])])
+def end_of_generation_ids(model: Any) -> list[int]:
+    """The tokenizer's end-of-generation ids within the model's vocabulary, in order (ignore_eos
+    bans them; a grammar ends with one)."""
+    return sorted(i for i in model.tokenizer.eog_ids if i < model.hp.n_vocab)
 
 
 def _server_error(e: Exception) -> ApiError:

@@ -5,21 +5,26 @@ Draft sources: `NgramDraft` (prompt lookup in the tokens so far), `MtpDraft` (th
 multi-token-prediction block) and `ModelDraft` (a smaller GGUF with the same vocabulary). With
 greedy sampling the output is token-for-token what plain decoding gives; with temperature > 0
 drafts are accepted with probability min(1, p/q) and a rejection resamples from the residual
-max(p - q, 0), which leaves the output distribution exactly the target's.
+max(p - q, 0) (`sampling.accept_draft`), which leaves the output distribution exactly the target's.
+
+One step of it, for one sequence or for many in one ubatch (the server): `propose` asks the source
+for as many tokens as `DraftLength` allows, the caller evaluates the last kept token and the
+drafts, and `verify` accepts, rolls the sequence back over the rest and hands the draft source the
+rows it keeps. `SpeculativeStep` is that step in the decode loop (generate, chat).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from deltarun.base.errors import DeltarunError
 from deltarun.runner.generation import GenerationStats, decode_tokens
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import Sampler
+from deltarun.runner.sampling import LogitsProcessors, Sampler, accept_draft
 
 
 @dataclass
@@ -82,6 +87,23 @@ class NgramDraft:
         pass
 
 
+def draft_chain(sampler: Sampler, logits: np.ndarray, history: list[int], n: int,
+                further: Callable[[int, int], np.ndarray]) -> Draft:
+    """n tokens drafted one after the other (`Sampler.draft`): the first from `logits`, each next
+    one from `further(i, token i)`, the logits that follow drafted token i."""
+    tokens: list[int] = []
+    probs: list[np.ndarray | None] = []
+    local = list(history)
+    for i in range(n):
+        tok, q = sampler.draft(logits, local)
+        tokens.append(tok)
+        probs.append(q)
+        local.append(tok)
+        if i + 1 < n:
+            logits = further(i, tok)
+    return Draft(tokens, probs)
+
+
 def check_draft_vocab(draft_vocab: int, target_vocab: int) -> None:
     """A draft model must share the target's vocabulary: its tokens are the target's tokens."""
     if draft_vocab != target_vocab:
@@ -121,33 +143,16 @@ class ModelDraft:
         logits = m.eval(history[len(held):], seq)
         n = min(n, m.n_ctx - len(history) + 1)
         cp = m.checkpoint(seq) if n > 1 else None
-        tokens: list[int] = []
-        probs: list[np.ndarray | None] = []
-        local = list(history)
-        for i in range(n):
-            tok, q = _draw(sampler, logits, local)
-            tokens.append(tok)
-            probs.append(q)
-            local.append(tok)
-            if i + 1 < n:
-                logits = m.eval([tok], seq)
+        draft = draft_chain(sampler, logits, history, n, lambda i, tok: m.eval([tok], seq))
         if cp is not None:
             m.restore(cp)
-        return Draft(tokens, probs)
+        return draft
 
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
         pass
 
     def close(self) -> None:
         self.model.close()
-
-
-def _draw(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
-    """One drafted token and the distribution it was drawn from (None: greedy, a point mass)."""
-    q = sampler.distribution(logits, history)
-    if sampler.params.greedy:
-        return int(np.argmax(q)), None
-    return int(sampler.rng.choice(q.size, p=q)), q
 
 
 class MtpDraft:
@@ -193,17 +198,12 @@ class MtpDraft:
         if self.first is None or n <= 0 or pos + n + 1 > m.n_ctx:
             return Draft([], [])
         logits, out = self.first
-        tokens, probs, local = [], [], list(history)
-        for i in range(n):
-            q = sampler.distribution(logits, local)
-            tok = int(np.argmax(q)) if sampler.params.greedy else int(sampler.rng.choice(q.size, p=q))
-            tokens.append(tok)
-            probs.append(None if sampler.params.greedy else q)
-            local.append(tok)
-            if i + 1 < n:
-                logits, out = m.mtp_eval([tok], out[-1:], pos + 1 + i, self.seq)
-                logits, out = logits[-1], out
-        return Draft(tokens, probs)
+
+        def further(i: int, tok: int) -> np.ndarray:     # the block's output hidden state chains on
+            nonlocal out
+            rows, out = m.mtp_eval([tok], out[-1:], pos + 1 + i, self.seq)
+            return rows[-1]
+        return draft_chain(sampler, logits, history, n, further)
 
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
         """Feed rows (hidden_i, token_{i+1}) for positions start.. and keep the last row's output as
@@ -337,28 +337,9 @@ class SpeculativeStats(GenerationStats):
         return self.n_generated / self.n_steps if self.n_steps else 0.0
 
 
-def _accept(sampler: Sampler, logits: np.ndarray, draft: Draft, history: list[int]) -> tuple[int, int]:
-    """Number of drafts accepted and the token that follows them (correction or bonus)."""
-    local = list(history)
-    for i, d in enumerate(draft.tokens):
-        if sampler.params.greedy:
-            best = sampler.sample(logits[i], local)
-            if best != d:
-                return i, best
-        else:
-            p = sampler.distribution(logits[i], local)
-            q = draft.probs[i]
-            q_d = 1.0 if q is None else float(q[d])
-            if sampler.rng.random() >= min(1.0, p[d] / q_d):
-                residual = np.maximum(p - (np.eye(1, p.size, d)[0] if q is None else q), 0.0)
-                total = residual.sum()
-                tok = int(sampler.rng.choice(p.size, p=residual / total)) if total > 0 else int(np.argmax(p))
-                return i, tok
-        local.append(d)
-    return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local)
-
-
-def _slots_for(model: Model, draft_max: int) -> int:
+def draft_limit(model: Model, draft_max: int) -> int:
+    """The most tokens one verification step drafts: draft_max, within what a rollback undoes
+    (rs_slots - 1 tokens); an error when the model keeps no rollback slot to spare."""
     k_max = min(draft_max, model.rs_slots - 1)
     if k_max < 1:
         raise DeltarunError(f"speculative decoding needs rollback slots: open the model with --rs-slots "
@@ -366,12 +347,50 @@ def _slots_for(model: Model, draft_max: int) -> int:
     return k_max
 
 
+def propose(source: DraftSource, length: DraftLength, history: list[int], budget: int, room: int,
+            sampler: Sampler) -> Draft:
+    """A sequence's drafts for this step: as many as `length` allows now, within `budget` (the
+    tokens still wanted, the next one included) and `room` (context rows free after the last kept
+    token's)."""
+    k = max(0, min(length.next(), budget - 1, room))
+    return source.propose(history, k, sampler) if k else Draft([], [])
+
+
+def verify(model: Model, seq: int, logits: np.ndarray, draft: Draft, sampler: Sampler, history: list[int], *,
+           processors: LogitsProcessors | None = None, source: DraftSource | None = None,
+           hidden: np.ndarray | None = None, length: DraftLength | None = None) -> tuple[int, list[int]]:
+    """Settle one sequence's verification: the drafts the target accepts (`sampling.accept_draft`)
+    and the token after them; `seq` rolled back over the rows past the kept ones; `length` told
+    what was kept; `source` handed the kept rows (`commit_kept`). Returns (drafts accepted, the
+    kept tokens: those drafts and the next token).
+
+    `logits` (and `hidden`, the hidden states) are the rows the sequence's last ubatch evaluated:
+    its last kept token, the drafts, and in a server's shared ubatch filler after them.
+    """
+    n_ok, nxt = accept_draft(sampler, logits[:len(draft.tokens) + 1], draft, history, processors)
+    model.rollback(len(logits) - 1 - n_ok, seq)
+    if length is not None:
+        length.update(len(draft.tokens), n_ok)
+    kept = draft.tokens[:n_ok] + [nxt]
+    commit_kept(source, model, seq, kept, hidden)
+    return n_ok, kept
+
+
+def commit_kept(source: DraftSource | None, model: Model, seq: int, kept: list[int],
+                hidden: np.ndarray | None) -> None:
+    """Hand the draft source the rows a step kept, once `seq` holds exactly them: row i's hidden
+    state (when the source needs them) and kept[i], the token that follows it."""
+    if source is not None:
+        n = len(kept)
+        source.commit(kept, hidden[:n] if source.needs_hidden else None, model.n_past(seq) - n)
+
+
 def speculative_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sampler, draft: DraftSource,
                        draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
                        stop_at_eog: bool = True) -> Iterator[int]:
     """Like `generate_tokens`, verifying up to `draft_max` drafted tokens per target ubatch."""
     stats = stats if stats is not None else SpeculativeStats()
-    _slots_for(model, draft_max)
+    draft_limit(model, draft_max)
     wants_hidden = draft.needs_hidden
     t0 = time.perf_counter()
     start = model.n_past(seq)
@@ -409,7 +428,7 @@ class SpeculativeStep:
                  stats: SpeculativeStats | None = None,
                  context: tuple[list[int], np.ndarray | None, int] | None = None):
         self.model, self.sampler, self.draft, self.seq = model, sampler, draft, seq
-        self.k_max = _slots_for(model, draft_max)
+        self.k_max = draft_limit(model, draft_max)
         self.length = DraftLength(self.k_max)
         self.stats = stats if stats is not None else SpeculativeStats()
         self.wants_hidden = draft.needs_hidden
@@ -433,19 +452,14 @@ class SpeculativeStep:
         room = model.n_ctx - model.n_past(seq) - 1
         if room < 0:
             return None
-        k = max(0, min(self.length.next(), budget - 1, room))
-        proposal = self.draft.propose(history, k, self.sampler) if k else Draft([], [])
+        proposal = propose(self.draft, self.length, history, budget, room, self.sampler)
         # without drafts a deferring MTP source keeps the row aside: no MTP block in this graph
         in_graph = self.mtp_argmax and (bool(proposal.tokens) or not getattr(self.draft, "defer", False))
         out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True, mtp_argmax=in_graph)
+        hidden = model.last_hidden[0] if self.wants_hidden else None
+        n_ok, kept = verify(model, seq, out, proposal, self.sampler, history, source=self.draft, hidden=hidden,
+                            length=self.length)
         stats.n_steps += 1
         stats.n_drafted += len(proposal.tokens)
-        n_ok, nxt = _accept(self.sampler, out, proposal, history)
         stats.n_accepted += n_ok
-        self.length.update(len(proposal.tokens), n_ok)
-        if len(proposal.tokens) > n_ok:
-            model.rollback(len(proposal.tokens) - n_ok, seq)
-        kept = proposal.tokens[:n_ok] + [nxt]
-        rows = model.last_hidden[0][: n_ok + 1] if self.wants_hidden else None
-        self.draft.commit(kept, rows, model.n_past(seq) - n_ok - 1)
         return kept
