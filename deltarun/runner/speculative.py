@@ -184,8 +184,8 @@ class MtpDraft:
         self.defer = defer
         self.seq = seq      # the target sequence whose MTP KV rows this source fills (a server moves it)
         self.first: tuple[np.ndarray, np.ndarray] | None = None   # logits and output of the last row
-        #: deferred rows: runs of (tokens, hidden rows, first position), in commit order
-        self.deferred: list[tuple[list[int], np.ndarray, int]] = []
+        #: deferred rows: runs of (tokens, hidden row blocks, first position), in commit order
+        self.deferred: list[tuple[list[int], list[np.ndarray], int]] = []
 
     def start(self, prompt: list[int]) -> None:
         self.first = None
@@ -228,20 +228,23 @@ class MtpDraft:
         self.first = (logits[-1], out[-1:])
 
     def _keep_aside(self, tokens: list[int], hiddens: np.ndarray, start: int) -> None:
-        """Add rows to the deferred ones, joining the last run when they follow it."""
+        """Add rows to the deferred ones, joining the last run when they follow it (its hidden
+        rows are joined once, when evaluated)."""
         if self.deferred:
             toks, rows, first = self.deferred[-1]
             if first + len(toks) == start:
-                self.deferred[-1] = (toks + tokens, np.concatenate([rows, hiddens]), first)
+                toks.extend(tokens)
+                rows.append(hiddens)
                 return
-        self.deferred.append((list(tokens), hiddens, start))
+        self.deferred.append((list(tokens), [hiddens], start))
 
     def _evaluate_deferred(self) -> None:
         """Write every deferred row's K/V (in commit order: a position committed twice, across a
         rollback, ends with its last rows), computing the LM head for the very last row only."""
         m = self.model
         runs, self.deferred = self.deferred, []
-        for toks, rows, first in runs:
+        for toks, parts, first in runs:
+            rows = np.concatenate(parts)
             for at in range(0, len(toks), m.n_batch):
                 logits, out = m.mtp_eval(toks[at:at + m.n_batch], rows[at:at + m.n_batch], first + at, self.seq,
                                          n_outputs=1)
