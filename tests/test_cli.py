@@ -489,3 +489,12 @@ def test_readme_python_example_runs(tiny_model, capsys):
     code = code.replace('"model.gguf"', repr(str(tiny_model))).replace("n_ctx=4096", "n_ctx=4096, n_threads=1")
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("draft,expected", [("mtp", 3), ("ngram", 8), ("mtp --draft-max 2", 2)])
+def test_draft_max_defaults_to_the_source(tiny_model_path, draft, expected):
+    """--draft-max: 3 with mtp (llama.cpp's MTP depth), 8 for the other sources, what the user gives
+    otherwise; the value reaches the run (stderr's speculative line)."""
+    r = ok("generate", tiny_model_path("tiny-echo"), "-p", PROMPT, "-n", "4", "--temp", "0", *FAST,
+           "--draft", *draft.split())
+    assert f"draft-max {expected}:" in r.stderr

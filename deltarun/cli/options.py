@@ -210,7 +210,8 @@ DRAFT_MAX_DEFAULT = 8
 
 
 def _draft_max(ctx: click.Context, param: click.Parameter, value: int | None) -> int:
-    """--draft-max, or the default of the --draft source (processed first: --draft is eager)."""
+    """--draft-max, or the default of the --draft source (click processes an option left off the
+    command line after the given ones, so a given --draft is known here)."""
     if value is not None:
         return value
     return DRAFT_MAX_DEFAULTS.get(ctx.params.get("draft") or "", DRAFT_MAX_DEFAULT)
@@ -219,7 +220,7 @@ def _draft_max(ctx: click.Context, param: click.Parameter, value: int | None) ->
 def draft_options(f: F) -> F:
     """--draft ngram|mtp|PATH --draft-max N: speculative decoding."""
     return _apply(f, [
-        click.option("--draft", default=None, metavar="ngram|mtp|PATH", is_eager=True,
+        click.option("--draft", default=None, metavar="ngram|mtp|PATH",
                      help="Speculative decoding: prompt-lookup n-grams, the model's MTP block, or a smaller "
                           "draft GGUF with the same vocabulary."),
         click.option("--draft-max", type=click.IntRange(min=1, max=64), default=None, callback=_draft_max,
