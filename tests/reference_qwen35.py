@@ -135,8 +135,10 @@ class Qwen35Reference(ReferenceState):
     # ---- blocks ---------------------------------------------------------------------------------
 
     def _rope(self, x, pos):
+        """pos: a text position (t = h = w) or an image token's (t, h, w) streams."""
         cfg = self.cfg
-        return rope_imrope(x, (pos, pos, pos), cfg.n_rot, cfg.rope_theta, cfg.mrope_section)  # text: t = h = w
+        thw = tuple(pos) if isinstance(pos, (tuple, list, np.ndarray)) else (pos, pos, pos)
+        return rope_imrope(x, thw, cfg.n_rot, cfg.rope_theta, cfg.mrope_section)
 
     def _linear_attention(self, p: str, h, state):
         """Qwen3_5GatedDeltaNet.forward on h (T, n_embd), HF weights and head order."""
@@ -159,13 +161,22 @@ class Qwen35Reference(ReferenceState):
 
     # ---- forward --------------------------------------------------------------------------------
 
-    def forward(self, tokens) -> np.ndarray:
-        """Logits (n_tokens, n_vocab) for tokens appended to the sequence."""
+    def forward(self, tokens, embeddings=None, positions=None) -> np.ndarray:
+        """Logits (n_tokens, n_vocab) for tokens appended to the sequence.
+
+        `embeddings` (n_tokens, n_embd) replace the token embeddings (rows of NaN keep them): image
+        embeddings in place of the pad tokens, as `Qwen3_5Model.forward`'s masked_scatter; `positions`
+        are each token's rope position, an int (text) or a (t, h, w) tuple (`get_rope_index`); by
+        default n_past, n_past + 1, ... The causal mask follows the sequence index either way."""
         hp, w = self.hp, self.hf
         tokens = [int(t) for t in tokens]
         T = len(tokens)
-        positions = list(range(self.n_past, self.n_past + T))
+        if positions is None:
+            positions = list(range(self.n_past, self.n_past + T))
         x = w["model.embed_tokens.weight"][tokens].copy()
+        if embeddings is not None:
+            rows = ~np.isnan(np.asarray(embeddings)).any(axis=1)
+            x[rows] = np.asarray(embeddings, dtype=np.float64)[rows]
         for il in range(hp.n_layer):
             st, view = self._layers[il], self._views[il]
             if hp.recurrent[il]:

@@ -43,3 +43,10 @@ class BackendError(DeltarunError):
     """A ggml backend is missing, unavailable, or refused an allocation."""
 
     exit_code = 5
+
+
+class ImageError(DeltarunError):
+    """An image that cannot be used: unreadable, corrupt, truncated, of another format, too large, or
+    given to a model without a vision tower."""
+
+    exit_code = 2

@@ -14,14 +14,23 @@ from typing import Any
 
 from deltarun.base.errors import UnsupportedModelError
 from deltarun.base.interface import GraphFamily
+from deltarun.base.vision import VisionTower
 
 ENTRY_POINT_GROUP = "deltarun.graphs"
+#: vision towers (mmproj files), one per `clip.projector_type`
+PROJECTOR_GROUP = "deltarun.projectors"
 
 #: deltarun's own families: architecture -> (module, class), as registered in pyproject.toml
 BUILTIN = {
     "qwen3next": ("deltarun.graphs.qwen3next", "Qwen3NextGraph"),
     "qwen35": ("deltarun.graphs.qwen35", "Qwen35Graph"),
     "qwen35moe": ("deltarun.graphs.qwen35moe", "Qwen35MoeGraph"),
+}
+
+
+#: deltarun's own vision towers: projector type -> (module, class)
+BUILTIN_PROJECTORS = {
+    "qwen3vl_merger": ("deltarun.graphs.vision", "Qwen3VLVision"),
 }
 
 
@@ -56,5 +65,30 @@ def graph_family_for(gguf_file: Any) -> GraphFamily:
             f"Use a model of a supported architecture, or install a package that registers a graph family "
             f"for {arch!r} in the {ENTRY_POINT_GROUP!r} entry-point group")
     entry = families[arch]
+    cls = entry.load() if hasattr(entry, "load") else entry
+    return cls(gguf_file)
+
+
+def available_projectors() -> dict[str, Any]:
+    """projector type -> entry point, for every installed vision tower."""
+    found = {ep.name: ep for ep in entry_points(group=PROJECTOR_GROUP)}
+    for name, (module, cls) in BUILTIN_PROJECTORS.items():
+        found.setdefault(name, _Lazy(module, cls))
+    return found
+
+
+def projector_for(gguf_file: Any) -> VisionTower:
+    """The vision tower of an mmproj file (`general.architecture = clip`), constructed from the file
+    (which reads and validates its keys and tensors), or one clear error."""
+    if gguf_file.architecture != "clip":
+        raise UnsupportedModelError(
+            f"{gguf_file.path}: not an mmproj file (general.architecture is {gguf_file.architecture!r}, not 'clip'); "
+            f"pass the vision projector file published beside the model (mmproj-*.gguf)")
+    kind = gguf_file.get("clip.vision.projector_type") or gguf_file.get("clip.projector_type")
+    towers = available_projectors()
+    if kind not in towers:
+        raise UnsupportedModelError(
+            f"{gguf_file.path}: no vision graph for projector type {kind!r}; deltarun runs: {', '.join(sorted(towers))}")
+    entry = towers[kind]
     cls = entry.load() if hasattr(entry, "load") else entry
     return cls(gguf_file)
