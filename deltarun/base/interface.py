@@ -39,6 +39,9 @@ class UbatchShape:
     #: token offsets 0 < t < n_seq_tokens (one sequence) whose recurrent state the graph also copies
     #: to capture slot i (Memory.capture_conv / capture_ssm): checkpoints inside one evaluation
     captures: tuple[int, ...] = ()
+    #: the ubatch's rows are given as embeddings (`UbatchData.embd`: an image's rows) instead of
+    #: token ids looked up in the embedding table
+    embeddings: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -51,12 +54,16 @@ class UbatchData:
 
     `pos` [n_seqs, n_seq_tokens] holds each token's position; `tokens` the token ids in the same
     layout (None when the graph reads none); `hidden` [n_tokens, n_embd] the trunk's hidden states
-    an MTP graph drafts from.
+    an MTP graph drafts from; `embd` [n_tokens, n_embd] the input rows of an embeddings ubatch;
+    `rope` [3, n_tokens] the (temporal, height, width) rope positions where they differ from `pos`
+    (image tokens, and text after an image: transformers' `get_rope_index`), else None.
     """
 
     pos: np.ndarray
     tokens: Any = None
     hidden: np.ndarray | None = None
+    embd: np.ndarray | None = None
+    rope: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from deltarun.base.errors import DeltarunError
+from deltarun.base.errors import DeltarunError, ImageError
 from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
                                   sampling_params)
 from deltarun.cli.text_io import read_text_file, silence_stdout
+
+if TYPE_CHECKING:
+    from deltarun.runner.model import Model
 
 
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -42,11 +46,17 @@ def _timing(label: str, n: int, seconds: float) -> str:
 @click.option("--echo/--no-echo", default=False, show_default=True, help="Print the prompt before the output.")
 @click.option("--vs-plain", is_flag=True,
               help="With --draft: decode again without speculation and report both speeds.")
+@click.option("--mmproj", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The model's vision tower (mmproj-*.gguf), for --image.")
+@click.option("--image", "image_files", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="An image (PNG, JPEG, WebP, GIF) placed at the next <__media__> in the prompt, or before "
+                   "the prompt without one; repeatable. Needs --mmproj.")
 @draft_options
 @sampling_options
 @model_options
 def generate(model: Path | None, prompt: str | None, file: Path | None, n_predict: int, echo: bool,
-             draft: str | None, draft_max: int, vs_plain: bool, **opts: object) -> None:
+             draft: str | None, draft_max: int, vs_plain: bool, mmproj: Path | None = None,
+             image_files: tuple[Path, ...] = (), **opts: object) -> None:
     """Continue a prompt with MODEL.gguf and stream the text to stdout.
 
     Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
@@ -58,12 +68,16 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     from deltarun.runner.sampling import Sampler
 
     text = _read_prompt(prompt, file)
+    if image_files and mmproj is None:
+        raise ImageError("--image needs the model's vision tower: pass its mmproj file with --mmproj")
+    if image_files and vs_plain:
+        raise click.UsageError("--vs-plain compares text-only generations; leave it out with --image")
     params = sampling_params(**opts)  # type: ignore[arg-type]
     t_load = time.perf_counter()
     m, source = open_with_draft(model, draft, draft_max, **opts)
     with m:
         load_seconds = time.perf_counter() - t_load
-        tokens = m.tokenizer.encode(text)
+        tokens, n_before, before_seconds = _prefill_images(m, mmproj, image_files, text)
         if not tokens:
             raise DeltarunError("the prompt encodes to no tokens")
         if len(tokens) > m.n_ctx:
@@ -72,6 +86,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
         if echo:
             click.echo(text, nl=False)
         stats = GenerationStats() if source is None else SpeculativeStats()
+        stats.n_prompt, stats.prompt_seconds = n_before, before_seconds   # the images and the text before them
         decoder = StreamDecoder(m.tokenizer)
         interrupted = False
         if source is None:
@@ -121,6 +136,25 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                            f"{' (same tokens)' if same else ' (tokens differ: sampled output)'}", **err)
     if interrupted:
         raise SystemExit(130)
+
+
+def _prefill_images(m: "Model", mmproj: Path | None, image_files: tuple[Path, ...],
+                    text: str) -> tuple[list[int], int, float]:
+    """The prompt's tokens left to evaluate after its images (evaluated here with the vision tower:
+    the images and the text before them), how many tokens were evaluated and in how long."""
+    from deltarun.runner.images import load_image
+    from deltarun.runner.multimodal import prefill_with_images
+    from deltarun.runner.vision import VisionEncoder
+
+    if mmproj is None:
+        return m.tokenizer.encode(text), 0, 0.0
+    t0 = time.perf_counter()
+    with VisionEncoder(mmproj, backend=m.backend) as enc:
+        enc.check_text_model(m.hp.n_embd, m.graph_builder.arch)
+        prepared = [load_image(p, enc.hp) for p in image_files]
+        start = m.n_past()
+        rest = prefill_with_images(m, enc, text, prepared)
+        return rest, m.n_past() - start, time.perf_counter() - t0
 
 
 def _stop_text(reason: str) -> str:

@@ -120,12 +120,28 @@ class PositionsInput(GraphInput):
         self.single = n == 1 and self.per_token == 1
 
     def set_input(self, data: UbatchData) -> None:
-        if self.single:
+        if data.rope is not None:   # multi-section streams apart from the cache positions
+            if self.per_token == 1:
+                raise ValueError("rope streams given to a graph with one position per token")
+            self.flat[...] = data.rope
+        elif self.single:
             self.flat[0] = data.pos[0, 0]
         elif self.per_token == 1:
             self.flat[:] = data.pos.reshape(-1)
         else:
             self.flat[...] = data.pos.reshape(1, -1)
+
+
+class EmbeddingsInput(GraphInput):
+    """Input rows [n_embd, n_tokens] in place of token embeddings (`inp_embd_rows`): an image's
+    embeddings, which the text model takes where the chat template put its pad tokens."""
+
+    def __init__(self, ctx: Any, ub: UbatchShape, n_embd: int):
+        super().__init__()
+        self.embd = self.new(ctx, "inp_embd_rows", ggml.GGML_TYPE_F32, n_embd, ub.n_tokens)
+
+    def set_input(self, data: UbatchData) -> None:
+        self.host["inp_embd_rows"].reshape(-1)[:] = np.asarray(data.embd, dtype=np.float32).reshape(-1)
 
 
 class OutputIdsInput(GraphInput):

@@ -107,6 +107,30 @@ class MtpRows:
     out: np.ndarray          # [n, n_embd] before the MTP block's final norm
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image placed in a sequence: its `n` rows from cache position `start`, a merged grid of
+    `rows` x `cols` tokens, and the rope position of its first token (`rope0`). Text after it
+    continues at rope0 + max(rows, cols) (transformers' `get_rope_index`), so each image shifts
+    the rope positions of what follows by max(rows, cols) - n."""
+
+    start: int
+    n: int
+    rows: int
+    cols: int
+    rope0: int
+    pad_token: int
+
+    @property
+    def shift(self) -> int:
+        return max(self.rows, self.cols) - self.n
+
+    def streams(self) -> np.ndarray:
+        """[3, n] (temporal, height, width) rope positions of the image's tokens, row-major."""
+        r, c = np.divmod(np.arange(self.n, dtype=np.int32), np.int32(self.cols))
+        return np.stack([np.full(self.n, self.rope0, dtype=np.int32), self.rope0 + r, self.rope0 + c])
+
+
 @dataclass
 class EvalStats:
     """Counters a caller can report (tokens/s) or a test can check (incremental prefill)."""
@@ -171,6 +195,7 @@ class Model:
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
         self.last_captures: dict[int, RecurrentState] = {}   # eval(captures=...): length -> state
+        self._images: dict[int, list[ImageSpan]] = {}   # per sequence, the images placed (eval_image)
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -187,6 +212,7 @@ class Model:
     def reset(self) -> None:
         """Forget every sequence (KV cache and recurrent state)."""
         self.memory.clear()
+        self._images.clear()
 
     def checkpoint(self, seq: int = 0) -> StateCheckpoint:
         """Remember the live recurrent state of `seq` at its current length (see Memory.checkpoint)."""
@@ -253,6 +279,46 @@ class Model:
             self.last_hidden = np.concatenate(hiddens, axis=0)[None]
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
+    def eval_image(self, rows: np.ndarray, grid: tuple[int, int], pad_token: int, seq: int = 0) -> np.ndarray:
+        """Evaluate an image's embedding rows [n, n_embd] (a merged grid of grid[0] x grid[1] tokens,
+        row-major) appended to sequence `seq`, where the prompt has n `pad_token`s; logits of its last
+        row. As `Qwen3_5Model.forward`: the rows replace the pad tokens' embeddings, the image's
+        tokens take the rope streams (p, p + row, p + col) from the next text position p, and the
+        text after it continues at p + max(rows, cols); KV cells and the causal mask stay in
+        sequence order. The sequence records the pad tokens."""
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        n = int(grid[0]) * int(grid[1])
+        if rows.ndim != 2 or rows.shape != (n, self.hp.n_embd):
+            raise DeltarunError(f"image rows of shape {rows.shape} for a {grid[0]} x {grid[1]} grid of "
+                                f"{self.hp.n_embd}-wide tokens")
+        if not self.hp.rope_sections:
+            raise DeltarunError(f"{self.path}: images need a model with multi-section rope (qwen35, qwen35moe)")
+        if not 0 <= pad_token < self.hp.n_vocab:
+            raise DeltarunError(f"image pad token {pad_token} is outside the vocabulary")
+        self._check_tokens([pad_token] * n, seq)
+        start = self.n_past(seq)
+        span = ImageSpan(start, n, int(grid[0]), int(grid[1]), start + self._rope_shift(seq), int(pad_token))
+        streams = span.streams()
+        done, logits = 0, None
+        for size in self.split_ubatches(n):
+            chunk = slice(done, done + size)
+            logits = self._eval_ubatch([[pad_token] * size], seq, False, embd=rows[chunk], rope=streams[:, chunk])
+            done += size
+        self._images.setdefault(seq, []).append(span)
+        return logits[0][-1]
+
+    def images(self, seq: int = 0) -> list[ImageSpan]:
+        """The images placed in sequence `seq` that it still holds whole."""
+        st = self.memory.seqs[seq]
+        kept = [s for s in self._images.get(seq, [])
+                if s.start + s.n <= st.n_past and all(t == s.pad_token for t in st.tokens[s.start:s.start + s.n])]
+        self._images[seq] = kept
+        return kept
+
+    def _rope_shift(self, seq: int) -> int:
+        """How far the rope positions of new text in `seq` are from its cache positions."""
+        return sum(s.shift for s in self.images(seq)) if self._images.get(seq) else 0
+
     def split_ubatches(self, n: int) -> list[int]:
         """Sizes of the ubatches for n tokens of one sequence."""
         return self._split(n, self.n_batch)
@@ -287,6 +353,7 @@ class Model:
         A draft model drafts on a copy, so its committed sequence never needs a rollback.
         """
         self.memory.copy_seq(src, dst)
+        self._images[dst] = list(self._images.get(src, []))
 
     def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0,
                  n_outputs: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -484,19 +551,23 @@ class Model:
                 f"context full: {state.n_past} tokens + {len(toks)} new exceed the context size {self.n_ctx}")
 
     def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
-                     mtp_argmax: bool = False, captures: tuple[int, ...] = ()) -> np.ndarray:
-        """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab]."""
+                     mtp_argmax: bool = False, captures: tuple[int, ...] = (),
+                     embd: np.ndarray | None = None, rope: np.ndarray | None = None) -> np.ndarray:
+        """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab].
+        With `embd` (one sequence) the rows are given instead of looked up (an image), at rope
+        streams `rope` [3, n]."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
         starts = [self.memory.seqs[seq_head + i].n_past for i in range(n_seqs)]
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
-                            seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures)
+                            seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
+                            embeddings=embd is not None)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)
-        self._set_inputs(g, tokens, starts, shape)
+        self._set_inputs(g, tokens, starts, shape, embd, rope)
         sched.compute(g.gf)
         self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
@@ -528,11 +599,18 @@ class Model:
             g.inputs = _InputPlan(g.built, shape)
         return g.inputs
 
-    def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape) -> None:
-        """Fill the graph's inputs for token lists of sequences seq_head.. starting at positions `starts`."""
+    def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape,
+                    embd: np.ndarray | None = None, rope: np.ndarray | None = None) -> None:
+        """Fill the graph's inputs for token lists of sequences seq_head.. starting at positions `starts`
+        (rope positions shifted after the images a sequence holds; see `eval_image`)."""
         n = shape.n_seq_tokens
         if n * shape.n_seqs == 1:
             pos = np.array([[starts[0]]], dtype=np.int32)
         else:
             pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens))
+        if rope is None and self._images:
+            shifts = [self._rope_shift(shape.seq_head + i) for i in range(shape.n_seqs)]
+            if any(shifts):
+                text = (pos + np.asarray(shifts, dtype=np.int32)[:, None]).reshape(1, -1)
+                rope = np.repeat(text, 3, axis=0)
+        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, embd=embd, rope=rope))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from deltarun.base.ggml_util import Tensor, ggml
 from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
-from deltarun.graphs.inputs import HiddenInput, TokensInput
+from deltarun.graphs.inputs import EmbeddingsInput, HiddenInput, TokensInput
 
 Spec = dict[str, tuple[tuple[int, ...], bool]]
 
@@ -37,6 +37,10 @@ def is_gathered(name: str) -> bool:
 
 
 def embed(g: GraphContext) -> Tensor:
+    """The ubatch's input rows: token embeddings, or given rows (an image's) with `ub.embeddings`."""
+    if g.ub.embeddings:
+        rows = g.input(EmbeddingsInput, lambda: EmbeddingsInput(g.ctx, g.ub, g.hp.n_embd)).embd
+        return g.cb(rows, "inp_embd")
     tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub)).tokens
     return g.cb(ggml.ggml_get_rows(g.ctx, g.w["token_embd.weight"], tokens), "inp_embd")
 
