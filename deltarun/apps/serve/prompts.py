@@ -127,13 +127,22 @@ class PromptBuilder:
         every = list(range(self.checkpoint_every, n, self.checkpoint_every)) if self.checkpoint_every > 0 else []
         return sorted({b for b in boundaries + every if 0 < b <= n} | {n})
 
-    def chat(self, req: ChatRequest) -> GenParams:
-        use_tools = bool(req.tools) and req.tool_choice != "none"
-        tools = req.tools if use_tools else None
+    def _prompt_text(self, req: ChatRequest) -> tuple[str, list | None]:
+        """The rendered prompt of a chat request, and the tools rendered into it (None: none)."""
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
         try:
-            text = self._render(req.messages, req, tools, True)
+            return self._render(req.messages, req, tools, True), tools
         except TokenizerError as e:
             raise ApiError(str(e), param="messages", code="template_error") from e
+
+    def prompt_length(self, req: ChatRequest) -> int:
+        """Tokens of the prompt `chat(req)` builds, with no limit (token counting endpoints answer
+        for prompts longer than the context too)."""
+        return len(self.tokenize(self._prompt_text(req)[0]))
+
+    def chat(self, req: ChatRequest) -> GenParams:
+        text, tools = self._prompt_text(req)
+        use_tools = tools is not None
         prompt = self.tokenize(text)
         self._check_length(prompt, "messages")
         boundaries = []

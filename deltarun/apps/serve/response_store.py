@@ -1,0 +1,61 @@
+"""Stored responses of /v1/responses: what `GET /v1/responses/{id}` returns and `previous_response_id` continues.
+
+Each entry keeps the response object and the conversation it ended (the chat messages of its input,
+earlier responses' included, and its own answer; without its `instructions`, which OpenAI does not
+carry over to a follow-up). A follow-up's conversation reuses the message objects of the one it
+continues, so a chain of N turns holds each message once; an entry is charged for the messages it
+added and the response's JSON. The store is bounded by count and by those bytes: the least recently
+used entries go first. It is used from the event loop only (no lock).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+MAX_RESPONSES = 1024
+MAX_BYTES = 256 << 20
+
+
+@dataclass
+class StoredResponse:
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    nbytes: int
+
+
+class ResponseStore:
+    def __init__(self, max_responses: int | None = None, max_bytes: int | None = None):
+        self.max_responses = MAX_RESPONSES if max_responses is None else max_responses
+        self.max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, rid: str) -> StoredResponse | None:
+        e = self._entries.get(rid)
+        if e is not None:
+            self._entries.move_to_end(rid)
+        return e
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> None:
+        """Keep `response` (its "id" is the key) and its conversation, of which `new_messages` are
+        the ones no earlier entry holds."""
+        size = len(json.dumps(response, default=str)) + len(json.dumps(new_messages, default=str))
+        self.delete(response["id"])
+        self._entries[response["id"]] = StoredResponse(response, conversation, size)
+        self.nbytes += size
+        while self._entries and (len(self._entries) > self.max_responses or self.nbytes > self.max_bytes):
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def delete(self, rid: str) -> bool:
+        e = self._entries.pop(rid, None)
+        if e is None:
+            return False
+        self.nbytes -= e.nbytes
+        return True
