@@ -18,7 +18,9 @@ import openai
 import pytest
 from test_serve import _server
 
-from deltarun.apps.serve.messages_api import chat_body, parse_messages
+from deltarun.apps.serve.answers import BlockSplitter
+from deltarun.apps.serve.messages_api import _max_calls, chat_body, parse_messages
+from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import parse_chat
 from deltarun.runner.resume import common_prefix_length
 
@@ -265,9 +267,11 @@ def test_tool_choice_none_and_disable_parallel_tool_use(qwen3_server):
     assert [b.type for b in r.content] == ["tool_use"]
 
 
-def test_tool_results_render_as_chat_tool_messages(qwen3_server, tiny_model_path):
+@pytest.mark.parametrize("then_text", [False, True])
+def test_tool_results_render_as_chat_tool_messages(qwen3_server, then_text):
     """tool_use / tool_result blocks (text, blocks, is_error) become the tool calls and tool messages
-    a Chat Completions client would send: the same prompt, token for token."""
+    a Chat Completions client would send: the same prompt, token for token. Ending with the tool
+    results, the assistant message is part of the agent loop, and the template renders its thinking."""
     messages = [
         {"role": "user", "content": "Weather in two cities?"},
         {"role": "assistant", "content": [
@@ -279,7 +283,7 @@ def test_tool_results_render_as_chat_tool_messages(qwen3_server, tiny_model_path
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
             {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
              "content": [{"type": "text", "text": "service "}, {"type": "text", "text": "down"}]},
-            {"type": "text", "text": "And tomorrow?"}]}]
+            {"type": "text", "text": "And tomorrow?"}][:3 if then_text else 2]}]
     chat = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in two cities?"},
@@ -290,13 +294,14 @@ def test_tool_results_render_as_chat_tool_messages(qwen3_server, tiny_model_path
                                                          "arguments": '{"city": "Rome", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "a", "content": "sunny"},
         {"role": "tool", "tool_call_id": "b", "content": "Error: service down"},
-        {"role": "user", "content": "And tomorrow?"}]
+        {"role": "user", "content": "And tomorrow?"}][:6 if then_text else 5]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": WEATHER["input_schema"]}}]
     body = {"model": "t", "max_tokens": 2, "system": "Be brief.", "messages": messages, "tools": [WEATHER]}
     builder = qwen3_server.state.builder
     want = builder.chat(parse_chat({"messages": chat, "tools": tools, "max_tokens": 2})).prompt
     assert builder.chat(parse_messages(body)).prompt == want
+    assert ("two calls" in builder.tokenizer.decode(want)) is not then_text
     assert _client(qwen3_server).messages.count_tokens(
         model="t", system="Be brief.", messages=messages, tools=[WEATHER]).input_tokens == len(want)
     # and over HTTP the two endpoints see the same prompt
@@ -304,6 +309,27 @@ def test_tool_results_render_as_chat_tool_messages(qwen3_server, tiny_model_path
     r = c.chat.completions.create(model="t", messages=chat, tools=tools, max_tokens=2, temperature=0)
     m = _ask(_client(qwen3_server), messages, max_tokens=2, system="Be brief.", tools=[WEATHER])
     assert r.usage.prompt_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens == len(want)
+
+
+def test_block_splitter_orders_and_closes_blocks():
+    """Deltas -> blocks: reasoning, then text, then each tool call, in order; a block is closed before
+    the next opens; calls beyond `max_calls` are left out."""
+    def call(i):
+        return {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": f'{{"i": {i}}}'}}
+    s = BlockSplitter()
+    steps = s.push(Delta(reasoning="think ")) + s.push(Delta(reasoning="more", content="Hi")) \
+        + s.push(Delta(content=" there", tool_calls=[call(0), call(1)])) + s.push(Delta(content="bye")) + s.close()
+    assert [(x.what, x.block.index, x.piece) for x in steps] == [
+        ("open", 0, ""), ("delta", 0, "think "), ("delta", 0, "more"), ("close", 0, ""),
+        ("open", 1, ""), ("delta", 1, "Hi"), ("delta", 1, " there"), ("close", 1, ""),
+        ("open", 2, ""), ("delta", 2, '{"i": 0}'), ("close", 2, ""), ("open", 3, ""), ("delta", 3, '{"i": 1}'),
+        ("close", 3, ""), ("open", 4, ""), ("delta", 4, "bye"), ("close", 4, "")]
+    assert [(b.kind, b.text) for b in s.blocks] == [("thinking", "think more"), ("text", "Hi there"),
+                                                    ("tool_call", '{"i": 0}'), ("tool_call", '{"i": 1}'), ("text", "bye")]
+    one = BlockSplitter(max_calls=_max_calls({"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}))
+    one.push(Delta(tool_calls=[call(0), call(1)]))
+    assert [b.call["id"] for b in one.blocks] == ["c0"]
+    assert _max_calls({"tool_choice": {"type": "auto"}}) is None
 
 
 def test_output_config_json_schema(qwen3_server):
@@ -519,3 +545,10 @@ def test_chat_body_is_what_llama_server_converts_to():
     assert body["max_tokens"] == 7 and body["stop"] == ["END"] and body["top_k"] == 3 and body["model"] == "m"
     assert body["chat_template_kwargs"] == {"enable_thinking": True} and body["tool_choice"] == "required"
     assert body["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
+
+
+def test_props_and_chat_page_name_the_endpoints(qwen3_server):
+    props = httpx.get(qwen3_server.base_url + "/props").json()
+    assert "/v1/messages" in props["endpoints"]["anthropic"] and "/v1/responses" in props["endpoints"]["openai"]
+    page = httpx.get(qwen3_server.base_url + "/").text
+    assert "/v1/messages" in page and "/v1/responses" in page
