@@ -428,27 +428,28 @@ def messages_routes(state: Any) -> list[Route]:
 
     async def _stream(relay: Any, req: ChatRequest, params: Any, mid: str, model: str, tokenizer: Any,
                       max_calls: int | None) -> AsyncIterator[bytes]:
+        """The events of each worker event go out in one write (each write costs the loop a turn)."""
         yield _event("message_start", {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
             "stop_sequence": None, "usage": {"input_tokens": len(params.prompt), "cache_creation_input_tokens": 0,
-                                             "cache_read_input_tokens": 0, "output_tokens": 0}}})
-        yield _event("ping", {"type": "ping"})
+                                             "cache_read_input_tokens": 0, "output_tokens": 0}}}) \
+            + _event("ping", {"type": "ping"})
         splitter = BlockSplitter(max_calls)
         async for ev in relay.events():
             if ev.error is not None:
                 yield _event("error", error_body(ev.error))
                 return
-            if ev.delta is not None:
-                for s in splitter.push(ev.delta):
-                    yield _step_event(s)
-            if ev.finish_reason is not None:
-                for s in splitter.close():
-                    yield _step_event(s)
-                end = Ending.of(tokenizer, req, ev.finish_reason, ev.result,
-                                any(b.kind == THINKING for b in splitter.blocks))
-                yield _event("message_delta", {"type": "message_delta", "delta": {
-                    "stop_reason": _stop_reason(end), "stop_sequence": end.stop_sequence}, "usage": _usage(ev.result)})
-                yield _event("message_stop", {"type": "message_stop"})
+            steps = splitter.push(ev.delta) if ev.delta is not None else []
+            if ev.finish_reason is None:
+                if steps:
+                    yield b"".join(_step_event(s) for s in steps)
+                continue
+            steps += splitter.close()
+            end = Ending.of(tokenizer, req, ev.finish_reason, ev.result, any(b.kind == THINKING for b in splitter.blocks))
+            yield b"".join(_step_event(s) for s in steps) \
+                + _event("message_delta", {"type": "message_delta", "delta": {
+                    "stop_reason": _stop_reason(end), "stop_sequence": end.stop_sequence}, "usage": _usage(ev.result)}) \
+                + _event("message_stop", {"type": "message_stop"})
 
     @_anthropic_errors
     async def count_tokens(request: Request) -> Response:

@@ -424,25 +424,25 @@ def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Rou
             return b"event: " + data["type"].encode() + b"\r\ndata: " + json.dumps(data).encode() + b"\r\n\r\n"
 
         start = answer.response("in_progress", [])
-        yield event({"type": "response.created", "response": start})
-        yield event({"type": "response.in_progress", "response": start})
-        async for ev in relay.events():
+        yield event({"type": "response.created", "response": start}) \
+            + event({"type": "response.in_progress", "response": start})
+        async for ev in relay.events():     # the events of each worker event go out in one write
             if ev.error is not None:
                 err = {"code": ev.error.code or ev.error.type, "message": ev.error.message}
-                yield event({"type": "error", **err, "param": ev.error.param})
-                yield event({"type": "response.failed", "response": answer.response("failed", [], error=err)})
+                yield event({"type": "error", **err, "param": ev.error.param}) \
+                    + event({"type": "response.failed", "response": answer.response("failed", [], error=err)})
                 return
             steps = answer.splitter.push(ev.delta) if ev.delta is not None else []
             if ev.finish_reason is not None:
                 steps += answer.close()
-            for s in steps:
-                for data in _step_events(answer, s):
-                    yield event(data)
+            chunk = b"".join(event(data) for s in steps for data in _step_events(answer, s))
             if ev.finish_reason is not None:
                 out = answer.finished(tokenizer, ev.finish_reason, ev.result)
                 answer.keep(responses, out)
                 kind = "response.incomplete" if out["status"] == "incomplete" else "response.completed"
-                yield event({"type": kind, "response": out})
+                chunk += event({"type": kind, "response": out})
+            if chunk:
+                yield chunk
 
     async def get(request: Request) -> Response:
         e = responses.get(request.path_params["response_id"])
