@@ -107,6 +107,19 @@ def test_response_shape_usage_and_stream(server):
     assert events[-1].response.usage.input_tokens_details.cached_tokens == u.input_tokens
 
 
+def test_sampling_fields_reach_the_sampler(qwen3_server):
+    c = _client(qwen3_server)
+
+    def text(**kw):
+        return _create(c, input="Sample me", max_output_tokens=12, reasoning=NO_THINKING, **kw).output_text
+    greedy = text(temperature=0)
+    assert text(temperature=1.5, top_p=1e-9) == greedy                 # top_p keeps the best token only
+    assert text(temperature=1.5, extra_body={"top_k": 1}) == greedy
+    drawn = {text(temperature=2.0, extra_body={"seed": s}) for s in range(4)}
+    assert len(drawn) > 1 and text(temperature=2.0, extra_body={"seed": 1}) == text(temperature=2.0,
+                                                                                     extra_body={"seed": 1})
+
+
 def test_completed_when_the_answer_ends(qwen3_server):
     eos = httpx.post(qwen3_server.base_url + "/tokenize", json={"content": "<|im_end|>"}).json()["tokens"][0]
     r = _create(_client(qwen3_server), input="say nothing", reasoning=NO_THINKING,

@@ -60,9 +60,14 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 # --------------------------------------------------------------------------------------------- errors
 def error_body(e: ApiError) -> dict[str, Any]:
-    """Anthropic's error object for an `ApiError` (its status picks the type)."""
+    """Anthropic's error object for an `ApiError` (its status picks the type). A prompt over the
+    context is told in the API's words, "prompt is too long: N tokens > M maximum", which Claude
+    Code answers by compacting the conversation."""
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    message = e.message
+    if "n_prompt_tokens" in e.extra and "n_ctx" in e.extra:
+        message = f"prompt is too long: {e.extra['n_prompt_tokens']} tokens > {e.extra['n_ctx'] - 1} maximum ({message})"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(e: ApiError) -> JSONResponse:
