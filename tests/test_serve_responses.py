@@ -358,6 +358,8 @@ def test_agent_loop_evaluates_only_new_tokens_as_chat_completions_does(template_
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": None}]}]},
+     "input[0].content"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "hi", "tools": [FN_WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),

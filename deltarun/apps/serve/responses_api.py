@@ -113,7 +113,11 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             if not isinstance(parts, list):
                 raise _bad(f"'{where}.content' must be a list of reasoning_text parts", f"{where}.content",
                            "invalid_type")
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text")
+            texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise _bad(f"'{where}.content' must be reasoning_text parts with a string 'text'",
+                           f"{where}.content", "invalid_type")
+            text = "".join(texts)
             a = assistant(fresh=cur is not None and bool(cur["content"] or cur.get("tool_calls")))
             a["reasoning_content"] = a.get("reasoning_content", "") + text
         elif kind == "function_call":
