@@ -62,10 +62,10 @@ def bandwidth(n_proc: int, mib: int, reps: int) -> tuple[float, float]:
 def bytes_per_token(path: str) -> dict[str, int]:
     """Weights and recurrent state a one-token decode of `path` reads (see the module docstring)."""
     from deltarun.base.gguf_file import GGUFFile
-    from deltarun.graphs.qwen3next import Qwen3NextGraph
+    from deltarun.graphs.qwen3next import Qwen3NextFamily
 
     f = GGUFFile(path)
-    hp = Qwen3NextGraph.read_hparams(f)
+    hp = Qwen3NextFamily.read_hparams(f)
     weights = 0
     for name, t in f.tensors.items():
         if name.startswith("blk.") and int(name.split(".")[1]) >= hp.n_layer:

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from deltarun.runner.speculative import MtpDraft, NgramDraft, SpeculativeStats, speculative_tokens
+from deltarun.runner.speculative import MtpDraft, NgramDraft
 from deltarun.runner.generation import GenerationStats, generate_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler
@@ -53,9 +53,9 @@ def run(path: Path, prompt: str, n: int, threads: int, draft: str | None, draft_
             tokens = generate_tokens(m, toks, n, Sampler(GREEDY), stats=stats, stop_at_eog=False)
         else:
             source = MtpDraft(m, in_graph=draft == "mtp") if draft in ("mtp", "mtp-separate") else NgramDraft()
-            stats = SpeculativeStats()
-            tokens = speculative_tokens(m, toks, n, Sampler(GREEDY), source, draft_max, stats=stats,
-                                        stop_at_eog=False)
+            stats = GenerationStats()
+            tokens = generate_tokens(m, toks, n, Sampler(GREEDY), stats=stats, stop_at_eog=False, draft=source,
+                                     draft_max=draft_max)
         out = [next(tokens)]
         t0 = time.thread_time()
         out += list(tokens)

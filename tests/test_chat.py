@@ -56,8 +56,8 @@ class Scripted(Sampler):
         super().__init__(GREEDY)
         self.script = list(tokens)
 
-    def sample(self, logits, history=None):
-        return self.script.pop(0) if self.script else super().sample(logits, history)
+    def sample(self, logits, history=None, processors=None):
+        return self.script.pop(0) if self.script else super().sample(logits, history, processors)
 
 
 def script(model: Model, text: str, end: bool = True) -> list[int]:
@@ -334,7 +334,7 @@ def test_cancelled_turn_is_rolled_back_within_the_slots(model_path, monkeypatch)
         session.ask("Hello")
         real_sample = Sampler.sample
 
-        def interrupted(self, logits, history=None):
+        def interrupted(self, logits, history=None, processors=None):
             raise KeyboardInterrupt
 
         monkeypatch.setattr(Sampler, "sample", interrupted)
@@ -377,11 +377,11 @@ def test_interrupt_keeps_the_partial_answer_and_a_consistent_model(model, monkey
     calls = {"n": 0}
     real_sample = Sampler.sample
 
-    def flaky(self, logits, history=None):
+    def flaky(self, logits, history=None, processors=None):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
-        return real_sample(self, logits, history)
+        return real_sample(self, logits, history, processors)
 
     monkeypatch.setattr(Sampler, "sample", flaky)
     pieces = []
@@ -538,11 +538,11 @@ def test_cli_interrupt_continues_with_the_next_line(model_path, monkeypatch):
     calls = {"n": 0}
     real_sample = Sampler.sample
 
-    def flaky(self, logits, history=None):
+    def flaky(self, logits, history=None, processors=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real_sample(self, logits, history)
+        return real_sample(self, logits, history, processors)
 
     monkeypatch.setattr(Sampler, "sample", flaky)
     r = invoke("chat", model_path, "-n", "5", *FAST, input="Hello\nAgain\n")
@@ -566,7 +566,7 @@ def test_cli_stop_thinking_and_context_messages(model_path, monkeypatch):
     thinking = "<think>\nhmm\n</think>\n\nHi!"
     state = {}
 
-    def scripted(self, logits, history=None):
+    def scripted(self, logits, history=None, processors=None):
         if "queue" not in state:
             state["queue"] = list(state["ids"])
         return state["queue"].pop(0)

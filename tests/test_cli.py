@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from deltarun.base.gguf_file import GGUFFile
 from deltarun.cli.main import cli
-from deltarun.graphs.qwen3next import Qwen3NextGraph
+from deltarun.graphs.qwen3next import Qwen3NextFamily
 from deltarun.model_files import generate as gen
 from deltarun.runner.generation import generate_tokens
 from deltarun.runner.memory import memory_bytes
@@ -203,7 +203,7 @@ def test_inspect_json_numbers(tiny_model):
     r = ok("inspect", tiny_model, "--json", "--ctx", "1000", "--rs-slots", "3")
     d = json.loads(r.stdout)
     f = GGUFFile(tiny_model)
-    hp = Qwen3NextGraph.read_hparams(f)
+    hp = Qwen3NextFamily.read_hparams(f)
     assert d["runnable"] is True and d["problems"] == []
     assert d["architecture"] == "qwen3next"
     assert d["layers"]["pattern"] == "LLLA"
@@ -295,7 +295,7 @@ def test_make_tiny_writes_a_loadable_file_for_each_type(tmp_path, tiny_model_pat
     r = ok("make-tiny", out, "--type", wtype)
     assert str(out) in r.stdout
     f = GGUFFile(out)
-    hp = Qwen3NextGraph(f).hp           # reads the hyper-parameters and validates the tensors
+    hp = Qwen3NextFamily(f).hp           # reads the hyper-parameters and validates the tensors
     assert f.tensors["blk.0.ssm_out.weight"].type_name == gen.WEIGHT_TYPES[wtype].name
     assert f.get("general.file_type") == gen._FILE_TYPES[wtype]
     with Model(out, n_ctx=64, n_threads=1) as m:
@@ -313,7 +313,7 @@ def test_make_tiny_presets_mtp_and_seed(tmp_path):
     a = tmp_path / "a.gguf"
     ok("make-tiny", a, "--preset", "tiny-eqheads", "--mtp", "--seed", "5")
     f = GGUFFile(a)
-    hp = Qwen3NextGraph.read_hparams(f)
+    hp = Qwen3NextFamily.read_hparams(f)
     assert hp.n_mtp == 1 and hp.ssm_n_v_heads == hp.ssm_n_k_heads == 8
     assert "blk.4.nextn.eh_proj.weight" in f.tensors
     b = tmp_path / "b.gguf"

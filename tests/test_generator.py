@@ -2,7 +2,7 @@
 converted Qwen3-Next file as described in shared/docs/qwen3next-gguf.md.
 
 Expected names and shapes are written out here from the document (ggml `ne` order), not taken
-from the spec module, so these tests also cross-check `Qwen3NextGraph.tensor_spec`.
+from the spec module, so these tests also cross-check `Qwen3NextFamily.tensor_spec`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from deltarun.base.gguf_file import GGUFFile
-from deltarun.graphs.qwen3next import Qwen3NextGraph
+from deltarun.graphs.qwen3next import Qwen3NextFamily
 from deltarun.graphs.spec import _same_shape
 from deltarun.model_files import generate as gen
 from deltarun.runner.model import Model
@@ -108,7 +108,7 @@ def test_model_tensors_are_deterministic_without_writing():
 @pytest.mark.parametrize("wtype", list(gen.WEIGHT_TYPES))
 def test_every_type_loads_back_with_the_right_shapes_and_types(tiny_model_path, wtype):
     f = GGUFFile(tiny_model_path("tiny", wtype))
-    family = Qwen3NextGraph(f)          # reads the hyper-parameters and validates the tensors
+    family = Qwen3NextFamily(f)          # reads the hyper-parameters and validates the tensors
     hp = family.hp
     want = doc_tensors(gen.PRESETS["tiny"], hp.n_vocab)
     assert set(f.tensors) == set(want)
@@ -183,11 +183,11 @@ def test_metadata_keys_follow_the_document(tiny_model_path, preset):
 @pytest.mark.parametrize("preset", RUNNABLE_PRESETS)
 def test_tensor_names_and_shapes_follow_the_document(tiny_model_path, preset):
     f = GGUFFile(tiny_model_path(preset))
-    hp = Qwen3NextGraph.read_hparams(f)
+    hp = Qwen3NextFamily.read_hparams(f)
     want = doc_tensors(gen.PRESETS[preset], hp.n_vocab)
     assert set(f.tensors) == set(want), set(f.tensors) ^ set(want)
     assert {n: f.tensors[n].ne for n in want} == want
-    Qwen3NextGraph(f)                   # validates the tensors
+    Qwen3NextFamily(f)                   # validates the tensors
 
 
 @pytest.mark.parametrize("wtype", list(gen.WEIGHT_TYPES))
@@ -223,7 +223,7 @@ def test_stored_values_follow_the_document(tiny_model_path):
 @pytest.mark.parametrize("preset, ratio", [("tiny-eqheads", 1), ("tiny", 2)])
 def test_head_layouts(tiny_model_path, preset, ratio):
     f = GGUFFile(tiny_model_path(preset))
-    hp = Qwen3NextGraph.read_hparams(f)
+    hp = Qwen3NextFamily.read_hparams(f)
     assert hp.ssm_n_v_heads == ratio * hp.ssm_n_k_heads
     assert f.tensors["blk.0.attn_qkv.weight"].ne == (hp.n_embd, 2 * hp.key_dim + hp.value_dim)
     assert f.tensors["blk.0.ssm_ba.weight"].ne == (hp.n_embd, 2 * hp.ssm_n_v_heads)
@@ -301,7 +301,7 @@ def test_tied_output_and_merged_gate_up(tiny_model_path):
 
 def test_mtp_block(tiny_model_path):
     f = GGUFFile(tiny_model_path("tiny-mtp"))
-    hp = Qwen3NextGraph.read_hparams(f)
+    hp = Qwen3NextFamily.read_hparams(f)
     E = hp.n_embd
     assert (hp.n_layer, hp.n_mtp) == (4, 1)
     assert f.get("qwen3next.block_count") == 5 and f.get("qwen3next.nextn_predict_layers") == 1

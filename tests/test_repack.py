@@ -25,7 +25,7 @@ if cpu_repack_buffer_type() is None:   # pragma: no cover - every ggml-python bu
 def _matrices(m: Model) -> set[str]:
     """The 2-D and 3-D weights the graphs multiply by (what repacking may take)."""
     return {n for n, t in m.weights.tensors.items()
-            if t.contents.ne[1] > 1 and n not in m.graph_builder.gathered_weights()
+            if t.contents.ne[1] > 1 and n not in m.family.gathered_weights()
             and not n.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight"))}
 
 

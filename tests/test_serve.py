@@ -382,7 +382,7 @@ def test_running_sequences_stay_in_one_ubatch(model_path):
     moves = [t for t in trace if t[0] == "move"]
     assert moves, trace
     after = trace[trace.index(moves[0]) + 1:]
-    decodes = [t[1] for t in after if t[0] == "decode"]
+    decodes = [t[1] for t in after if t[0] == "batch"]
     sizes = [len(ids) for ids in decodes]
     assert sizes[0] == 2 and sizes == sorted(sizes, reverse=True)   # together in one ubatch until one ends
     for i in (0, 2):

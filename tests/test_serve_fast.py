@@ -17,7 +17,7 @@ from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
 from deltarun.base.ggml_util import ggml
 from deltarun.runner import scheduler
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows, sample_top_k
+from deltarun.runner.sampling import Sampler, SamplingParams, sample_rows
 
 
 # --- sampling -------------------------------------------------------------------------------------
@@ -57,18 +57,6 @@ def test_sample_rows_equals_sampling_each_row(seed):
                 assert got[i] == want[i], (step, i)
         logits = np.roll(logits, 7, axis=1)          # another step: other logits, the generators moved on
         hist = [h[1:] + [int(np.argmax(logits[i]))] for i, h in enumerate(hist)]
-
-
-def test_sample_rows_with_the_servers_top_k_draw():
-    """`draw=sample_top_k` (what the worker passes): seeded rows draw what sample_top_k draws alone."""
-    logits, hist = _case(3, vocab=2000)
-    alone = [Sampler(p) for p in PARAMS]
-    together = [Sampler(p) for p in PARAMS]
-    for _ in range(10):
-        want = [sample_top_k(s, logits[i], hist[i]) for i, s in enumerate(alone)]
-        got = sample_rows(together, logits, hist, draw=sample_top_k)
-        assert [g for g, p in zip(got, PARAMS) if p.greedy or p.seed is not None] == \
-            [w for w, p in zip(want, PARAMS) if p.greedy or p.seed is not None]
 
 
 def test_sample_rows_refuses_mismatched_rows():
@@ -264,62 +252,6 @@ def test_queued_text_events_of_a_stream_are_merged():
     got = asyncio.run(run())
     assert [(e.delta.content if e.delta else None, e.logprobs, e.finish_reason) for e in got] == [
         ("ab", [{"t": 1}], None), ("c", None, "stop")]
-
-
-def test_a_decode_steps_jobs_sampled_together_as_each_alone(tiny_model_path):
-    """Worker._advance_run (the jobs of a decoded run sampled together) picks, streams and ends
-    jobs as `_advance` does job by job: greedy and seeded rows with repetition penalties, and
-    ignore_eos keeping an end-of-generation token that the logits favour from being chosen."""
-    from deltarun.apps.serve.output import OutputStream
-
-    with Model(tiny_model_path("tiny", "f32"), n_ctx=64, n_seq_max=5, n_threads=1) as m:
-        eog = m.tokenizer.eos_id if m.tokenizer.eos_id is not None else m.tokenizer.eot_id
-        setups = [  # (sampling, ignore_eos, presence penalty: sampled alone even in the batched path)
-            (SamplingParams(temperature=0.0), True, 0.0),
-            (SamplingParams(temperature=0.0, repeat_penalty=1.4), True, 0.0),
-            (SamplingParams(temperature=0.9, top_k=20, repeat_penalty=1.3, seed=3), True, 0.0),
-            (SamplingParams(temperature=0.7, seed=11), False, 0.0),
-            (SamplingParams(temperature=0.0), True, 0.5),
-        ]
-
-        def jobs_and_worker():
-            w = Worker(lambda: m, 5)
-            w.model = m
-            events: dict[int, list] = {}
-            jobs = []
-            for cell, (sp, ignore, presence) in enumerate(setups):
-                req = SamplingRequest(sampling=sp, ignore_eos=ignore, presence_penalty=presence)
-                j = Job(GenParams(prompt=[5, 6, 7], max_tokens=12, req=req), lambda ev, c=cell: events[c].append(ev))
-                events[cell] = []
-                j.cell, j.state, j.history = cell, "decode", [5, 6, 7]
-                j.sampler, j.output = Sampler(sp), OutputStream(m.tokenizer)
-                jobs.append(j)
-            w._active = list(jobs)
-            return w, jobs, events
-
-        rng = np.random.default_rng(0)
-        steps = []
-        for step in range(12):
-            logits = (rng.normal(size=(len(setups), m.hp.n_vocab)) * 2).astype(np.float32)
-            if step in (4, 9):
-                logits[:, eog] = 40.0                     # the end is by far the likeliest token
-            steps.append(logits)
-        w1, together, ev1 = jobs_and_worker()
-        w2, alone, ev2 = jobs_and_worker()
-        for logits in steps:
-            run1 = [j for j in together if j.state == "decode"]
-            w1._advance_run(run1, {j.cell: logits[j.cell] for j in run1})
-            for j in [j for j in alone if j.state == "decode"]:
-                j.pending = None
-                w2._advance(j, logits[j.cell])
-        for a, b in zip(together, alone):
-            assert a.generated == b.generated and a.state == b.state
-        assert together[3].state == "done" and len(together[3].generated) == 4     # it took the end at step 4
-        assert all(len(j.generated) == 12 for j in together if j.params.req.ignore_eos)
-        assert eog not in {t for j in together for t in j.generated}
-        for c in ev1:
-            assert [(e.delta.content if e.delta else None, e.finish_reason) for e in ev1[c]] == \
-                [(e.delta.content if e.delta else None, e.finish_reason) for e in ev2[c]]
 
 
 def test_text_chunks_spliced_into_their_json_are_the_json():

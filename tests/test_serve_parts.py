@@ -96,7 +96,8 @@ def test_request_checks():
 
 
 def test_top_k_by_partition_draws_from_the_same_distribution():
-    from deltarun.runner.sampling import Sampler, SamplingParams, sample_top_k
+    """k < vocab / 8: top-k by partition; the draws follow `distribution`."""
+    from deltarun.runner.sampling import Sampler, SamplingParams
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=5000).astype(np.float32) * 3
@@ -104,32 +105,34 @@ def test_top_k_by_partition_draws_from_the_same_distribution():
     history = [int(i) for i in np.argsort(-logits)[:5]]        # penalise some of the best
     want = Sampler(params).distribution(logits, history)
     sampler = Sampler(params)
-    draws = np.bincount([sample_top_k(sampler, logits, history) for _ in range(4000)], minlength=5000) / 4000
+    assert sampler.partitions(logits.size)
+    draws = np.bincount([sampler.sample(logits, history) for _ in range(4000)], minlength=5000) / 4000
     assert set(np.flatnonzero(draws)) <= set(np.flatnonzero(want))
     assert np.abs(draws - want).max() < 0.03
 
 
-@pytest.mark.parametrize("draw", ["sample_top_k", "Sampler.sample"])
-def test_top_k_alone_limits_the_draw_to_the_k_best(draw):
+@pytest.mark.parametrize("vocab", [400, 60])
+def test_top_k_alone_limits_the_draw_to_the_k_best(vocab):
     """Top-p 1 and min-p 0 keep everything: only k = 10 limits the draw among 400 close logits
     (the 11th best about as likely as the 10th). Exactly the 10 best after the repetition
-    penalty are drawn, each as often as its softmax among them, computed here."""
-    from deltarun.runner.sampling import Sampler, SamplingParams, sample_top_k
+    penalty are drawn, each as often as its softmax among them, computed here; by partition (400
+    logits) and by a full sort (60)."""
+    from deltarun.runner.sampling import Sampler, SamplingParams
 
     rng = np.random.default_rng(1)
-    logits = (rng.normal(size=400) * 0.3).astype(np.float32)
+    logits = (rng.normal(size=vocab) * 0.3).astype(np.float32)
     history = [int(i) for i in np.argsort(-logits)[[0, 3]]]      # penalised: the best stays, the 4th drops out
     params = SamplingParams(temperature=1.0, top_k=10, top_p=1.0, min_p=0.0, repeat_penalty=1.5, seed=3)
     x = logits.astype(np.float64)
     for t in history:                                             # llama.cpp: divide positive, multiply negative
         x[t] = x[t] / 1.5 if x[t] > 0 else x[t] * 1.5
     best = np.argsort(-x)[:10]
-    want = np.zeros(400)
+    want = np.zeros(vocab)
     want[best] = np.exp(x[best]) / np.exp(x[best]).sum()
     sampler = Sampler(params)
-    one = sample_top_k if draw == "sample_top_k" else Sampler.sample
+    assert sampler.partitions(vocab) == (vocab == 400)
     n = 20000
-    draws = np.bincount([one(sampler, logits, history) for _ in range(n)], minlength=400) / n
+    draws = np.bincount([sampler.sample(logits, history) for _ in range(n)], minlength=vocab) / n
     assert set(np.flatnonzero(draws)) == set(best.tolist())
     assert np.abs(draws - want).max() < 5 * np.sqrt(want.max() * (1 - want.max()) / n)   # 5 standard deviations
 

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from deltarun.base.errors import RollbackError
-from deltarun.runner.generation import generate_tokens
+from deltarun.runner.generation import GenerationStats, generate_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams, accept_draft
-from deltarun.runner.speculative import (Draft, ModelDraft, MtpDraft, NgramDraft, SpeculativeStats,
-                                         speculative_tokens)
+from deltarun.runner.speculative import Draft, ModelDraft, MtpDraft, NgramDraft
 
 from reference import ReferenceModel
 
@@ -80,16 +79,16 @@ def _plain(path, toks, n, **kw) -> list[int]:
         return list(generate_tokens(m, toks, n, Sampler(GREEDY)))
 
 
-def _speculative(path, toks, n, make_draft, draft_max, **kw) -> tuple[list[int], SpeculativeStats]:
+def _speculative(path, toks, n, make_draft, draft_max, **kw) -> tuple[list[int], GenerationStats]:
     """Speculative greedy decoding; also checks that every rejected draft was rolled back, so the
     target holds exactly the prompt and the emitted tokens (all but the last, not yet evaluated)."""
     with Model(path, n_ctx=256, kv_type="f32", rs_slots=draft_max + 1, **kw) as m:
         draft = make_draft(m)
-        stats = SpeculativeStats()
+        stats = GenerationStats()
         rolled_back = []
         real_rollback = m.rollback
         m.rollback = lambda n_tokens, seq=0: (rolled_back.append(n_tokens), real_rollback(n_tokens, seq))[1]
-        out = list(speculative_tokens(m, toks, n, Sampler(GREEDY), draft, draft_max, stats=stats))
+        out = list(generate_tokens(m, toks, n, Sampler(GREEDY), stats=stats, draft=draft, draft_max=draft_max))
         draft.close()
         assert sum(rolled_back) == stats.n_drafted - stats.n_accepted
         assert m.tokens() == toks + out[:-1]
@@ -200,6 +199,40 @@ def test_mtp_block_matches_reference(tiny_model_path):
     assert np.abs(got - exp_logits).max() / scale < 1e-5
     assert np.abs(got2 - exp_logits2).max() / scale < 1e-5
     np.testing.assert_allclose(out, exp_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lengths", [(3, 3, 3), (1, 3, 2)])
+def test_mtp_rows_of_several_sequences_in_one_ubatch_match_reference(tiny_model_path, lengths):
+    """`Model.mtp_eval_rows`: three sequences' MTP rows in one ubatch, of equal or unequal lengths
+    (the shorter padded past their last position): each sequence's last-row logits and output
+    equal the float64 reference's for that sequence alone, and its padding does not disturb the
+    next rows (a second call continues over each sequence's own MTP KV cache)."""
+    from reference import rmsnorm
+
+    path = tiny_model_path("tiny-mtp")
+    prompts = [prompt(12, 30 + i) for i in range(3)]
+    with Model(path, n_ctx=64, kv_type="f32", mtp=True, n_seq_max=3, rs_slots=4) as m:
+        hidden = []
+        for i, toks in enumerate(prompts):
+            m.eval(toks, i, all_logits=True)
+            hidden.append(m.last_hidden[0])
+        first = [(toks[1:6], h[:5], 0) for toks, h in zip(prompts, hidden)]       # 5 rows each
+        m.mtp_eval_rows(first, 0)
+        rows = [(toks[6:6 + n], h[5:5 + n], 5) for toks, h, n in zip(prompts, hidden, lengths)]
+        got = m.mtp_eval_rows(rows, 0)
+        after = [(toks[6 + n:8 + n], h[5 + n:7 + n], 5 + n) for toks, h, n in zip(prompts, hidden, lengths)]
+        got_after = m.mtp_eval_rows(after, 0)      # 2 rows each, over what the padding wrote
+    for i, toks in enumerate(prompts):
+        ref = ReferenceModel.from_gguf(path)
+        ref.forward(toks)
+        h = rmsnorm(ref.hidden(), ref.hp.eps) * ref.w["output_norm.weight"]
+        ref.mtp_forward(toks[1:6], h[:5])
+        n = lengths[i]
+        exp, exp_out = ref.mtp_forward(toks[6:6 + n], h[5:5 + n])
+        assert np.abs(got[i][0] - exp[-1]).max() / np.abs(exp).max() < 1e-5
+        np.testing.assert_allclose(got[i][1], exp_out[-1:], rtol=1e-4, atol=1e-4)
+        exp2, _ = ref.mtp_forward(toks[6 + n:8 + n], h[5 + n:7 + n])
+        assert np.abs(got_after[i][0] - exp2[-1]).max() / np.abs(exp2).max() < 1e-5
 
 
 def test_checkpoint_restore_returns_to_the_prompt_state(tiny_model_path):
@@ -394,7 +427,7 @@ def test_sampled_mtp_drafts_use_separate_evaluations(tiny_model_path):
         draft = MtpDraft(m)
         assert not draft.wants_mtp_argmax(Sampler(params)) and draft.wants_mtp_argmax(Sampler(GREEDY))
         assert not draft.wants_mtp_argmax(Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.1)))
-        out = list(speculative_tokens(m, prompt(8, 2), 12, Sampler(params), draft, 2))
+        out = list(generate_tokens(m, prompt(8, 2), 12, Sampler(params), draft=draft, draft_max=2))
         assert len(out) == 12 and m.last_mtp is None
 
 
@@ -581,10 +614,10 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(tiny_model_path, so
         n, drafted = 1200, 0
         for seed in range(n):
             m.reset()
-            st = SpeculativeStats()
+            st = GenerationStats()
             draft = TableDraft(table) if source == "table" else MtpDraft(m)
-            out = list(speculative_tokens(m, toks, 3, Sampler(dataclass_replace(params, seed=seed)), draft, 1,
-                                          stats=st, stop_at_eog=False))
+            out = list(generate_tokens(m, toks, 3, Sampler(dataclass_replace(params, seed=seed)), stats=st,
+                                       stop_at_eog=False, draft=draft, draft_max=1))
             drafted += st.n_drafted
             counts[(out[0], out[1])] = counts.get((out[0], out[1]), 0) + 1
     assert drafted == n and set(counts) <= set(joint)

@@ -58,7 +58,7 @@ def test_logits_and_greedy_tokens_after_an_image(vlm) -> None:
     MIN = 64 * 64   # small bounds keep the tiny test fast; the resize path still runs (96 x 40 -> 96 x 64)
     with Model(text, n_ctx=256, n_batch=16, kv_type="f32") as model, \
             VisionEncoder(mmproj, backend=model.backend) as enc:
-        enc.check_text_model(model.hp.n_embd, model.graph_builder.arch)
+        enc.check_text_model(model.hp.n_embd, model.family.arch)
         prep = images.load_image(_image_file(folder), enc.hp, min_pixels=MIN, max_pixels=64 * 128)
         rows_hw = prep.merged_hw
         assert rows_hw[0] != rows_hw[1]             # text after it moves by max(h, w), not by n

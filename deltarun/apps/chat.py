@@ -54,7 +54,7 @@ from deltarun.base.chat_template import ChatTemplate
 from deltarun.base.errors import ContextFullError, DeltarunError
 from deltarun.base.tokenizer import StreamDecoder
 from deltarun.runner.files import write_atomically
-from deltarun.runner.generation import GenerationStats, PlainStep, decode_tokens
+from deltarun.runner.generation import GenerationStats, decode_tokens
 from deltarun.runner.resume import Held, Saved, common_prefix_length, plan_resume
 from deltarun.runner.sampling import GREEDY, Sampler
 
@@ -303,7 +303,7 @@ class ChatSession:
         self.seq = seq
         self.draft = draft            # a speculative DraftSource, or None for plain decoding
         self.draft_max = draft_max
-        self.draft_stats: Any = None  # SpeculativeStats of the last turn with a draft
+        self.draft_stats: Any = None  # GenerationStats of the last turn with a draft
         self.messages: list[dict[str, Any]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
@@ -454,9 +454,9 @@ class ChatSession:
             prefill_before = stats.prefill_seconds
             assert self._logits is not None
             logits = self._logits[2]
-            step, decoding = self._step(answer, stats)
+            how, decoding = self._decoding(answer, stats)
             stream = decode_tokens(model, logits, self.n_predict, self.sampler, seq=self.seq,
-                                   stats=decoding, step=step, on_token=lambda _: stopper.hit is not None)
+                                   stats=decoding, on_token=lambda _: stopper.hit is not None, **how)
             while True:
                 with deferred_sigint():   # a step (eval, or eval + rollback) is never cut in half
                     token = next(stream, None)
@@ -493,24 +493,20 @@ class ChatSession:
                 self.messages.pop()      # cancelled before the first token: the turn did not happen
             self.totals.add(stats)
 
-    def _step(self, answer: list[int], stats: TurnStats) -> tuple[Any, GenerationStats]:
-        """The decode loop's step for this turn (plain or speculative) and the counters it fills."""
+    def _decoding(self, answer: list[int], stats: TurnStats) -> tuple[dict[str, Any], GenerationStats]:
+        """`decode_tokens`' arguments for this turn (plain or speculative) and the counters it fills."""
+        decoding = GenerationStats()
         if self.draft is not None:
-            from deltarun.runner.speculative import SpeculativeStats, SpeculativeStep
+            self.draft_stats = decoding
+            return {"draft": self.draft, "draft_max": self.draft_max}, decoding
 
-            self.draft_stats = spec = SpeculativeStats()
-            self._logits = None      # the speculative step evaluates through the model directly
-            return SpeculativeStep(self.model, self.sampler, self.draft, self.draft_max, self.seq, spec), spec
-
-        def evaluate(token: int) -> np.ndarray | None:
-            if self.model.n_past(self.seq) < self.model.n_ctx:
-                return self._eval([token])
+        def make_room() -> np.ndarray | None:
             if self.context_shift and self._shift_during_answer(answer, stats):
                 assert self._logits is not None
                 return self._logits[2]      # the shift evaluated the conversation and the answer so far
             return None
 
-        return PlainStep(self.model, self.sampler, self.seq, evaluate), GenerationStats()
+        return {"on_full": make_room}, decoding
 
     def prefill_next_turn(self) -> int:
         """Evaluate the start of the next turn's prompt now: the conversation followed by a user

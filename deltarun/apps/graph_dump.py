@@ -489,7 +489,7 @@ def dump_graph(model: Model, shape: UbatchShape, *, layer: int | None = None, n_
     leafs = [w.record(t, "leaf", i) for i, t in enumerate(w.leafs)]
     _assign_layers(nodes, leafs)
     summary = _summary(model, w, nodes, leafs)
-    dump = GraphDump(model=str(model.path), architecture=getattr(model.graph_builder, "arch", "?"),
+    dump = GraphDump(model=str(model.path), architecture=getattr(model.family, "arch", "?"),
                      shape=_shape_dict(model, shape, n_past), summary=summary, nodes=nodes, leafs=leafs)
     dump.tensors = {r.id: t for r, t in zip(nodes + leafs, w.nodes + w.leafs)}
     if layer is not None:

@@ -22,9 +22,9 @@ PROJECTOR_GROUP = "deltarun.projectors"
 
 #: deltarun's own families: architecture -> (module, class), as registered in pyproject.toml
 BUILTIN = {
-    "qwen3next": ("deltarun.graphs.qwen3next", "Qwen3NextGraph"),
-    "qwen35": ("deltarun.graphs.qwen35", "Qwen35Graph"),
-    "qwen35moe": ("deltarun.graphs.qwen35moe", "Qwen35MoeGraph"),
+    "qwen3next": ("deltarun.graphs.qwen3next", "Qwen3NextFamily"),
+    "qwen35": ("deltarun.graphs.qwen35", "Qwen35Family"),
+    "qwen35moe": ("deltarun.graphs.qwen35moe", "Qwen35MoeFamily"),
 }
 
 

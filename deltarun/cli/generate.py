@@ -62,7 +62,6 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
     Timings go to stderr at the end, like llama.cpp's.
     """
-    from deltarun.runner.speculative import SpeculativeStats, speculative_tokens
     from deltarun.base.tokenizer import StreamDecoder
     from deltarun.runner.generation import GenerationStats, generate_tokens
     from deltarun.runner.sampling import Sampler
@@ -85,14 +84,11 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                                 f"raise --ctx")
         if echo:
             click.echo(text, nl=False)
-        stats = GenerationStats() if source is None else SpeculativeStats()
+        stats = GenerationStats()
         stats.n_prompt, stats.prompt_seconds = n_before, before_seconds   # the images and the text before them
         decoder = StreamDecoder(m.tokenizer)
         interrupted = False
-        if source is None:
-            stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats)
-        else:
-            stream = speculative_tokens(m, tokens, n_predict, Sampler(params), source, draft_max, stats=stats)
+        stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats, draft=source, draft_max=draft_max)
         try:
             for tok in stream:
                 piece = decoder.push(tok)
@@ -150,7 +146,7 @@ def _prefill_images(m: "Model", mmproj: Path | None, image_files: tuple[Path, ..
         return m.tokenizer.encode(text), 0, 0.0
     t0 = time.perf_counter()
     with VisionEncoder(mmproj, backend=m.backend) as enc:
-        enc.check_text_model(m.hp.n_embd, m.graph_builder.arch)
+        enc.check_text_model(m.hp.n_embd, m.family.arch)
         prepared = [load_image(p, enc.hp) for p in image_files]
         start = m.n_past()
         rest = prefill_with_images(m, enc, text, prepared)

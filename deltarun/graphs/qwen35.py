@@ -15,10 +15,10 @@ broadcast tiled; a dense FFN (`feed_forward_length`) in every block instead of t
 from __future__ import annotations
 
 from deltarun.graphs.blocks.delta_net import DeltaNet
-from deltarun.graphs.qwen3next import Qwen3NextGraph
+from deltarun.graphs.qwen3next import Qwen3NextFamily
 
 
-class Qwen35Graph(Qwen3NextGraph):
+class Qwen35Family(Qwen3NextFamily):
     """Graph builder for `general.architecture = qwen35`."""
 
     arch = "qwen35"

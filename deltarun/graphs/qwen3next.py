@@ -27,10 +27,10 @@ from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.blocks.delta_net import CHUNK_SIZE, DeltaNet, linear_attention
 from deltarun.graphs.family import HybridFamily, Spec
 
-__all__ = ["Qwen3NextGraph", "CHUNK_SIZE"]
+__all__ = ["Qwen3NextFamily", "CHUNK_SIZE"]
 
 
-class Qwen3NextGraph(HybridFamily):
+class Qwen3NextFamily(HybridFamily):
     """Graph builder for `general.architecture = qwen3next`."""
 
     arch = "qwen3next"

@@ -157,8 +157,8 @@ class Model:
             raise DeltarunError(f"--batch {n_batch} must be at least --rs-slots {rs_slots}")
         self.path = Path(path)
         self.file = GGUFFile(path)
-        self.graph_builder: GraphFamily = graph_family_for(self.file)
-        self.hp = self.graph_builder.hp
+        self.family: GraphFamily = graph_family_for(self.file)
+        self.hp = self.family.hp
         self.tokenizer = self.file.tokenizer()
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -170,11 +170,11 @@ class Model:
         except BaseException:
             self.backend.free()
             raise
-        names = [n for n in self.graph_builder.tensor_names() if n in self.file.tensors]
+        names = [n for n in self.family.tensor_names() if n in self.file.tensors]
         # repack: on a CPU-only model, the matrices ggml's CPU_REPACK kernels take are laid out
         # for them at load (Q4_0 / Q4_K / IQ4_NL on x86), as llama.cpp does by default
         self.weights = Weights(self.file, names, self.backend, self.placement, repack=repack,
-                               gathered=self.graph_builder.gathered_weights())
+                               gathered=self.family.gathered_weights())
         if mtp and not self.hp.n_mtp:
             raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
@@ -186,7 +186,7 @@ class Model:
         largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net,
                               captures=spread)
         self.sched = Scheduler(self.placement.sched_backends,   # [devices..., CPU] or [CPU]
-                               graph_size=self.graph_builder.graph_size(largest))
+                               graph_size=self.family.graph_size(largest))
         self._reserve_compute_buffers(largest)
         self._graphs: OrderedDict[UbatchShape, _Graph] = OrderedDict()   # least recently used first
         self._mtp_sched: Scheduler | None = None   # small MTP graphs (drafts), made on first use
@@ -369,17 +369,50 @@ class Model:
         n_out = n if n_outputs is None else n_outputs
         if not 1 <= n_out <= n:
             raise DeltarunError(f"n_outputs must be 1..{n} (got {n_out})")
-        n_kv = padded_n_kv(start + n, self.n_ctx)
-        shape = UbatchShape(n_seq_tokens=n, n_seqs=1, n_outputs=n_out, n_kv=n_kv, seq_head=seq,
+        logits, out = self._mtp_ubatch([list(tokens)], np.asarray(hidden)[None], [start], seq, n_out)
+        return logits[0], out[0]
+
+    def mtp_eval_rows(self, rows: list[tuple[list[int], np.ndarray, int]],
+                      seq_head: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The MTP block on the rows of consecutive sequences seq_head.. in one ubatch: rows[i] =
+        (tokens, hidden rows, first position) of sequence seq_head + i. Returns each sequence's
+        logits [vocab] and output hidden state [1, n_embd] of its last row.
+
+        Shorter row lists are padded with copies of their last row at the positions after it: those
+        K/V rows lie past what the sequence has committed, masked from every query until the rows of
+        those positions are written (as a rollback leaves them). The LM head then runs for every
+        row (unequal lengths) or for the last row of each (equal)."""
+        if not self.memory.mtp_layers:
+            raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
+        lengths = [len(t) for t, _, _ in rows]
+        n = max(lengths)
+        if min(lengths) < 1 or any(start + n > self.n_ctx for _, _, start in rows):
+            raise ContextFullError(f"MTP rows of {n} tokens exceed the context size {self.n_ctx}")
+        tokens = [list(t) + [t[-1]] * (n - len(t)) for t, _, _ in rows]
+        hidden = np.stack([np.concatenate([h, np.repeat(h[-1:], n - len(h), axis=0)]) if len(h) < n else h
+                           for _, h, _ in rows])
+        n_out = 1 if min(lengths) == n else n
+        logits, out = self._mtp_ubatch(tokens, hidden, [start for _, _, start in rows], seq_head, n_out)
+        last = [n_out - 1 if n_out == 1 else length - 1 for length in lengths]
+        return [(logits[i, r], out[i, r:r + 1]) for i, r in enumerate(last)]
+
+    def _mtp_ubatch(self, tokens: list[list[int]], hidden: np.ndarray, starts: list[int], seq_head: int,
+                    n_out: int) -> tuple[np.ndarray, np.ndarray]:
+        """One MTP ubatch of equal-length rows (hidden [n_seqs, n, n_embd]) for sequences seq_head..;
+        logits [n_seqs, n_out, vocab] and output hidden states [n_seqs, n_out, n_embd] of the last
+        n_out rows of each sequence."""
+        n_seqs, n = len(tokens), len(tokens[0])
+        n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
+        shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv, seq_head=seq_head,
                             delta_net=self.delta_net, mtp=True)
         g = self.graph(shape)
         sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
         sched.allocate(g.gf, g.ctx)
-        pos = np.arange(start, start + n, dtype=np.int32)[None, :]
-        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=[list(tokens)], hidden=hidden))
+        pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
+        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, hidden=hidden.reshape(n_seqs * n, -1)))
         sched.compute(g.gf)
-        logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n_out, self.hp.n_vocab)
-        out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_out, self.hp.n_embd)
+        logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n_seqs, n_out, self.hp.n_vocab)
+        out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_seqs, n_out, self.hp.n_embd)
         return logits, out
 
     def _draft_sched(self) -> Scheduler:
@@ -399,7 +432,7 @@ class Model:
 
     def _scheduler_for(self, largest: UbatchShape) -> Scheduler:
         """A scheduler of its own with compute buffers reserved for graphs up to `largest`."""
-        sched = Scheduler(self.placement.sched_backends, graph_size=self.graph_builder.graph_size(largest))
+        sched = Scheduler(self.placement.sched_backends, graph_size=self.family.graph_size(largest))
         try:
             self._reserve_compute_buffers(largest, sched)
         except BaseException:
@@ -478,11 +511,11 @@ class Model:
         """Size the compute buffers for the largest ubatch now, as llama.cpp does at context creation:
         the memory a session needs is known (and refused) up front, and no later graph reallocates
         the buffers mid-generation. The worst-case graph is built only for this and dropped."""
-        size = self.graph_builder.graph_size(largest)
+        size = self.family.graph_size(largest)
         ctx = new_context(2 * size)
         try:
             gf = ggml.ggml_new_graph_custom(ctx, size, False)
-            self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, largest)
+            self.family.build(ctx, gf, self.weights.tensors, self.memory, largest)
             (sched or self.sched).reserve(gf)
         finally:
             ggml.ggml_free(ctx)
@@ -495,10 +528,10 @@ class Model:
         if g is not None:
             self._graphs.move_to_end(shape)
             return g
-        size = self.graph_builder.graph_size(shape)
+        size = self.family.graph_size(shape)
         ctx = new_context(2 * size)
         gf = ggml.ggml_new_graph_custom(ctx, size, False)
-        built = self.graph_builder.build(ctx, gf, self.weights.tensors, self.memory, shape)
+        built = self.family.build(ctx, gf, self.weights.tensors, self.memory, shape)
         g = _Graph(ctx, gf, built)
         self._graphs[shape] = g
         self.stats.n_graph_builds += 1

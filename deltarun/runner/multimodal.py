@@ -46,7 +46,7 @@ def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images:
     left to evaluate (the text after the last image, starting with <|vision_end|>)."""
     if not images:
         return model.tokenizer.encode(text)
-    encoder.check_text_model(model.hp.n_embd, model.graph_builder.arch)
+    encoder.check_text_model(model.hp.n_embd, model.family.arch)
     start, pad, end = vision_token_ids(model)
     pieces = split_at_markers(text, len(images))
     rows = [encoder.encode(img) for img in images]

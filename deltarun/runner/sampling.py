@@ -12,7 +12,7 @@ Temperature <= 0 is greedy (argmax after the processors and the repetition penal
 the k best by partition where that pays (k < vocab / 8), with the tokens and order a full sort
 gives. The processors that keep state (the counts of the presence and frequency penalties, the
 grammar) advance with `LogitsProcessors.accept`, once per token kept. `sample_rows` samples the
-rows of a server step together; `sample_top_k` is the server's draw.
+rows of a batched step together (`runner.engine`), drawing what each row's sampler draws alone.
 
 Speculative decoding's acceptance rule (`accept_draft`: min(1, p/q), a rejection resampled from
 the residual max(p - q, 0)) is here too, so verification draws from exactly what plain sampling
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -169,7 +169,12 @@ class Sampler:
                processors: LogitsProcessors | None = None) -> int:
         """One token: the argmax when greedy, else a draw from `distribution` (the random number
         mapped to tokens in token-id order)."""
-        return self._sample(logits, history or [], processors, rank_order=False)
+        x = np.asarray(logits, dtype=np.float32) if processors is None else processors(logits)
+        if self.params.greedy:
+            return int(np.argmax(self.penalized(x, history or [])))
+        ids, w = self._candidates(x, history or [])
+        by_id = np.argsort(ids)            # the random number maps to tokens in id order
+        return int(ids[by_id][self.rng.choice(ids.size, p=w[by_id])])
 
     def draw(self, probs: np.ndarray) -> int:
         """One token drawn from a distribution over the vocabulary."""
@@ -184,24 +189,12 @@ class Sampler:
         return self.draw(q), q
 
     # --- the chain ---------------------------------------------------------------------------------
-    def _sample(self, logits: np.ndarray, history: list[int], processors: LogitsProcessors | None,
-                rank_order: bool) -> int:
-        if self.params.greedy:
-            return int(np.argmax(self.adjusted(np.asarray(logits), history, processors)))
-        x = np.asarray(logits, dtype=np.float32) if processors is None else processors(logits)
-        ids, w = self._candidates(x, history, rank_order)
-        if not rank_order:                 # the tokens in id order: what drawing from `distribution` draws
-            by_id = np.argsort(ids)
-            ids, w = ids[by_id], w[by_id]
-        return int(ids[self.rng.choice(ids.size, p=w)])
-
-    def _candidates(self, logits: np.ndarray, history: list[int],
-                    rank_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def _candidates(self, logits: np.ndarray, history: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The tokens that may be drawn, best first, and their probabilities: repetition penalty,
         top-k, top-p, min-p, temperature."""
         p = self.params
         x = self.penalized(np.asarray(logits, dtype=np.float32), history)
-        order = self._top_k(x, rank_order)
+        order = self._top_k(x)
         kept = x[order].astype(np.float64)
         w = np.exp(kept - kept[0])
         w /= w.sum()
@@ -214,24 +207,22 @@ class Sampler:
         w = np.exp((kept - kept[0]) / p.temperature)
         return order, w / w.sum()
 
-    def _top_k(self, x: np.ndarray, rank_order: bool = False) -> np.ndarray:
+    def _top_k(self, x: np.ndarray) -> np.ndarray:
         """The k best tokens (all with top-k off), best first; by partition where that pays.
 
         Equal logits come in id order and the k-th place goes to the lowest ids, as a stable sort of
-        the whole row has them, except for `sample_top_k`'s draw (`rank_order`), which keeps the
-        tokens and order argpartition gives among equal logits, as the server always has."""
+        the whole row has them."""
         k, n = self.params.top_k, x.shape[0]
         if not 0 < k < n:
             return np.argsort(-x, kind="stable")
         if not self.partitions(n):
             return np.argsort(-x, kind="stable")[:k]
         best = np.argpartition(-x, k - 1)[:k]
-        if not rank_order:
-            v = x[best].min()                                 # the k-th best logit
-            above = np.flatnonzero(x > v)
-            best = np.concatenate([above, np.flatnonzero(x == v)[:k - above.size]])
-            if best.size != k:                                # NaN logits: whatever the sort makes of them
-                return np.argsort(-x, kind="stable")[:k]
+        v = x[best].min()                                     # the k-th best logit
+        above = np.flatnonzero(x > v)
+        best = np.concatenate([above, np.flatnonzero(x == v)[:k - above.size]])
+        if best.size != k:                                    # NaN logits: whatever the sort makes of them
+            return np.argsort(-x, kind="stable")[:k]
         return best[np.argsort(-x[best], kind="stable")]
 
     def partitions(self, n_vocab: int) -> bool:
@@ -239,23 +230,13 @@ class Sampler:
         return 0 < self.params.top_k < n_vocab // PARTITION_BELOW
 
 
-def sample_top_k(sampler: Sampler, logits: np.ndarray, history: list[int],
-                 processors: LogitsProcessors | None = None) -> int:
-    """The server's draw: `sampler.sample`'s distribution, and where top-k is taken by partition
-    the random number mapped to the k best in rank order (as the server has always drawn them;
-    token-id order there would change seeded outputs)."""
-    rank_order = sampler.partitions(np.shape(logits)[-1])
-    return sampler._sample(logits, history, processors, rank_order=rank_order)
-
-
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[list[int]],
-                draw: Callable[..., int] | None = None,
                 processors: Sequence[LogitsProcessors | None] | None = None) -> list[int]:
     """The next token of several sequences at once: row i of `logits` [n, vocab] with samplers[i],
-    histories[i] and processors[i], the same tokens as `draw(samplers[i], logits[i], histories[i],
-    processors[i])` row by row (default `Sampler.sample`; the server passes `sample_top_k`).
+    histories[i] and processors[i], the same tokens as `samplers[i].sample(logits[i], histories[i],
+    processors[i])` row by row.
 
-    A server step decodes one token for every running sequence; the greedy rows (the usual load)
+    A batched step decodes one token for every running sequence; the greedy rows (the usual load)
     get their processors and repetition penalty (when they have them) and then one argmax over all
     of them, instead of a Python call chain and an argmax per row. The other rows are drawn in row
     order, each with its own sampler's generator (so a seed gives the same tokens as sampling that
@@ -277,10 +258,9 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequ
                 rows[k] = new
         for i, t in zip(greedy, rows.argmax(axis=1).tolist()):
             out[i] = t
-    one = draw or Sampler.sample
     for i, s in enumerate(samplers):
         if not s.params.greedy:
-            out[i] = int(one(s, x[i], histories[i], procs[i]))
+            out[i] = s.sample(x[i], histories[i], procs[i])
     return out
 
 

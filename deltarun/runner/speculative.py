@@ -7,22 +7,20 @@ greedy sampling the output is token-for-token what plain decoding gives; with te
 drafts are accepted with probability min(1, p/q) and a rejection resamples from the residual
 max(p - q, 0) (`sampling.accept_draft`), which leaves the output distribution exactly the target's.
 
-One step of it, for one sequence or for many in one ubatch (the server): `propose` asks the source
-for as many tokens as `DraftLength` allows, the caller evaluates the last kept token and the
+One step of it, for one sequence or for many in one ubatch: `propose` asks the source for as many
+tokens as `DraftLength` allows, the engine (`runner.engine`) evaluates the last kept token and the
 drafts, and `verify` accepts, rolls the sequence back over the rest and hands the draft source the
-rows it keeps. `SpeculativeStep` is that step in the decode loop (generate, chat).
+rows it keeps.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
 from deltarun.base.errors import DeltarunError
-from deltarun.runner.generation import GenerationStats, decode_tokens
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import LogitsProcessors, Sampler, accept_draft
 
@@ -171,7 +169,9 @@ class MtpDraft:
     together, in one MTP ubatch whose LM head runs for the last row only, when the next draft is
     asked for. While `DraftLength` pauses drafting, steps then cost what plain decoding costs
     (the MTP block's LM head is as large as the trunk's). The server commits at once (its prompt
-    cache keeps cells whose MTP rows must be filled).
+    cache keeps cells whose MTP rows must be filled), but during an engine step (`hold`, set by
+    `runner.engine`) its rows wait too, and `commit_held` evaluates every held source's rows
+    together, one MTP ubatch (one LM-head pass) for the step's sequences instead of one each.
     """
 
     needs_hidden = True
@@ -183,6 +183,7 @@ class MtpDraft:
         self.in_graph = in_graph
         self.defer = defer
         self.seq = seq      # the target sequence whose MTP KV rows this source fills (a server moves it)
+        self.hold = False   # commits wait for `commit_held` (set by the engine during a step)
         self.first: tuple[np.ndarray, np.ndarray] | None = None   # logits and output of the last row
         #: deferred rows: runs of (tokens, hidden row blocks, first position), in commit order
         self.deferred: list[tuple[list[int], list[np.ndarray], int]] = []
@@ -194,7 +195,7 @@ class MtpDraft:
         m = self.model
         pos = len(history) - 2     # position of the last committed token (whose hidden we hold)
         if n > 0 and self.deferred:
-            self._evaluate_deferred()
+            self.evaluate_deferred()
         if self.first is None or n <= 0 or pos + n + 1 > m.n_ctx:
             return Draft([], [])
         logits, out = self.first
@@ -216,7 +217,7 @@ class MtpDraft:
             rows = m.last_mtp
             self.first = (rows.logits[done - 1], rows.out[done - 1:done])
             return
-        if self.defer:
+        if self.defer or self.hold:
             self.first = None
             self._keep_aside(next_tokens[done:], np.array(hiddens[done:]), start + done)
             return
@@ -238,7 +239,7 @@ class MtpDraft:
                 return
         self.deferred.append((list(tokens), [hiddens], start))
 
-    def _evaluate_deferred(self) -> None:
+    def evaluate_deferred(self) -> None:
         """Write every deferred row's K/V (in commit order: a position committed twice, across a
         rollback, ends with its last rows), computing the LM head for the very last row only."""
         m = self.model
@@ -325,21 +326,6 @@ class DraftLength:
         self.paused, self.pause = self.pause, min(2 * self.pause, self.MAX_PAUSE)
 
 
-@dataclass
-class SpeculativeStats(GenerationStats):
-    n_steps: int = 0        # verification ubatches
-    n_drafted: int = 0
-    n_accepted: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.n_generated / self.n_steps if self.n_steps else 0.0
-
-
 def draft_limit(model: Model, draft_max: int) -> int:
     """The most tokens one verification step drafts: draft_max, within what a rollback undoes
     (rs_slots - 1 tokens); an error when the model keeps no rollback slot to spare."""
@@ -388,81 +374,36 @@ def commit_kept(source: DraftSource | None, model: Model, seq: int, kept: list[i
         source.commit(kept, hidden[:n] if source.needs_hidden else None, model.n_past(seq) - n)
 
 
-def speculative_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sampler, draft: DraftSource,
-                       draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
-                       stop_at_eog: bool = True) -> Iterator[int]:
-    """Like `generate_tokens`, verifying up to `draft_max` drafted tokens per target ubatch."""
-    stats = stats if stats is not None else SpeculativeStats()
-    draft_limit(model, draft_max)
-    wants_hidden = draft.needs_hidden
-    t0 = time.perf_counter()
-    start = model.n_past(seq)
-    logits = model.eval(prompt, seq, all_logits=wants_hidden)
-    hidden_rows = model.last_hidden[0] if wants_hidden else None
-    if wants_hidden:
-        logits = logits[-1]
-    stats.n_prompt += len(prompt)
-    stats.prompt_seconds += time.perf_counter() - t0
-    draft.start(prompt)
-    step = SpeculativeStep(model, sampler, draft, draft_max, seq, stats, context=(prompt[1:], hidden_rows, start))
-    yield from decode_tokens(model, logits, n_predict, sampler, seq=seq, stats=stats, stop_at_eog=stop_at_eog,
-                             step=step)
-
-
-def continue_speculative(model: Model, logits: np.ndarray, n_predict: int, sampler: Sampler, draft: DraftSource,
-                         draft_max: int, seq: int = 0, stats: SpeculativeStats | None = None,
-                         stop_at_eog: bool = True) -> Iterator[int]:
-    """Speculative decoding from a sequence whose prompt is already evaluated (`logits`: its last row)."""
-    stats = stats if stats is not None else SpeculativeStats()
-    step = SpeculativeStep(model, sampler, draft, draft_max, seq, stats)
-    return decode_tokens(model, logits, n_predict, sampler, seq=seq, stats=stats, stop_at_eog=stop_at_eog, step=step)
-
-
-class SpeculativeStep:
-    """The decode loop's step with drafts: evaluate the last kept token and up to draft_max drafted
-    ones in one target ubatch, keep the longest prefix the target agrees with plus its own next
-    token, and roll the recurrent state back over the rest.
-
-    `context` = (tokens following each hidden row, hidden rows, first row's position) of what the
-    draft has not yet seen; by default the last evaluated token's row (`model.last_hidden`).
-    """
-
-    def __init__(self, model: Model, sampler: Sampler, draft: DraftSource, draft_max: int, seq: int = 0,
-                 stats: SpeculativeStats | None = None,
-                 context: tuple[list[int], np.ndarray | None, int] | None = None):
-        self.model, self.sampler, self.draft, self.seq = model, sampler, draft, seq
-        self.k_max = draft_limit(model, draft_max)
-        self.length = DraftLength(self.k_max)
-        self.stats = stats if stats is not None else SpeculativeStats()
-        self.wants_hidden = draft.needs_hidden
-        #: verification graphs also run the MTP block on their argmax rows (see MtpDraft.in_graph)
-        wants = getattr(draft, "wants_mtp_argmax", None)
-        self.mtp_argmax = bool(wants is not None and wants(sampler))
-        if context is None:
-            last = model.last_hidden[0][-1:] if self.wants_hidden and model.last_hidden is not None else None
-            context = ([], last, model.n_past(seq) - 1)
-        self.context = context
-
-    def first(self, logits: np.ndarray, history: list[int]) -> list[int]:
-        tok = self.sampler.sample(logits, history)
-        follow, rows, start = self.context
-        if not self.wants_hidden or rows is not None:
-            self.draft.commit(follow + [tok], rows, start)
-        return [tok]
-
-    def next(self, history: list[int], budget: int) -> list[int] | None:
-        model, seq, stats = self.model, self.seq, self.stats
-        room = model.n_ctx - model.n_past(seq) - 1
-        if room < 0:
-            return None
-        proposal = propose(self.draft, self.length, history, budget, room, self.sampler)
-        # without drafts a deferring MTP source keeps the row aside: no MTP block in this graph
-        in_graph = self.mtp_argmax and (bool(proposal.tokens) or not getattr(self.draft, "defer", False))
-        out = model.eval([history[-1]] + proposal.tokens, seq, all_logits=True, mtp_argmax=in_graph)
-        hidden = model.last_hidden[0] if self.wants_hidden else None
-        n_ok, kept = verify(model, seq, out, proposal, self.sampler, history, source=self.draft, hidden=hidden,
-                            length=self.length)
-        stats.n_steps += 1
-        stats.n_drafted += len(proposal.tokens)
-        stats.n_accepted += n_ok
-        return kept
+def commit_held(model: Model, sources: list[MtpDraft]) -> dict[int, Exception]:
+    """Evaluate the rows MTP sources held during an engine step (`MtpDraft.hold`): the sources of
+    consecutive sequences together, one MTP ubatch per run of them (`Model.mtp_eval_rows`), each
+    source then holding its next first draft. A source with rows of several runs (deferred across
+    rollbacks) or too many rows for one ubatch is evaluated alone. Returns the errors by sequence."""
+    errors: dict[int, Exception] = {}
+    alone = [s for s in sources if len(s.deferred) != 1 or len(s.deferred[0][0]) > model.memory.rs_slots]
+    together = sorted((s for s in sources if s not in alone and s.deferred), key=lambda s: s.seq)
+    runs: list[list[MtpDraft]] = []
+    for s in together:
+        if runs and runs[-1][-1].seq + 1 == s.seq:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    for run in runs:
+        if len(run) == 1:
+            alone.append(run[0])
+            continue
+        rows = [(toks, np.concatenate(parts), first) for toks, parts, first in (s.deferred[0] for s in run)]
+        try:
+            results = model.mtp_eval_rows(rows, run[0].seq)
+        except Exception:  # noqa: BLE001 - each is then evaluated alone and reports its own error
+            alone.extend(run)
+            continue
+        for s, (logits, out) in zip(run, results):
+            s.deferred, s.first = [], (logits, out)
+    for s in alone:
+        if s.deferred:
+            try:
+                s.evaluate_deferred()
+            except Exception as e:  # noqa: BLE001
+                errors[s.seq] = e
+    return errors

@@ -69,9 +69,10 @@ from deltarun.apps.serve.output import Delta, OutputStream
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
-from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams, sample_rows, sample_top_k
-from deltarun.runner.speculative import (Draft, DraftLength, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
-                                         commit_kept, draft_limit, propose, verify)
+from deltarun.runner.engine import Engine, Outcome, Running
+from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
+from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
+                                         draft_limit)
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
@@ -116,29 +117,29 @@ class Job:
         self.params = params
         self.emit = emit
         self._cancelled = threading.Event()
+        self._withdraw: Callable[["Job"], None] | None = None   # takes it off the queue it waits in
         self.cell: int | None = None
         self.state = "waiting"            # waiting | prefill | decode | done
         self.pos = 0                      # prompt tokens the cell holds
         self.n_cached = 0
         self.n_evaluated = 0
-        self.pending: int | None = None   # sampled, not yet evaluated
-        self.draft: Any = None            # its DraftSource (speculative decoding), see Worker._attach_draft
-        self.speculates = False           # drafts are verified for it (else it only keeps the MTP rows up)
+        self.draft: DraftSource | None = None   # its draft source (speculative decoding), see Worker._attach_draft
         self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
-        self.n_drafted = self.n_accepted = 0
-        self.draft_length: DraftLength | None = None    # drafts to ask for next step
+        #: what the engine decodes: the cell, sampler, logits processors, history and drafts
+        self.running: Running | None = None
         self.generated: list[int] = []
-        self.history: list[int] = []
         self.output: OutputStream | None = None
         self.constraint: Any = None       # its grammar (apps.serve.grammar.Constraint)
-        self.sampler: Sampler | None = None
-        self.processors: LogitsProcessors | None = None    # see Worker._processors
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_first = self.t_end = 0.0
 
     def cancel(self) -> None:
-        """Called from any thread: the client is gone."""
+        """Called from any thread: the client is gone. A job still waiting for a slot leaves the
+        queue at once (`Worker.submit` gave it the way out), so it holds no queue place meanwhile."""
         self._cancelled.set()
+        withdraw, self._withdraw = self._withdraw, None
+        if withdraw is not None:
+            withdraw(self)
 
     @property
     def cancelled(self) -> bool:
@@ -173,6 +174,7 @@ class Worker:
         self.n_drafted = self.n_accepted = 0
         self.grammars: Any = None
         self.model: Any = None
+        self.engine: Engine | None = None
         self.cache: PromptCache | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -206,8 +208,18 @@ class Worker:
                                f"{len(self._waiting)} waiting", status=503, type="unavailable_error",
                                code="queue_full", headers={"Retry-After": "1"})
             self._waiting.append(job)
+            job._withdraw = self._withdraw
             self.metrics.queued.set(len(self._waiting))
             self._cond.notify()
+
+    def _withdraw(self, job: Job) -> None:
+        """A waiting job was cancelled: off the queue now, not when its turn would have come."""
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:            # admitted meanwhile: the step drops it (it is cancelled)
+                return
+            self.metrics.queued.set(len(self._waiting))
 
     def prefill_ahead(self, params: GenParams) -> None:
         """Evaluate `params.prompt` (the likely start of a conversation's next prompt) when the worker
@@ -254,6 +266,7 @@ class Worker:
             keep = getattr(self.model, "keep_step_graphs", None)
             if keep is not None:         # decode steps between prompt chunks, runs of cells: no re-allocation
                 keep(STEP_GRAPHS)
+            self.engine = Engine(self.model)
             self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
             self._warm_up()
             if self._grammar_factory is not None:
@@ -408,19 +421,21 @@ class Worker:
             self.cache.apply(resume, cell)
         job.cell, job.pos, job.n_cached = cell, resume.pos, resume.pos
         job.t_admit = time.perf_counter()
-        job.history = list(p.prompt)
-        job.sampler = Sampler(p.req.sampling)
         job.output = OutputStream(model.tokenizer, p.req.stops, reasoning=p.reasoning,
                                   starts_thinking=p.starts_thinking, tools=p.tools)
         if p.grammar is not None:
             job.constraint = self.grammars.matcher(p.grammar)
+        r = p.req
+        processors = LogitsProcessors(
+            presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
+            banned=end_of_generation_ids(model) if r.ignore_eos else (), grammar=job.constraint)
+        job.running = Running(cell, Sampler(r.sampling), list(p.prompt), processors)
         self._attach_draft(job, resume.hidden)
         self._active.append(job)
         self.metrics.prompt_done(len(p.prompt), job.n_cached)
         if resume.logits is not None:       # the whole prompt was cached with its logits
             job.state = "decode"
-            self._advance(job, resume.logits)
-            self._flush_mtp_tail(job)
+            self._first(job, resume.logits)
         else:
             job.state = "prefill"
 
@@ -454,12 +469,11 @@ class Worker:
         prompt (a returning conversation only evaluates what is new to the draft model; any other
         sequence is evaluated again from the start by `ModelDraft.propose`).
         """
-        job.speculates = self._can_speculate(job)
-        job.draft_length = DraftLength(self.k_max)
+        speculates = self._can_speculate(job)
         if self.draft == "mtp":
             job.draft = MtpDraft(self.model, seq=job.cell)
             job.mtp_tail = (resume_hidden, job.pos - 1) if resume_hidden is not None and job.pos > 0 else None
-        elif not job.speculates:
+        elif not speculates:
             return
         elif self.draft == "ngram":
             job.draft = self._ngram
@@ -472,6 +486,9 @@ class Worker:
                 held = m.tokens(s)
                 return len(held) if held == job.params.prompt[:len(held)] else -1
             job.draft = ModelDraft(m, self.model.hp.n_vocab, seq=max(free, key=reuse))
+        job.running.draft = job.draft
+        if speculates:
+            job.running.length = DraftLength(self.k_max)
 
     def _feed_mtp(self, job: Job, rows: np.ndarray, start: int) -> None:
         """Hand the MTP draft the hidden rows of positions start.. of the job's prompt: each row
@@ -488,12 +505,19 @@ class Worker:
         if n_known < len(rows):
             job.mtp_tail = (rows[-1], start + len(rows) - 1)
 
-    def _flush_mtp_tail(self, job: Job) -> None:
-        """The first token was sampled: the prompt's last row gets its MTP KV row (and the first draft)."""
-        if job.mtp_tail is not None and job.pending is not None:
+    def _first(self, job: Job, logits: np.ndarray) -> None:
+        """The prompt is evaluated: sample the first token (the prompt's last row, waiting in
+        `mtp_tail`, gets its MTP KV row and the first draft with it) and stream it."""
+        if job.cancelled:
+            self._release(job)
+            return
+        context = None
+        if job.mtp_tail is not None:
             row, pos = job.mtp_tail
-            job.draft.commit([job.pending], row[None], pos)
+            context = ([], row[None], pos)
         job.mtp_tail = None
+        token = self.engine.first(job.running, logits, context)
+        self._take(job, token, self._logprobs(job, logits, token))
 
     def _prefill_chunk(self, job: Job) -> None:
         p = job.params
@@ -531,8 +555,7 @@ class Worker:
             self._release(job)
         elif end == n:
             job.state = "decode"
-            self._advance(job, logits)
-            self._flush_mtp_tail(job)
+            self._first(job, logits)
 
     def _adapt_chunk(self, n: int, seconds: float) -> None:
         """Halve or double the shared chunk so that one takes about STALL_FACTOR decode steps."""
@@ -574,14 +597,21 @@ class Worker:
         job.cell = target
         if other is not None:
             other.cell = src
-        for j in (job, other):        # an MTP draft's KV rows moved with the cell
+        for j in (job, other):        # the sequence (and an MTP draft's KV rows) moved with the cell
+            if j is not None and j.running is not None:
+                j.running.seq = j.cell
             if j is not None and j.draft is not None and j.draft.needs_hidden:
                 j.draft.seq = j.cell
         if self.trace is not None:
             self.trace.append(("move", job.id, target))
 
     def _decode(self, jobs: list[Job]) -> None:
-        cells = sorted(j.cell for j in jobs if j.pending is not None)
+        """One engine step for every generating job (see the module docstring): their cells made
+        consecutive first, then each job's budget, the step, and each job's kept tokens streamed."""
+        for j in list(jobs):
+            if j.cancelled:
+                self._release(j)
+        cells = sorted(j.cell for j in jobs if j.state == "decode")
         if cells and cells[-1] - cells[0] + 1 != len(cells):
             try:
                 self._compact()
@@ -589,66 +619,46 @@ class Worker:
                 for j in list(self._active):
                     self._fail(j, _server_error(e))
                 return
-        jobs = sorted((j for j in jobs if j.pending is not None and j.state == "decode"), key=lambda j: j.cell)
-        if self.draft is not None:
-            self._decode_speculative(jobs)
+        jobs = sorted((j for j in jobs if j.state == "decode"), key=lambda j: j.cell)
+        if not jobs:
             return
-        runs = _runs(jobs)
-        t_step = time.perf_counter()
-        for run in runs:
-            t0 = time.perf_counter()
-            try:
-                out = self.model.eval_batch({j.cell: [j.pending] for j in run})
-            except Exception as e:  # noqa: BLE001
-                for j in run:
-                    self._fail(j, _server_error(e))
-                continue
-            self.metrics.decode_step(len(run), time.perf_counter() - t0)
+        for j in jobs:
+            j.running.budget = j.params.max_tokens - len(j.generated)
+        t0 = time.perf_counter()
+        outcomes = self.engine.step([j.running for j in jobs])
+        seconds = time.perf_counter() - t0
+        if self.trace is not None:
+            by_seq = {j.cell: j.id for j in jobs}
+            self.trace.extend(("batch", tuple(by_seq[s.seq] for s in run), width)
+                              for run, width in self.engine.last_runs)
+        before = sum(len(j.generated) for j in jobs)
+        for j, o in zip(jobs, outcomes):
+            self._guard(j, lambda job, o=o: self._settle(job, o))
+        self.metrics.decode_step(sum(len(j.generated) for j in jobs) - before, seconds)
+        self._decode_s = seconds if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * seconds
+
+    def _settle(self, job: Job, o: Outcome) -> None:
+        """A job's outcome of an engine step: counted, its MTP rows noted for the prompt cache, its
+        kept tokens streamed."""
+        if o.error is not None:
+            raise o.error
+        if o.full:                        # `_take` ends a job before its context is full: not expected
+            self._finish(job, "length")
+            return
+        if o.hidden is not None:         # the MTP block's rows follow the kept tokens
+            self.cache.note_hidden(job.cell, o.hidden)
+        if job.running.length is not None:
+            self.n_drafted += o.n_drafted
+            self.n_accepted += o.n_accepted
+            self.metrics.drafts(o.n_drafted, o.n_accepted)
             if self.trace is not None:
-                self.trace.append(("decode", tuple(j.id for j in run)))
-            self._advance_run(run, out)
-        step = time.perf_counter() - t_step
-        self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
-
-    def _advance_run(self, run: list[Job], out: dict[int, np.ndarray]) -> None:
-        """`_advance` for every job of a decoded run. The jobs without a grammar get their tokens
-        together from `sample_rows` (a grammar's mask is the one processor that may fail, which must
-        end its job alone); then every job streams its token in cell order, as `_advance` job by job
-        would."""
-        together = [j for j in run if j.constraint is None] if len(run) > 1 else []
-        tokens: dict[int, int] = {}
-        if len(together) > 1:
-            try:
-                picked = sample_rows([j.sampler for j in together], np.stack([out[j.cell] for j in together]),
-                                     [j.history for j in together], draw=sample_top_k,
-                                     processors=[self._processors(j) for j in together])
-                tokens = {j.id: t for j, t in zip(together, picked)}
-            except Exception:  # noqa: BLE001 - each job then samples alone, and reports its own error
-                tokens = {}
-        for j in run:
-            j.pending = None
-            t = tokens.get(j.id)
-            if t is None:
-                self._guard(j, lambda job, lg=out[j.cell]: self._advance(job, lg))
-            elif j.cancelled:
-                self._release(j)
-            else:
-                self._guard(j, lambda job, t=t, lg=out[j.cell]: self._take(job, t, self._logprobs(job, lg, t)))
-
-    def _processors(self, job: Job) -> LogitsProcessors:
-        """The job's logits processors (penalties, bias, ignore_eos, grammar), made from its request
-        when it first samples."""
-        if job.processors is None:
-            r = job.params.req
-            job.processors = LogitsProcessors(
-                presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
-                banned=end_of_generation_ids(self.model) if r.ignore_eos else (), grammar=job.constraint)
-        return job.processors
-
-    def _pick(self, job: Job, logits: np.ndarray) -> tuple[int, dict[str, Any] | None]:
-        """Sample the next token (the job's processors, then its sampler) and its logprobs entry."""
-        t = sample_top_k(job.sampler, logits, job.history, self._processors(job))
-        return t, self._logprobs(job, logits, t)
+                self.trace.append(("verify", job.id, o.n_drafted, o.n_accepted))
+        if job.cancelled:
+            self._release(job)
+            return
+        for t, row in zip(o.tokens, o.logits):
+            if not self._take(job, t, self._logprobs(job, row, t)):
+                return
 
     def _logprobs(self, job: Job, logits: np.ndarray, token: int) -> dict[str, Any] | None:
         """The logprobs entry of a sampled token (from the model's logits), when the request asks."""
@@ -660,16 +670,8 @@ class Worker:
         lp = lp - np.log(np.exp(lp).sum())
         return _logprob_entry(self.model.tokenizer, token, lp, r.top_logprobs)
 
-    def _advance(self, job: Job, logits: np.ndarray) -> None:
-        """Sample the job's next token, stream it, and decide whether the job goes on."""
-        if job.cancelled:
-            self._release(job)
-            return
-        token, info = self._pick(job, logits)
-        self._take(job, token, info)
-
     def _take(self, job: Job, token: int, info: dict[str, Any] | None) -> bool:
-        """Stream one sampled token; True when the job goes on (the token is then `pending`)."""
+        """Stream one kept token; True when the job goes on."""
         p, model = job.params, self.model
         if job.t_first == 0.0:
             job.t_first = time.perf_counter()
@@ -677,8 +679,6 @@ class Worker:
             self._finish(job, "stop")
             return False
         job.generated.append(token)
-        job.history.append(token)
-        self._processors(job).accept(token)
         delta = job.output.push(token)
         reason = None
         if job.output.stopped or (job.constraint is not None and job.constraint.done):
@@ -690,7 +690,6 @@ class Worker:
         if reason is not None:
             self._finish(job, reason)
             return False
-        job.pending = token
         return True
 
     # --- speculative decoding ------------------------------------------------------------------------
@@ -699,92 +698,6 @@ class Worker:
         r = job.params.req
         return (self.draft is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
                 and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
-
-    def _decode_speculative(self, jobs: list[Job]) -> None:
-        """One verification step for every generating job (see the module docstring): drafts per
-        job, one ubatch per run of consecutive cells, then per job `speculative.verify` (the
-        longest agreeing prefix, or speculative sampling's min(1, p/q) rule, and a rollback of the
-        rest)."""
-        model = self.model
-        proposals: dict[int, Draft] = {}
-        for j in list(jobs):
-            if j.cancelled:
-                self._release(j)
-                continue
-            try:
-                proposals[j.id] = propose(j.draft, j.draft_length, j.history, j.params.max_tokens - len(j.generated),
-                                          model.n_ctx - model.n_past(j.cell) - 1, j.sampler) \
-                    if j.speculates else Draft([], [])
-            except Exception as e:  # noqa: BLE001 - a failing draft ends its job, not the server
-                self._fail(j, _server_error(e))
-        jobs = [j for j in jobs if j.id in proposals and j.state == "decode"]
-        runs = _runs(jobs)
-        t_step = time.perf_counter()
-        for run in runs:
-            self._verify_run(run, proposals)
-        step = time.perf_counter() - t_step
-        self._decode_s = step if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * step
-
-    def _verify_run(self, run: list[Job], proposals: dict[int, Draft]) -> None:
-        """One ubatch for a run of cells: each job's pending token and drafts, padded with filler
-        to the longest row."""
-        model = self.model
-        width = 1 + max(len(proposals[j.id].tokens) for j in run)
-        width = min([width] + [model.n_ctx - model.n_past(j.cell) for j in run])
-        for j in run:
-            d = proposals[j.id]
-            proposals[j.id] = Draft(d.tokens[:width - 1], d.probs[:width - 1])
-        batch = {j.cell: ([j.pending] + proposals[j.id].tokens + [j.pending] * width)[:width] for j in run}
-        t0 = time.perf_counter()
-        try:
-            out = model.eval_batch(batch, all_logits=True)
-        except Exception as e:  # noqa: BLE001
-            for j in run:
-                self._fail(j, _server_error(e))
-            return
-        hidden = model.last_hidden     # [len(run), width, n_embd]: one ubatch (width <= rs_slots)
-        if self.trace is not None:
-            self.trace.append(("batch", tuple(j.id for j in run), width))
-        before = sum(len(j.generated) for j in run)
-        for i, j in enumerate(run):
-            self._guard(j, lambda job, lg=out[j.cell], rows=hidden[i]: self._settle(job, proposals[job.id], lg, rows))
-        self.metrics.decode_step(sum(len(j.generated) for j in run) - before, time.perf_counter() - t0)
-
-    def _settle(self, job: Job, proposal: Draft, logits: np.ndarray, rows: np.ndarray) -> None:
-        """A job's rows of a verification ubatch: `speculative.verify` for a job that speculates; for
-        one that does not, its filler rolled back and its next token picked from the first row.
-        Then the kept tokens are streamed."""
-        model = self.model
-        info = None
-        if job.speculates:
-            n_ok, kept = verify(model, job.cell, logits, proposal, job.sampler, job.history,
-                                processors=self._processors(job), source=job.draft, hidden=rows,
-                                length=job.draft_length)
-        else:
-            model.rollback(len(logits) - 1, job.cell)
-            if job.cancelled:
-                self._release(job)
-                return
-            nxt, info = self._pick(job, logits[0])
-            n_ok, kept = 0, [nxt]
-            commit_kept(job.draft, model, job.cell, kept, rows)
-        if job.draft is not None and job.draft.needs_hidden:     # the MTP block's rows follow the kept tokens
-            self.cache.note_hidden(job.cell, rows[:n_ok + 1])
-        n_draft = len(proposal.tokens)
-        if job.speculates:
-            job.n_drafted += n_draft
-            job.n_accepted += n_ok
-            self.n_drafted += n_draft
-            self.n_accepted += n_ok
-            self.metrics.drafts(n_draft, n_ok)
-        if self.trace is not None:
-            self.trace.append(("verify", job.id, n_draft, n_ok))
-        job.pending = None
-        for i, t in enumerate(kept):
-            if not self._take(job, t, info):
-                return
-            if i < len(kept) - 1:
-                job.pending = None           # a kept draft: already evaluated
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
@@ -796,20 +709,10 @@ class Worker:
         result = {"n_prompt": len(job.params.prompt), "n_cached": job.n_cached, "n_evaluated": job.n_evaluated,
                   "prompt_s": prompt_s, "n_generated": len(job.generated), "generate_s": gen_s,
                   "text": job.output.text, "content": job.output.content, "tokens": list(job.generated),
-                  "n_drafted": job.n_drafted, "n_accepted": job.n_accepted}
+                  "n_drafted": job.running.n_drafted if job.running else 0,
+                  "n_accepted": job.running.n_accepted if job.running else 0}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
         self._release(job)
-
-
-def _runs(jobs: list[Job]) -> list[list[Job]]:
-    """Jobs (sorted by cell) grouped into runs of consecutive cells: each run is one ubatch."""
-    runs: list[list[Job]] = []
-    for j in jobs:
-        if runs and runs[-1][-1].cell + 1 == j.cell:
-            runs[-1].append(j)
-        else:
-            runs.append([j])
-    return runs
 
 
 def end_of_generation_ids(model: Any) -> list[int]:

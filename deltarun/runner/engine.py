@@ -1,0 +1,251 @@
+"""The decode engine: one step for every running sequence, with or without drafts.
+
+    engine = Engine(model)
+    s = Running(seq=0, sampler=Sampler(params), history=model.tokens(0))
+    engine.first(s, prompt_logits)          # the first token, from the prompt's last row
+    while ...:
+        outcome, = engine.step([s])         # evaluate the last token (and drafts), keep tokens
+
+`generate`, `chat` and speculative decoding (`generation.decode_tokens`) are its one-sequence
+case; the server's worker calls `step` with every generating request's sequence and keeps only
+the scheduling (admission, prompt chunks, work ahead, cancellation, the prompt cache).
+
+One step: each sequence that drafts (`Running.length` set) gets its drafts (`speculative.propose`);
+the sequences are evaluated in runs of consecutive memory sequences, one ubatch per run whose rows
+all hold the same number of tokens: the last token plus the most drafts any of them has, a
+sequence with fewer drafts padded with filler. Then per sequence: drafts accepted or not
+(`speculative.verify`: the longest agreeing prefix, or speculative sampling's min(1, p/q) rule) or,
+without drafts, the next token drawn from the first row (the plain rows of a run drawn together,
+`sampling.sample_rows`); the rows past the kept ones rolled back; the draft source handed the kept
+rows (an MTP source fills its KV rows for every sequence, drafting or not); the kept tokens counted
+by the sequence's logits processors and appended to its history. While decoding is bound by
+reading the weights, one ubatch of L x n_seqs tokens costs little more than one of n_seqs tokens,
+which is why filler is chosen over a second ubatch for the sequences without drafts.
+
+A failure (a grammar's mask, a draft source) ends that sequence's step with `Outcome.error`, never
+the others'; an evaluation that fails fails its run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import LogitsProcessors, Sampler, sample_rows
+from deltarun.runner.speculative import (Draft, DraftLength, DraftSource, MtpDraft, commit_held, commit_kept, propose,
+                                         verify)
+
+#: what a sequence that wants no limit has as its budget
+NO_LIMIT = 1 << 31
+
+
+@dataclass(eq=False)
+class Running:
+    """A sequence the engine decodes: its place in memory, how it samples, what it drafts with.
+
+    `history` holds every token so far, prompt included; its last token (`pending`) is the one the
+    next step evaluates. `draft` alone (no `length`): the source is handed the kept rows but no
+    drafts are verified (a server request whose sampling the drafts cannot be verified with still
+    fills its cell's MTP rows).
+    """
+
+    seq: int
+    sampler: Sampler
+    history: list[int]
+    processors: LogitsProcessors | None = None
+    draft: DraftSource | None = None
+    length: DraftLength | None = None     # drafts proposed and verified (None: no drafts)
+    budget: int = NO_LIMIT                # tokens still wanted, the next one included (bounds the drafts)
+    n_steps: int = 0                      # ubatches evaluated for it
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+    @property
+    def pending(self) -> int:
+        """The last token: sampled, not evaluated yet."""
+        return self.history[-1]
+
+
+@dataclass
+class Outcome:
+    """What one step kept for one sequence."""
+
+    tokens: list[int] = field(default_factory=list)     # kept tokens (accepted drafts, then the next one)
+    logits: np.ndarray | None = None     # [len(tokens), vocab]: the row each kept token was drawn from
+    hidden: np.ndarray | None = None     # [len(tokens), n_embd]: the hidden row each was drawn after
+    n_drafted: int = 0
+    n_accepted: int = 0
+    full: bool = False                   # no room left in the context for the pending token
+    error: Exception | None = None
+
+
+class Engine:
+    """Decoding steps on one model (see the module docstring)."""
+
+    #: rows of one step (sequences x tokens each) a CPU evaluates for about the cost of one: the
+    #: matrix kernels read the weights once for up to 8 columns (bench/RESULTS.md, "Small ubatches")
+    CPU_ROWS = 8
+
+    def __init__(self, model: Model, max_rows: int | None = None):
+        self.model = model
+        #: drafts are cut so that a step's ubatch holds at most this many rows, when several
+        #: sequences share it (None: no limit; default CPU_ROWS on the CPU, none on a GPU)
+        self.max_rows = max_rows if max_rows is not None else (self.CPU_ROWS if model.backend.is_cpu else None)
+        #: the last step's ubatches: (its sequences, tokens per row), for traces and tests
+        self.last_runs: list[tuple[list[Running], int]] = []
+
+    def first(self, s: Running, logits: np.ndarray,
+              context: tuple[list[int], np.ndarray | None, int] | None = None) -> int:
+        """The token following the evaluated history (`logits`: its last row), appended to it.
+
+        `context` = (tokens following each hidden row but the last, hidden rows, the first row's
+        position) of what the draft source has not seen yet: it is handed them with the new token
+        after the last row (an MTP source's KV rows for a prompt's last positions)."""
+        token = s.sampler.sample(logits, s.history, s.processors)
+        self._keep(s, [token])
+        if context is not None and s.draft is not None:
+            follow, rows, start = context
+            if rows is not None or not s.draft.needs_hidden:
+                s.draft.commit(follow + [token], rows, start)
+        return token
+
+    def step(self, running: list[Running]) -> list[Outcome]:
+        """One step for every sequence (see the module docstring); outcomes in `running`'s order."""
+        model = self.model
+        outcomes = {id(s): Outcome() for s in running}
+        proposals: dict[int, Draft] = {}
+        # drafts per sequence within the row budget: 4 sequences on a CPU draft 1 each, 8 none
+        cap = max(0, self.max_rows // len(running) - 1) if self.max_rows and len(running) > 1 else None
+        for s in running:
+            room = model.n_ctx - model.n_past(s.seq) - 1
+            if room < 0:
+                outcomes[id(s)].full = True
+                continue
+            try:
+                proposals[id(s)] = propose(s.draft, s.length, s.history, s.budget, min(room, cap if cap is not None
+                                                                                     else room), s.sampler) \
+                    if s.length is not None and s.draft is not None else Draft([], [])
+            except Exception as e:  # noqa: BLE001 - a failing draft source ends its sequence's step
+                outcomes[id(s)].error = e
+        live = sorted((s for s in running if id(s) in proposals), key=lambda s: s.seq)
+        self.last_runs = []
+        # the MTP sources that fill their rows at once fill them together, after every run
+        held = [s for s in live if isinstance(s.draft, MtpDraft) and not s.draft.defer]
+        for s in held:
+            s.draft.hold = True
+        try:
+            for run in _runs(live):
+                self._run(run, proposals, outcomes)
+        finally:
+            for s in held:
+                s.draft.hold = False
+        errors = commit_held(self.model, [s.draft for s in held if s.draft.deferred])
+        for s in held:
+            if s.seq in errors and outcomes[id(s)].error is None:
+                outcomes[id(s)].error = errors[s.seq]
+        return [outcomes[id(s)] for s in running]
+
+    # --- one ubatch ------------------------------------------------------------------------------
+    def _run(self, run: list[Running], proposals: dict[int, Draft], outcomes: dict[int, Outcome]) -> None:
+        """Evaluate a run of consecutive sequences in one ubatch and settle each."""
+        model = self.model
+        width = 1 + max(len(proposals[id(s)].tokens) for s in run)
+        width = min([width] + [model.n_ctx - model.n_past(s.seq) for s in run])
+        for s in run:
+            d = proposals[id(s)]
+            proposals[id(s)] = Draft(d.tokens[:width - 1], d.probs[:width - 1])
+        batch = {s.seq: ([s.pending] + proposals[id(s)].tokens + [s.pending] * width)[:width] for s in run}
+        self.last_runs.append((run, width))
+        only = run[0] if len(run) == 1 else None
+        # a greedy MTP source: the verification graph also runs the MTP block on its argmax rows
+        # (not for a deferring source without drafts: it keeps the row aside)
+        in_graph = only is not None and only.draft is not None and \
+            bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
+            (bool(proposals[id(only)].tokens) or not getattr(only.draft, "defer", False))
+        try:
+            if only is not None:
+                out = {only.seq: model.eval(batch[only.seq], only.seq, all_logits=width > 1 or in_graph,
+                                            mtp_argmax=in_graph)}
+            else:
+                out = model.eval_batch(batch, all_logits=width > 1)
+        except Exception as e:  # noqa: BLE001 - the run's sequences fail, not the others
+            for s in run:
+                outcomes[id(s)].error = e
+            return
+        hidden = model.last_hidden
+        rows = {s.seq: np.atleast_2d(out[s.seq]) for s in run}
+        plain = [s for s in run if not proposals[id(s)].tokens]
+        drawn = self._draw_rows(plain, [rows[s.seq][0] for s in plain], outcomes)
+        for i, s in enumerate(run):
+            o = outcomes[id(s)]
+            if o.error is not None:
+                if width > 1:
+                    model.rollback(width - 1, s.seq)
+                continue
+            h = hidden[i] if hidden is not None and s.draft is not None and s.draft.needs_hidden else None
+            try:
+                self._settle(s, proposals[id(s)], rows[s.seq], h, drawn.get(id(s)), o)
+            except Exception as e:  # noqa: BLE001 - ends this sequence's step alone
+                o.error = e
+
+    def _draw_rows(self, plain: list[Running], rows: list[np.ndarray],
+                   outcomes: dict[int, Outcome]) -> dict[int, int]:
+        """The next token of each sequence without drafts: together (`sample_rows`) for those
+        without a grammar (whose mask is the one processor that may fail), alone for the others."""
+        drawn: dict[int, int] = {}
+        together = [i for i, s in enumerate(plain) if s.processors is None or s.processors.grammar is None]
+        if len(together) > 1:
+            try:
+                tokens = sample_rows([plain[i].sampler for i in together], np.stack([rows[i] for i in together]),
+                                     [plain[i].history for i in together], [plain[i].processors for i in together])
+                drawn = {id(plain[i]): t for i, t in zip(together, tokens)}
+            except Exception:  # noqa: BLE001 - each then draws alone and reports its own error
+                drawn = {}
+        for s, row in zip(plain, rows):
+            if id(s) not in drawn:
+                try:
+                    drawn[id(s)] = s.sampler.sample(row, s.history, s.processors)
+                except Exception as e:  # noqa: BLE001
+                    outcomes[id(s)].error = e
+        return drawn
+
+    def _settle(self, s: Running, proposal: Draft, rows: np.ndarray, hidden: np.ndarray | None,
+                drawn: int | None, o: Outcome) -> None:
+        """Accept (or draw), roll back the rest of the row, hand the draft source the kept rows."""
+        model = self.model
+        if proposal.tokens:
+            n_ok, kept = verify(model, s.seq, rows, proposal, s.sampler, s.history, processors=s.processors,
+                                source=s.draft, hidden=hidden, length=s.length)
+        else:
+            if len(rows) > 1:
+                model.rollback(len(rows) - 1, s.seq)
+            n_ok, kept = 0, [drawn]
+            commit_kept(s.draft, model, s.seq, kept, hidden)
+        o.tokens, o.logits = kept, rows[:n_ok + 1]
+        o.hidden = hidden[:n_ok + 1] if hidden is not None else None
+        o.n_drafted, o.n_accepted = len(proposal.tokens), n_ok
+        s.n_steps += 1
+        s.n_drafted += o.n_drafted
+        s.n_accepted += n_ok
+        self._keep(s, kept)
+
+    def _keep(self, s: Running, tokens: list[int]) -> None:
+        """Kept tokens join the history and count for the logits processors (an end-of-generation
+        token ends the sequence: the grammar is not moved past it)."""
+        for t in tokens:
+            s.history.append(t)
+            if s.processors is not None and not self.model.tokenizer.is_eog(t):
+                s.processors.accept(t)
+
+
+def _runs(running: list[Running]) -> list[list[Running]]:
+    """Sequences (sorted by memory sequence) grouped into runs of consecutive ones: one ubatch each."""
+    runs: list[list[Running]] = []
+    for s in running:
+        if runs and runs[-1][-1].seq + 1 == s.seq:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs

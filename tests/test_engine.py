@@ -1,0 +1,167 @@
+"""The decode engine (`runner.engine`): many sequences in one ubatch, each keeping what the
+float64 reference keeps, with drafts verified, filler and rejected drafts rolled back, and a
+failing sequence ending alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltarun.runner.engine import Engine, Running
+from deltarun.runner.model import Model
+from deltarun.runner.sampling import GREEDY, LogitsProcessors, Sampler
+from deltarun.runner.speculative import DraftLength, NgramDraft
+
+from reference import ReferenceModel
+
+N_NEW = 12
+
+
+def _reference_greedy(path, prompt: list[int], n: int) -> list[int]:
+    ref = ReferenceModel.from_gguf(path)
+    logits = ref.forward(prompt)[-1]
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = ref.forward([out[-1]])[-1]
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    motif = [int(t) for t in rng.integers(3, 2000, 5)]
+    return [motif * 3,                                        # repeats: n-gram drafts get accepted
+            [int(t) for t in rng.integers(3, 2000, 9)],       # no drafts at all (padded with filler)
+            [int(t) for t in rng.integers(3, 2000, 4)] * 3]
+
+
+def test_sequences_in_one_ubatch_keep_what_the_reference_keeps(tiny_model_path):
+    """Three sequences decoded together by greedy steps, two with n-gram drafts and one without:
+    each sequence's tokens are the float64 reference's greedy continuation of its prompt, and after
+    every step the model holds exactly each history but its last token (drafts rejected and filler
+    rolled back)."""
+    path = tiny_model_path("tiny-echo", "f32")
+    prompts = _prompts()
+    want = [_reference_greedy(path, p, N_NEW) for p in prompts]
+    with Model(path, n_ctx=128, kv_type="f32", n_seq_max=3, rs_slots=4) as m:
+        engine = Engine(m, max_rows=64)          # no row budget: up to 3 drafts each
+        running = []
+        for seq, p in enumerate(prompts):
+            drafts = seq != 1
+            s = Running(seq, Sampler(GREEDY), list(p), draft=NgramDraft() if drafts else None,
+                        length=DraftLength(3) if drafts else None)
+            engine.first(s, m.eval(p, seq))
+            running.append(s)
+        widths = []
+        for _ in range(N_NEW):
+            live = [s for s in running if len(s.history) - len(prompts[s.seq]) < N_NEW]
+            if not live:
+                break
+            for s in live:
+                s.budget = N_NEW - (len(s.history) - len(prompts[s.seq]))
+            outcomes = engine.step(live)
+            assert all(o.error is None and not o.full for o in outcomes)
+            for o in outcomes:               # greedy: each kept token is the argmax of the row it came from
+                assert [int(np.argmax(row)) for row in o.logits] == o.tokens
+            widths += [(len(run), width) for run, width in engine.last_runs]
+            for s in live:
+                assert m.tokens(s.seq) == s.history[:-1]
+        got = [s.history[len(p):len(p) + N_NEW] for s, p in zip(running, prompts)]
+    assert got == want
+    assert any(n > 1 and width > 1 for n, width in widths)          # drafts and filler shared a ubatch
+    assert running[0].n_accepted > 0 and running[1].n_drafted == 0
+    assert running[0].n_drafted > running[0].n_accepted or running[2].n_drafted > running[2].n_accepted
+
+
+class _FailingGrammar:
+    """A grammar whose mask fails on its second call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("grammar failed")
+        return logits
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+def test_a_failing_sequence_ends_alone_and_its_filler_is_rolled_back(tiny_model_path):
+    path = tiny_model_path("tiny-echo", "f32")
+    prompts = _prompts()
+    with Model(path, n_ctx=128, kv_type="f32", n_seq_max=3, rs_slots=4) as m:
+        engine = Engine(m)
+        running = [Running(0, Sampler(GREEDY), list(prompts[0]), draft=NgramDraft(), length=DraftLength(3)),
+                   Running(1, Sampler(GREEDY), list(prompts[1]), LogitsProcessors(grammar=_FailingGrammar())),
+                   Running(2, Sampler(GREEDY), list(prompts[2]))]
+        for s in running:
+            engine.first(s, m.eval(prompts[s.seq], s.seq))
+        ok, failed, plain = engine.step(running)
+        assert engine.last_runs[0][1] > 1                       # seq 0's drafts widened the rows
+        assert isinstance(failed.error, RuntimeError) and not failed.tokens
+        assert ok.error is None and plain.error is None and ok.tokens and plain.tokens
+        assert m.tokens(1) == running[1].history               # the pending token evaluated, filler gone
+        assert m.tokens(0) == running[0].history[:-1] and m.tokens(2) == running[2].history[:-1]
+
+
+def test_a_full_context_is_reported_not_evaluated(tiny_model_path):
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=16, n_seq_max=2) as m:
+        engine = Engine(m)
+        a = Running(0, Sampler(GREEDY), list(range(3, 19)))
+        b = Running(1, Sampler(GREEDY), list(range(3, 8)))
+        engine.first(a, m.eval(a.history, 0))
+        engine.first(b, m.eval(b.history, 1))
+        full, fine = engine.step([a, b])
+        assert full.full and not full.tokens and fine.tokens and m.n_past(0) == 16
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.0, 0.0), (250.0, 0.0), (0.0, 120.0)])
+def test_kept_tokens_count_for_the_penalties(tiny_model_path, presence, frequency):
+    """The engine moves a sequence's logits processors past every kept token, so OpenAI's
+    presence/frequency penalties see the tokens generated so far: the step's choice equals the
+    argmax of the logits minus count * frequency + (count > 0) * presence, computed here. (The
+    echo model repeats its last token by a margin of about 190 logits: hence the large penalties.)"""
+    prompt = _prompts()[0]                       # a motif the echo model goes on repeating
+    with Model(tiny_model_path("tiny-echo", "f32"), n_ctx=64) as m:
+        engine = Engine(m)
+        procs = LogitsProcessors(presence_penalty=presence, frequency_penalty=frequency)
+        s = Running(0, Sampler(GREEDY), list(prompt), procs)
+        engine.first(s, m.eval(prompt))
+        counts: dict[int, int] = {s.history[-1]: 1}
+        changed = 0
+        for _ in range(8):
+            outcome, = engine.step([s])
+            raw = outcome.logits[0].astype(np.float64)
+            row = raw.copy()
+            for t, c in counts.items():
+                row[t] -= c * frequency + presence
+            assert outcome.tokens == [int(np.argmax(row))]
+            changed += int(np.argmax(row)) != int(np.argmax(raw))
+            counts[outcome.tokens[0]] = counts.get(outcome.tokens[0], 0) + 1
+        assert dict(procs.counts) == counts
+        assert (changed > 0) == bool(presence or frequency)
+
+
+@pytest.mark.parametrize("n_seqs,most_drafts", [(1, 3), (2, 3), (4, 1), (8, 0)])
+def test_drafts_fit_the_row_budget(tiny_model_path, n_seqs, most_drafts):
+    """On the CPU a step's ubatch holds at most Engine.CPU_ROWS = 8 rows when sequences share it
+    (the matrix kernels read the weights once for up to 8 columns): 2 sequences draft up to
+    draft-max 3, 4 sequences 1 each, 8 none; one sequence alone is not limited."""
+    path = tiny_model_path("tiny-echo", "f32")
+    motif = _prompts()[0]
+    with Model(path, n_ctx=128, n_seq_max=n_seqs, rs_slots=4) as m:
+        engine = Engine(m)
+        assert engine.max_rows == Engine.CPU_ROWS
+        running = [Running(i, Sampler(GREEDY), list(motif), draft=NgramDraft(), length=DraftLength(3))
+                   for i in range(n_seqs)]
+        for s in running:
+            engine.first(s, m.eval(motif, s.seq))
+        widths = []
+        for _ in range(4):
+            outcomes = engine.step(running)
+            widths += [w for _, w in engine.last_runs]
+            assert all(len(o.tokens) <= 1 + most_drafts for o in outcomes)
+        assert max(widths) == 1 + most_drafts
