@@ -38,6 +38,32 @@ def check_port(host: str, port: int) -> None:
             raise DeltarunError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
+def _names(values: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeated and comma-separated option values as one tuple."""
+    return tuple(n.strip() for v in values for n in v.split(",") if n.strip())
+
+
+def _api_key(given: str | None, key_file: Path | None) -> str | None:
+    """The key from --api-key / DELTARUN_API_KEY or --api-key-file (not both); a warning when it was
+    typed on the command line, where the process list shows it to every local user."""
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
+        click.secho("warning: --api-key on the command line is visible to every user of this machine (ps); "
+                    "use DELTARUN_API_KEY or --api-key-file", fg="yellow", err=True)
+    if key_file is None:
+        return given
+    if given is not None:
+        raise DeltarunError("give the API key once: --api-key (or DELTARUN_API_KEY) or --api-key-file")
+    try:
+        lines = key_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeltarunError(f"cannot read the API key file {key_file}: {getattr(e, 'strerror', None) or e}") from e
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise DeltarunError(f"the API key file {key_file} is empty")
+    return key
+
+
 @click.command()
 @model_argument()
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -49,7 +75,27 @@ def check_port(host: str, port: int) -> None:
               help="Host RAM for the prompt cache: conversations moved out of their slot, and state checkpoints "
                    "beyond the two newest of each slot (those are always kept).")
 @click.option("--api-key", default=None, envvar="DELTARUN_API_KEY",
-              help="Require 'Authorization: Bearer KEY' [env DELTARUN_API_KEY].")
+              help="Require 'Authorization: Bearer KEY'. Pass it as DELTARUN_API_KEY or with --api-key-file: "
+                   "on the command line every local user sees it (ps).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Read the API key from this file (its first line).")
+@click.option("--allowed-hosts", multiple=True, metavar="NAMES",
+              help="Host names the server answers to besides IP addresses, localhost, this machine's name and "
+                   "--host (comma-separated or repeated; '.example.com' for a domain and its subdomains, '*' for "
+                   "any). Other names are refused (DNS rebinding).")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGINS",
+              help="Web origins (https://app.example.com) whose pages may call the API, with CORS for them; '*' "
+                   "for any. By default only the server's own pages may.")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="S",
+              help="Seconds a client has to send a whole request head.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True, metavar="S",
+              help="Seconds a client has to send a whole request body.")
+@click.option("--keep-alive", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="S",
+              help="Seconds an idle kept-alive connection stays open.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Open connections at most; more are answered 503 and closed.")
+@click.option("--expose-model-path", is_flag=True, default=False,
+              help="Report the model's absolute path in /props (else its file name).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond that the answer is 503 with Retry-After.")
 @click.option("--chunk", type=click.IntRange(min=1), default=None,
@@ -68,11 +114,15 @@ def check_port(host: str, port: int) -> None:
               default="warning", show_default=True)
 @model_options
 def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: int, api_key: str | None,
-          max_queue: int, chunk: int | None, checkpoint_every: int, prefill_ahead: bool, max_body: int,
-          alias: str | None,
+          api_key_file: Path | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
+          header_timeout: float, body_timeout: float, keep_alive: float, max_connections: int,
+          expose_model_path: bool, max_queue: int, chunk: int | None, checkpoint_every: int, prefill_ahead: bool,
+          max_body: int, alias: str | None,
           draft: str | None, draft_max: int, log_level: str, **opts: object) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    api_key = _api_key(api_key, api_key_file)
     try:
+        from deltarun.apps.serve.connections import ConnectionLimits
         from deltarun.apps.serve.server import ServeSettings, serve_forever
         from deltarun.apps.serve.worker import CAPTURE_SLOTS
         from deltarun.runner.rpc import parse_endpoints
@@ -97,7 +147,10 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
                              chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
                              rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft,
-                             prefill_ahead=prefill_ahead)
+                             prefill_ahead=prefill_ahead, allowed_hosts=_names(allowed_hosts),
+                             allowed_origins=_names(allowed_origins), expose_model_path=expose_model_path,
+                             limits=ConnectionLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                                     keep_alive_s=keep_alive, max_connections=max_connections))
 
     # a partial, not a closure: with --rpc the model opens in a spawned child process (supervisor.py)
     load = functools.partial(open_model, path, n_seq_max=parallel, quiet=True, mtp=draft == "mtp",

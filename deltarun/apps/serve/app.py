@@ -16,25 +16,48 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from deltarun.apps.serve.guard import HostPolicy, RequestGuard, error_response
 from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
 from deltarun.apps.serve.output import Delta
-from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, envelope, parse_chat,
-                                          parse_completion, timings, usage)
+from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, check_token_ids, envelope,
+                                          parse_chat, parse_completion, parse_json_body, prompt_chars, timings,
+                                          usage)
 from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/"}   # "/": the static chat page (it sends the key itself)
 DISCONNECT_POLL_S = 0.25
+#: Threads doing a request's CPU work at once (parsing, templates, tokenizing, grammars): each one
+#: more makes the event loop wait longer for the GIL (about one switch interval, 5 ms, each)
+CPU_THREADS = 2
+_cpu = CapacityLimiter(CPU_THREADS)
+#: Text per token of the context that /tokenize and a prompt may have before tokenizing: text longer
+#: than the context's tokens at this many characters each is refused without tokenizing it (an
+#: English token is about 4 characters; 16 leaves room for long runs of spaces or symbols)
+MAX_CHARS_PER_TOKEN = 16
+#: Token ids of one JSON answer encoded in one go (json.dumps holds the GIL: about 0.2 us each)
+ENCODE_SLICE = 8192
+T = TypeVar("T")
+
+
+async def run_cpu(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread, at most CPU_THREADS at once: a request's CPU work, off the event
+    loop (CPU work of other requests waits for a thread rather than slowing the loop)."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_cpu)
 
 
 class ServerState:
@@ -42,8 +65,10 @@ class ServerState:
 
     def __init__(self, worker: Worker, make_builder: Callable[[Any], Any], *, model_name: str,
                  api_key: str | None = None, max_body: int = 8 << 20, n_parallel: int = 1,
-                 prefill_ahead: bool = True):
+                 prefill_ahead: bool = True, policy: HostPolicy | None = None, expose_model_path: bool = False):
         self.worker = worker
+        self.policy = policy or HostPolicy()
+        self.expose_model_path = expose_model_path     # /props: the model's absolute path, else its file name
         self.prefill_ahead = prefill_ahead
         self._ahead_tasks: set[asyncio.Task] = set()    # next_turn renderings under way
         self._make_builder = make_builder
@@ -118,11 +143,13 @@ class ServerState:
         return self._builder
 
 
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error_response(e: ApiError, path: str = "") -> JSONResponse:
+    return error_response(e, path)
 
 
 async def _read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body: at most `limit` bytes (413 before reading more), parsed and checked
+    off the event loop (`protocol.parse_json_body`)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(f"the request body has {declared} bytes; the limit is {limit}", status=413,
@@ -133,10 +160,17 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except ValueError as e:
-        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return await run_cpu(parse_json_body, b"".join(chunks))
+
+
+def _check_prompt_size(req: Any, n_ctx: int, param: str) -> None:
+    """Refuse, before rendering and tokenizing it, text that cannot fit the context (see
+    MAX_CHARS_PER_TOKEN)."""
+    n = prompt_chars(req)
+    if n > n_ctx * MAX_CHARS_PER_TOKEN:
+        raise ApiError(f"the prompt has {n} characters; the context holds {n_ctx} tokens, which is at most "
+                       f"{n_ctx * MAX_CHARS_PER_TOKEN} characters here", param=param, code="context_length_exceeded",
+                       type="exceed_context_size_error")
 
 
 class _Mailbox:
@@ -300,8 +334,14 @@ def create_app(state: ServerState) -> Starlette:
         """What both completion endpoints do first: parse the body, build the prompt (in the thread
         pool), submit the job; returns (request, params, relay, id, created, model name)."""
         body = await _read_json(request, state.max_body)
-        req = parse(body)
-        params = await run_in_threadpool(build(state.builder), req)
+        builder = state.builder
+
+        def prepare() -> tuple[Any, GenParams]:
+            req = parse(body)
+            check_token_ids(req, builder.n_vocab)
+            _check_prompt_size(req, builder.n_ctx, "messages" if isinstance(req, ChatRequest) else "prompt")
+            return req, build(builder)(req)
+        req, params = await run_cpu(prepare)
         relay = _Relay(state, params)
         return req, params, relay, prefix + secrets.token_hex(12), int(time.time()), req.model or state.model_name
 
@@ -313,7 +353,7 @@ def create_app(state: ServerState) -> Starlette:
         logprobs: list[dict[str, Any]] = []
         async for ev in relay.events(request):
             if ev.error is not None:
-                return _error_response(ev.error)
+                return _error_response(ev.error, request.url.path)
             if ev.delta is not None:
                 text.add(ev.delta)
             if ev.logprobs:
@@ -374,7 +414,7 @@ def create_app(state: ServerState) -> Starlette:
         req, params, relay, cid, created, model = await _submit(request, parse_completion, lambda b: b.completion,
                                                                 "cmpl-")
         tok = state.worker.model.tokenizer
-        echo = tok.decode(params.prompt) if req.echo else ""
+        echo = await run_cpu(tok.decode, params.prompt) if req.echo else ""
         if req.stream:
             return EventSourceResponse(_completion_stream(relay, cid, model, created, req.include_usage, echo),
                                        shutdown_grace_period=5.0)
@@ -415,13 +455,23 @@ def create_app(state: ServerState) -> Starlette:
         return Response(state.worker.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(request: Request) -> Response:
-        body = await _read_json(request, state.max_body)
+        builder = state.builder
+        limit = builder.n_ctx * MAX_CHARS_PER_TOKEN
+        # a body longer than the longest text allowed can be (12 bytes a character: an escaped
+        # surrogate pair) is refused before it is read and parsed
+        body = await _read_json(request, min(state.max_body, 12 * limit + (64 << 10)))
         if not isinstance(body, dict) or not isinstance(body.get("content", ""), str):
             raise ApiError("'content' must be a string", param="content", code="invalid_type")
-        tok = state.builder.tokenizer
-        ids = await run_in_threadpool(tok.encode, body.get("content", ""), bool(body.get("add_special", False)),
-                                      bool(body.get("parse_special", True)))
-        if body.get("with_pieces"):
+        text = body.get("content", "")
+        if len(text) > limit:
+            raise ApiError(f"'content' has {len(text)} characters; at most {limit} ({MAX_CHARS_PER_TOKEN} for each "
+                           f"token of the context)", status=413, param="content", code="content_too_large")
+        tok = builder.tokenizer
+
+        def work() -> bytes:
+            ids = tok.encode(text, bool(body.get("add_special", False)), bool(body.get("parse_special", True)))
+            if not body.get("with_pieces"):
+                return _json_list(b'{"tokens": [', ids, b"]}")
             pieces = []
             for t in ids:
                 b = tok.token_bytes(t)
@@ -430,19 +480,22 @@ def create_app(state: ServerState) -> Starlette:
                 except UnicodeDecodeError:
                     piece = list(b)
                 pieces.append({"id": t, "piece": piece})
-            return JSONResponse({"tokens": pieces})
-        return JSONResponse({"tokens": ids})
+            return _json_list(b'{"tokens": [', pieces, b"]}")
+        return Response(await run_cpu(work), media_type="application/json")
 
     async def detokenize(request: Request) -> Response:
         body = await _read_json(request, state.max_body)
         ids = body.get("tokens", []) if isinstance(body, dict) else None
-        builder = state.builder
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ApiError("'tokens' must be a list of token ids", param="tokens", code="invalid_type")
-        bad = [t for t in ids if not 0 <= t < builder.tokenizer.n_vocab]
-        if bad:
-            raise ApiError(f"token id {bad[0]} is outside the vocabulary", param="tokens", code="invalid_value")
-        return JSONResponse({"content": builder.tokenizer.decode(ids)})
+        tok = state.builder.tokenizer
+
+        def work() -> bytes:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ApiError("'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+            if bad is not None:
+                raise ApiError(f"token id {bad} is outside the vocabulary", param="tokens", code="invalid_value")
+            return json.dumps({"content": tok.decode(ids)}, ensure_ascii=False).encode("utf-8")
+        return Response(await run_cpu(work), media_type="application/json")
 
     async def props(request: Request) -> Response:
         b = state.builder
@@ -456,7 +509,7 @@ def create_app(state: ServerState) -> Starlette:
             "default_generation_settings": {"params": asdict(SamplingParams()), "n_ctx": m.n_ctx},
             "total_slots": state.n_parallel,
             "model_alias": state.model_name,
-            "model_path": str(m.path),
+            "model_path": str(m.path) if state.expose_model_path else Path(m.path).name,
             "modalities": {"vision": False, "audio": False, "video": False},
             "chat_template": b.template.source,
             "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
@@ -470,7 +523,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -493,7 +546,15 @@ def create_app(state: ServerState) -> Starlette:
         Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]), Route("/props", props),
     ]
-    middleware = [Middleware(ApiKeyMiddleware, key=state.api_key)] if state.api_key else []
+    # outermost first: host, origin and content type checked (and any error answered) before CORS
+    # answers a preflight, and both before the key is asked for (a preflight carries none)
+    middleware = [Middleware(RequestGuard, policy=state.policy)]
+    if state.policy.cors:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=["*"] if state.policy.any_origin else
+                                     sorted(state.policy.origins), allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                                     allow_headers=["*"], max_age=600))
+    if state.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, key=state.api_key))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
 
@@ -512,9 +573,16 @@ class ApiKeyMiddleware:
             if not hmac.compare_digest(token, self.key):
                 e = ApiError("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
                              type="authentication_error", code="invalid_api_key")
-                await _error_response(e)(scope, receive, send)
+                await _error_response(e, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _json_list(head: bytes, items: list[Any], tail: bytes) -> bytes:
+    """`head + JSON items joined by ", " + tail`, encoded ENCODE_SLICE items at a time (each json.dumps
+    holds the GIL: slices let the event loop in between)."""
+    parts = [json.dumps(items[i:i + ENCODE_SLICE], ensure_ascii=False)[1:-1] for i in range(0, len(items), ENCODE_SLICE)]
+    return head + ", ".join(p for p in parts if p).encode("utf-8") + tail
 
 
 def _timings(r: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from deltarun.apps.serve.guard import page_headers
 from deltarun.apps.serve.protocol import ApiError
 from deltarun.base.errors import DeltarunError
 
@@ -56,7 +57,7 @@ def page_routes(state: Any) -> list[Route]:
     pages: OrderedDict[tuple[int, int], str] = OrderedDict()
 
     async def chat(request: Request) -> Response:
-        return HTMLResponse(chat_html, headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(chat_html, headers={"Cache-Control": "no-cache", **page_headers(chat_html)})
 
     async def graph(request: Request) -> Response:
         state.builder  # 503 while the model loads, 500 when it failed
@@ -79,6 +80,6 @@ def page_routes(state: Any) -> list[Route]:
             while len(pages) > PAGES_KEPT:
                 pages.popitem(last=False)
         pages.move_to_end(key)
-        return HTMLResponse(html)
+        return HTMLResponse(html, headers=page_headers(html))
 
     return [Route("/", chat), Route("/graph", graph)]

@@ -9,10 +9,14 @@ or range is an `ApiError` (HTTP 400 with OpenAI's `{"error": {"message", "type",
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+import regex
 
 from deltarun.runner.sampling import SamplingParams
 
@@ -20,6 +24,22 @@ _DEFAULTS = SamplingParams()
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+#: Values (each `,`, `[` and `{` outside strings counts one) and object keys (`:`) a request body may
+#: hold. `json.loads` holds the GIL while it scans, so a body full of tiny values would stall the
+#: event loop for all of its parsing: with numbers and objects parsed through Python hooks (points
+#: where other threads get the GIL), what is left in one C stretch is about 120 ns a value and 1 us
+#: a key of one object on a 2 GHz Xeon: within 50 ms. A prompt of token ids as long as the largest
+#: context (262,144) still fits.
+MAX_JSON_ITEMS = 300_000
+MAX_JSON_KEYS = 1 << 15
+#: Digits of a JSON number: Python's int() of a long one takes quadratic time (seeds and ids need 20).
+MAX_NUMBER_DIGITS = 40
+#: Nesting a request body may have: far more than any request or JSON schema needs, far less than
+#: the recursion limit of the code that walks it later (templates, grammar compilation, hashing).
+MAX_JSON_DEPTH = 64
+#: Messages in one conversation, and tools, as OpenAI's API limits them.
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
 
 
 class ApiError(Exception):
@@ -36,6 +56,111 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
                           **self.extra}}
+
+
+#: (path prefix, error body) for the APIs whose errors are not OpenAI's shape, longest prefix first.
+_ERROR_SHAPES: list[tuple[str, Callable[[ApiError], dict[str, Any]]]] = []
+
+
+def register_error_shape(prefix: str, body: Callable[[ApiError], dict[str, Any]]) -> None:
+    """Errors of requests under `prefix` (e.g. "/v1/messages") get `body(error)` instead of OpenAI's
+    shape: the app's handlers and the request guard (host, origin, content type, size, time limits)
+    render every error through `error_body`."""
+    _ERROR_SHAPES[:] = sorted([(p, b) for p, b in _ERROR_SHAPES if p != prefix] + [(prefix, body)],
+                              key=lambda pb: -len(pb[0]))
+
+
+def error_body(e: ApiError, path: str = "") -> dict[str, Any]:
+    """The JSON body of `e` in the shape of the API `path` belongs to (OpenAI's unless registered)."""
+    for prefix, body in _ERROR_SHAPES:
+        if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+            return body(e)
+    return e.body()
+
+
+# --------------------------------------------------------------------------------------------- bodies
+_MAYBE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")     # a JSON escape of a UTF-16 surrogate
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+_STRINGS = regex.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"')     # JSON strings (possessive: no backtracking)
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body's JSON, refused with a 4xx before or instead of anything that would fail later:
+    more than MAX_JSON_ITEMS values or MAX_JSON_KEYS keys (413, counted before parsing), text that is
+    not UTF-8, numbers of more than MAX_NUMBER_DIGITS digits, nesting deeper than MAX_JSON_DEPTH,
+    and lone UTF-16 surrogates (`"\\ud800"`: Python strings may hold them, but no UTF-8 text
+    can, so an answer echoing one could not be sent).
+
+    CPU work (up to one body's worth): call it off the event loop."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"the request body is not UTF-8 text (byte {e.start})", code="invalid_json") from None
+    values, keys = _counts(text)
+    if values > MAX_JSON_ITEMS or keys > MAX_JSON_KEYS:
+        what = f"{values} JSON values (at most {MAX_JSON_ITEMS})" if values > MAX_JSON_ITEMS else \
+            f"{keys} JSON object keys (at most {MAX_JSON_KEYS})"
+        raise ApiError(f"the request body holds {what}", status=413, code="body_too_large")
+    try:
+        body = json.loads(text, parse_int=_json_int, parse_float=_json_float, object_pairs_hook=_json_object)
+    except RecursionError:
+        raise ApiError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json") \
+            from None
+    except ValueError as e:
+        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_structure(body, surrogates=_MAYBE_SURROGATE.search(text) is not None)
+    return body
+
+
+def _counts(text: str) -> tuple[int, int]:
+    """(values, keys) of a JSON text: counted in the whole text (an upper bound) and, only when that
+    is over a limit, outside its strings (text with many commas or colons is not refused)."""
+    values, keys = text.count(",") + text.count("[") + text.count("{"), text.count(":")
+    if values > MAX_JSON_ITEMS or keys > MAX_JSON_KEYS:
+        bare = _STRINGS.sub('""', text, concurrent=True)     # releases the GIL while it scans
+        values, keys = bare.count(",") + bare.count("[") + bare.count("{"), bare.count(":")
+    return values, keys
+
+
+def _json_int(digits: str) -> int:
+    if len(digits) > MAX_NUMBER_DIGITS:
+        raise ValueError(f"a number of {len(digits)} digits (at most {MAX_NUMBER_DIGITS})")
+    return int(digits)
+
+
+def _json_float(digits: str) -> float:
+    if len(digits) > MAX_NUMBER_DIGITS:
+        raise ValueError(f"a number of {len(digits)} characters (at most {MAX_NUMBER_DIGITS})")
+    return float(digits)
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)
+
+
+def _check_structure(body: Any, surrogates: bool) -> None:
+    """Depth (iteratively: the check must not recurse itself) and, when the text has a surrogate
+    escape (a pair is fine: JSON writes an emoji that way), lone surrogates in keys and values."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+        if isinstance(value, dict):
+            if surrogates:
+                _check_text(value.keys())
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)) or surrogates)
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)) or surrogates)
+        elif isinstance(value, str) and surrogates:
+            _check_text((value,))
+
+
+def _check_text(texts: Any) -> None:
+    for t in texts:
+        if isinstance(t, str) and _SURROGATE.search(t):
+            raise ApiError("the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                           "which is not text", code="invalid_json")
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -164,11 +289,9 @@ def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = F
     bias = _object(body, "logit_bias") or {}
     req.logit_bias = {}
     for k, v in bias.items():
-        try:
-            tid = int(k)
-        except ValueError:
-            raise ApiError(f"'logit_bias' key {k!r} is not a token id", param="logit_bias",
-                           code="invalid_value") from None
+        if not (k.isascii() and k.isdigit() and len(k) <= MAX_NUMBER_DIGITS):
+            raise ApiError(f"'logit_bias' key {k[:40]!r} is not a token id", param="logit_bias", code="invalid_value")
+        tid = int(k)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise ApiError(f"'logit_bias' value for {k} must be a number in [-100, 100]", param="logit_bias",
                            code="invalid_value")
@@ -186,6 +309,28 @@ def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = F
     req.stream = _boolean(body, "stream", False)
     opts = _object(body, "stream_options") or {}
     req.include_usage = _boolean(opts, "include_usage", False) if req.stream else False
+
+
+def prompt_chars(req: SamplingRequest) -> int:
+    """Characters of text a request's prompt is made of (messages, or a completion's prompt text): what
+    it costs to render and tokenize, known before doing either."""
+    if isinstance(req, CompletionRequest):
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    n = 0
+    for m in getattr(req, "messages", ()):
+        n += len(m.get("content") or "") + len(m.get("reasoning_content") or "")
+        for call in m.get("tool_calls") or ():
+            n += len(json.dumps(call["function"]["arguments"]))
+    return n
+
+
+def check_token_ids(req: SamplingRequest, n_vocab: int) -> None:
+    """What needs the model to check: `logit_bias` keys are token ids of its vocabulary (OpenAI
+    answers 400 for others too)."""
+    bad = next((t for t in req.logit_bias if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise ApiError(f"'logit_bias' names token id {bad}, outside the vocabulary (0..{n_vocab - 1})",
+                       param="logit_bias", code="invalid_value")
 
 
 def _message_text(content: Any, where: str) -> str | None:
@@ -217,6 +362,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError("'messages' must be a non-empty list", param="messages", code="invalid_value")
+    if len(msgs) > MAX_MESSAGES:
+        raise ApiError(f"'messages' has {len(msgs)} messages; at most {MAX_MESSAGES}", param="messages",
+                       code="invalid_value")
     out = []
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
@@ -264,6 +412,8 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]], str | dict[str, Any]]:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise _type_error("tools", "a list")
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(f"'tools' has {len(tools)} tools; at most {MAX_TOOLS}", param="tools", code="invalid_value")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \

@@ -14,6 +14,7 @@ its error is raised.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ from typing import Any, Callable
 import uvicorn
 
 from deltarun.apps.serve.app import ServerState, create_app
+from deltarun.apps.serve.connections import ConnectionLimits, protocol_class
 from deltarun.apps.serve.grammar import GrammarFactory
+from deltarun.apps.serve.guard import HostPolicy
 from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.prompts import PromptBuilder
 from deltarun.apps.serve.worker import Worker, end_of_generation_ids
@@ -44,6 +47,10 @@ class ServeSettings:
     rpc: tuple[str, ...] = ()         # RPC endpoints of the model: it then runs in a supervised child process
     supervise: bool = False           # the supervised child process without RPC too (supervisor.py)
     prefill_ahead: bool = True        # evaluate a conversation's likely next prompt start while idle
+    allowed_hosts: tuple[str, ...] = ()       # Host names answered besides localhost, IPs and the bound name
+    allowed_origins: tuple[str, ...] = ()     # web origins that may call the API (CORS for them); none by default
+    expose_model_path: bool = False   # /props reports the model's absolute path (else its file name)
+    limits: ConnectionLimits = ConnectionLimits()    # header, body and keep-alive timeouts, connections
     #: opens the draft GGUF with one sequence per slot (n_seq_max = parallel), when draft is a path
     open_draft: Callable[[], Any] | None = None
 
@@ -52,8 +59,9 @@ def _grammar_factory(m: Any) -> GrammarFactory:      # module level: it pickles 
     return GrammarFactory(m.tokenizer, m.hp.n_vocab, end_of_generation_ids(m))
 
 
-def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerState]:
-    """The Starlette app and its state (the worker is not started yet).
+def build(open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.1") -> tuple[Any, ServerState]:
+    """The Starlette app and its state (the worker is not started yet); `host`: the address it will
+    be bound to (a name there is an allowed Host).
 
     With RPC endpoints (or `supervise`) the worker runs in a child process that is restarted when
     it dies (supervisor.SupervisedWorker); `open_model` must then pickle.
@@ -72,7 +80,9 @@ def build(open_model: Callable[[], Any], s: ServeSettings) -> tuple[Any, ServerS
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
 
     state = ServerState(worker, make_builder, model_name=s.model_name, api_key=s.api_key,
-                        max_body=s.max_body_mib << 20, n_parallel=s.parallel, prefill_ahead=s.prefill_ahead)
+                        max_body=s.max_body_mib << 20, n_parallel=s.parallel, prefill_ahead=s.prefill_ahead,
+                        policy=HostPolicy(host, s.allowed_hosts, s.allowed_origins),
+                        expose_model_path=s.expose_model_path)
     return create_app(state), state
 
 
@@ -88,17 +98,31 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
+def _config(app: Any, host: str, port: int, log_level: str, limits: ConnectionLimits) -> uvicorn.Config:
+    """uvicorn with the h11 protocol that has head and body deadlines (connections.py). uvicorn counts
+    the connection asking against `limit_concurrency`, so one more than the cap: its 503 then only
+    answers for request tasks left over beyond the cap, which the protocol enforces itself."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                          lifespan="off", access_log=log_level == "debug")
+                          lifespan="off", access_log=log_level == "debug", http=protocol_class(limits),
+                          timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type] - a float works
+                          limit_concurrency=limits.max_connections + 1,
+                          h11_max_incomplete_event_size=limits.max_header_bytes)
+
+
+#: How long a thread holding the GIL keeps it while another waits (Python's default is 5 ms): the
+#: event loop waits for it behind a request's CPU work in the thread pool and the model thread's
+#: bookkeeping; 1 ms cut the loop's p99 stall with hostile requests from ~72 to ~50 ms on 2 busy
+#: cores (bench/serve_hostile.py). Threads that do not compete never switch.
+SWITCH_INTERVAL_S = 0.001
 
 
 def serve_forever(open_model: Callable[[], Any], s: ServeSettings, host: str, port: int,
                   log_level: str = "warning", on_ready: Callable[[], None] | None = None) -> None:
-    app, state = build(open_model, s)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)     # the process is the server's
+    app, state = build(open_model, s, host)
     worker = state.worker
     worker.start()
-    server = _Server(_config(app, host, port, log_level), worker)
+    server = _Server(_config(app, host, port, log_level, s.limits), worker)
 
     def watch() -> None:            # a model that fails to load stops the server with its error
         worker.ready.wait()
@@ -130,9 +154,9 @@ class ServeHandle:
     """A server in a background thread (tests, benchmarks): `with ServeHandle(...) as h: h.base_url`."""
 
     def __init__(self, open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.state = build(open_model, s)
+        self.app, self.state = build(open_model, s, host)
         self.host, self.port = host, port or free_port(host)
-        self.server = _Server(_config(self.app, self.host, self.port, "warning"), self.state.worker)
+        self.server = _Server(_config(self.app, self.host, self.port, "warning", s.limits), self.state.worker)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     @property
