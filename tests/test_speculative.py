@@ -235,6 +235,26 @@ def test_mtp_rows_of_several_sequences_in_one_ubatch_match_reference(tiny_model_
         assert np.abs(got_after[i][0] - exp2[-1]).max() / np.abs(exp2).max() < 1e-5
 
 
+@pytest.mark.parametrize("n_batch", [32, 8])
+def test_all_hidden_gives_every_rows_hidden_state_and_the_last_logits(tiny_model_path, n_batch):
+    """`Model.eval(..., all_hidden=True)` (a prompt whose rows the MTP block reads): every token's
+    hidden state after the final norm and the last token's logits, equal to the float64
+    reference's, in one ubatch and across three."""
+    from reference import rmsnorm
+
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(20, 12)
+    ref = ReferenceModel.from_gguf(path)
+    want = ref.forward(toks)[-1]
+    hidden = rmsnorm(ref.hidden(), ref.hp.eps) * ref.w["output_norm.weight"]
+    with Model(path, n_ctx=64, kv_type="f32", mtp=True, rs_slots=4, n_batch=n_batch) as m:
+        got = m.eval(toks, all_hidden=True)
+        rows = m.last_hidden[0]
+    assert got.shape == want.shape and rows.shape == hidden.shape
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    np.testing.assert_allclose(rows, hidden, rtol=1e-4, atol=1e-4)
+
+
 def test_checkpoint_restore_returns_to_the_prompt_state(tiny_model_path):
     path = tiny_model_path("tiny")
     a, b, c = prompt(9, 20), prompt(7, 21), prompt(3, 22)

@@ -42,6 +42,9 @@ class UbatchShape:
     #: the ubatch's rows are given as embeddings (`UbatchData.embd`: an image's rows) instead of
     #: token ids looked up in the embedding table
     embeddings: bool = False
+    #: every row's hidden state (`result_norm`, n_outputs = n_tokens) but the LM head for each
+    #: sequence's last row only: a prompt chunk whose rows an MTP block reads
+    logits_last: bool = False
 
     @property
     def n_tokens(self) -> int:

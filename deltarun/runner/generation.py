@@ -136,11 +136,10 @@ def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sa
     wants_hidden = draft is not None and draft.needs_hidden
     t0 = time.perf_counter()
     start = model.n_past(seq)
-    logits = model.eval(prompt, seq, all_logits=wants_hidden)
+    logits = model.eval(prompt, seq, all_hidden=wants_hidden)
     context = None
     if wants_hidden:                           # the MTP block's rows for every prompt position
         context = (list(prompt[1:]), model.last_hidden[0], start)
-        logits = logits[-1]
     stats.n_prompt += len(prompt)
     stats.prompt_seconds += time.perf_counter() - t0
     if draft is not None:

@@ -227,9 +227,13 @@ class Model:
         self.memory.restore(cp)
 
     def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False,
-             captures: Sequence[int] = ()) -> np.ndarray:
+             captures: Sequence[int] = (), all_hidden: bool = False) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
         token [n, vocab].
+
+        `all_hidden`: `last_hidden` holds every token's hidden state (as with all_logits) while the
+        LM head runs for the last token only (a prompt whose rows an MTP block reads: with a large
+        vocabulary the LM head of every row would cost a fifth of the trunk).
 
         `captures` (0 < t < len(tokens), a model opened with capture_slots): also keep the recurrent
         state after the first t tokens, in `last_captures` by sequence length, without ending a
@@ -266,7 +270,8 @@ class Model:
         for size in sizes:
             last = done + size == len(toks)
             inner = tuple(t - done for t in caps if done < t < done + size)
-            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits, captures=inner)[0]
+            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits, captures=inner,
+                                       all_hidden=all_hidden and not all_logits)[0]
             for i, t in enumerate(inner):
                 self.last_captures[start + done + t] = self.memory.read_capture(i, start + done + t)
             done += size
@@ -274,8 +279,9 @@ class Model:
                 self.last_captures[start + done] = self.memory.read_recurrent(seq)
             if all_logits or last:
                 outs.append(logits)
+            if all_logits or all_hidden or last:
                 hiddens.append(self.last_hidden[0])
-        if all_logits and len(hiddens) > 1:   # hidden states of every token, across ubatches
+        if (all_logits or all_hidden) and len(hiddens) > 1:   # hidden states of every token, across ubatches
             self.last_hidden = np.concatenate(hiddens, axis=0)[None]
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
@@ -585,18 +591,21 @@ class Model:
 
     def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
                      mtp_argmax: bool = False, captures: tuple[int, ...] = (),
-                     embd: np.ndarray | None = None, rope: np.ndarray | None = None) -> np.ndarray:
+                     embd: np.ndarray | None = None, rope: np.ndarray | None = None,
+                     all_hidden: bool = False) -> np.ndarray:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab].
         With `embd` (one sequence) the rows are given instead of looked up (an image), at rope
-        streams `rope` [3, n]."""
+        streams `rope` [3, n]. `all_hidden`: every row's hidden state, the last row's logits."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
         starts = [self.memory.seqs[seq_head + i].n_past for i in range(n_seqs)]
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         n_out = n if want_all else 1
-        shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv,
+        logits_last = all_hidden and not want_all and n > 1
+        n_hidden = n if logits_last else n_out
+        shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
-                            embeddings=embd is not None)
+                            embeddings=embd is not None, logits_last=logits_last)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)
@@ -605,7 +614,7 @@ class Model:
         self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
         logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
         _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
-        hidden = np.empty((n_seqs, n_out, self.hp.n_embd), dtype=np.float32)
+        hidden = np.empty((n_seqs, n_hidden, self.hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
         self.last_hidden = hidden
         for i, toks in enumerate(tokens):

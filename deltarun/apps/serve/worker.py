@@ -532,13 +532,12 @@ class Worker:
             end, inside = inside[slots], inside[:slots]
         t0 = time.perf_counter()
         wants_hidden = job.draft is not None and job.draft.needs_hidden
-        logits = self.model.eval(p.prompt[job.pos:end], job.cell, all_logits=wants_hidden,
+        logits = self.model.eval(p.prompt[job.pos:end], job.cell, all_hidden=wants_hidden,
                                  captures=[c - job.pos for c in inside])
         for c in inside:
             self.cache.checkpoint(job.cell, state=self.model.last_captures[c])
         if wants_hidden:                   # the MTP block's KV rows follow the prompt chunk by chunk
             rows = self.model.last_hidden[0]
-            logits = logits[-1]
             self._feed_mtp(job, rows, job.pos)
             self.cache.note_hidden(job.cell, rows)
         if others and self._decode_s > 0:

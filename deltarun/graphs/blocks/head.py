@@ -54,6 +54,11 @@ def output(g: GraphContext, x: Tensor, norm: Tensor | None = None, lm_head: Tens
     lm_head = w.get("output.weight", w["token_embd.weight"]) if lm_head is None else lm_head
     x = g.output(g.rms_norm(x, norm, prefix + "result_norm", -1), prefix + "result_norm")
     g.expand(x)
+    if g.ub.logits_last and not prefix:      # the LM head for each sequence's last row only
+        ub = g.ub
+        last = ggml.ggml_view_2d(g.ctx, x, int(x.contents.ne[0]), ub.n_seqs, x.contents.nb[1] * ub.n_seq_tokens,
+                                 x.contents.nb[1] * (ub.n_seq_tokens - 1))
+        x = ggml.ggml_cont(g.ctx, last)
     logits = g.output(g.cb(g.mm(lm_head, x), prefix + "result_output"), prefix + "result_output")
     g.expand(logits)
 
