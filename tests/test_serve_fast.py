@@ -237,10 +237,10 @@ def test_sse_bytes_are_what_sse_starlette_would_send():
 
 
 def test_queued_text_events_of_a_stream_are_merged():
-    from deltarun.apps.serve.app import _Relay
+    from deltarun.apps.serve.relay import Relay
 
     async def run() -> list[Event]:
-        relay = _Relay.__new__(_Relay)
+        relay = Relay.__new__(Relay)
         relay.queue, relay.finished, relay._held = asyncio.Queue(), False, None
         relay.state = types.SimpleNamespace(answered=lambda params, ev: None)
         relay.job = Job(GenParams(prompt=[1], max_tokens=4, req=SamplingRequest()), lambda ev: None)

@@ -133,7 +133,7 @@ async def submit_chat(state: Any, parse: Callable[[], R], chat_of: Callable[[R],
     """What /v1/chat/completions does with a request, for a request of another API: `parse()` (its
     translation into a chat request), the same checks and prompt building, all off the event loop;
     then the job is submitted. Returns (what parse returned, params, relay)."""
-    from deltarun.apps.serve.app import _check_prompt_size, _Relay, run_cpu
+    from deltarun.apps.serve.relay import Relay, check_prompt_size, run_cpu
 
     builder = state.builder
 
@@ -141,7 +141,7 @@ async def submit_chat(state: Any, parse: Callable[[], R], chat_of: Callable[[R],
         parsed = parse()
         req = chat_of(parsed)
         check_token_ids(req, builder.n_vocab)
-        _check_prompt_size(req, builder.n_ctx, "messages")
+        check_prompt_size(req, builder.n_ctx, "messages")
         return parsed, builder.chat(req)
     parsed, params = await run_cpu(prepare)
-    return parsed, params, _Relay(state, params)
+    return parsed, params, Relay(state, params)

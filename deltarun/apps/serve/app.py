@@ -14,13 +14,10 @@ import importlib
 import json
 import logging
 import secrets
-import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable
 
-import anyio.to_thread
-from anyio import CapacityLimiter
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -35,31 +32,18 @@ from deltarun.apps.serve.guard import HostPolicy, RequestGuard, error_response
 from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
 from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, check_token_ids, envelope,
-                                          parse_chat, parse_completion, parse_json_body, prompt_chars, timings,
+                                          parse_chat, parse_completion, timings,
                                           usage)
-from deltarun.apps.serve.worker import Event, GenParams, Job, Worker
+from deltarun.apps.serve.relay import (MAX_CHARS_PER_TOKEN, Mailbox, Relay, check_prompt_size, read_json,
+                                       run_cpu)
+from deltarun.apps.serve.worker import Event, GenParams, Worker
 
+#: The APIs the server speaks, as /props lists them
+API_ENDPOINTS = {"openai": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models"],
+                 "anthropic": ["/v1/messages", "/v1/messages/count_tokens"]}
 PUBLIC_PATHS = {"/health", "/v1/health", "/"}   # "/": the static chat page (it sends the key itself)
-DISCONNECT_POLL_S = 0.25
-#: Threads doing a request's CPU work at once (parsing, templates, tokenizing, grammars): each one
-#: more makes the event loop wait longer for the GIL (about one switch interval, 5 ms, each)
-CPU_THREADS = 2
-_cpu = CapacityLimiter(CPU_THREADS)
-#: Text per token of the context that /tokenize and a prompt may have before tokenizing: text longer
-#: than the context's tokens at this many characters each is refused without tokenizing it (an
-#: English token is about 4 characters; 16 leaves room for long runs of spaces or symbols)
-MAX_CHARS_PER_TOKEN = 16
 #: Token ids of one JSON answer encoded in one go (json.dumps holds the GIL: about 0.2 us each)
 ENCODE_SLICE = 8192
-T = TypeVar("T")
-
-
-async def run_cpu(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a worker thread, at most CPU_THREADS at once: a request's CPU work, off the event
-    loop (CPU work of other requests waits for a thread rather than slowing the loop)."""
-    return await anyio.to_thread.run_sync(fn, *args, limiter=_cpu)
-
-
 class ServerState:
     """What the handlers share: the worker, the prompt builder (made once the model is loaded), settings."""
 
@@ -78,13 +62,13 @@ class ServerState:
         self.max_body = max_body
         self.n_parallel = n_parallel
         self.created = int(time.time())
-        self._mailbox: _Mailbox | None = None
+        self._mailbox: Mailbox | None = None
 
-    def mailbox(self) -> "_Mailbox":
+    def mailbox(self) -> "Mailbox":
         """The event carrier of the running loop (made on the first request)."""
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
-            self._mailbox = _Mailbox(loop)
+            self._mailbox = Mailbox(loop)
             self.worker.after_step = self._mailbox.wake
         return self._mailbox
 
@@ -147,145 +131,6 @@ def _error_response(e: ApiError, path: str = "") -> JSONResponse:
     return error_response(e, path)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body: at most `limit` bytes (413 before reading more), parsed and checked
-    off the event loop (`protocol.parse_json_body`)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(f"the request body has {declared} bytes; the limit is {limit}", status=413,
-                       code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
-        chunks.append(chunk)
-    return await run_cpu(parse_json_body, b"".join(chunks))
-
-
-def _check_prompt_size(req: Any, n_ctx: int, param: str) -> None:
-    """Refuse, before rendering and tokenizing it, text that cannot fit the context (see
-    MAX_CHARS_PER_TOKEN)."""
-    n = prompt_chars(req)
-    if n > n_ctx * MAX_CHARS_PER_TOKEN:
-        raise ApiError(f"the prompt has {n} characters; the context holds {n_ctx} tokens, which is at most "
-                       f"{n_ctx * MAX_CHARS_PER_TOKEN} characters here", param=param, code="context_length_exceeded",
-                       type="exceed_context_size_error")
-
-
-class _Mailbox:
-    """Carries worker events to the event loop, waking it once per worker step.
-
-    Every `call_soon_threadsafe` writes to the loop's self-pipe and then waits for the GIL the
-    woken loop holds: measured at about 3-5 ms per event with 8 streams on 2 busy cores, a third
-    of the worker's time when done per token. The worker posts during a step and calls `wake`
-    once at its end (`Worker.after_step`).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, Event]] = []
-        self._scheduled = False
-
-    def post(self, queue: asyncio.Queue, ev: Event) -> None:
-        with self._lock:
-            self._pending.append((queue, ev))
-
-    def wake(self) -> None:
-        with self._lock:
-            if self._scheduled or not self._pending:
-                return
-            self._scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:       # the loop is gone (server stopped)
-            pass
-
-    def _deliver(self) -> None:
-        with self._lock:
-            batch, self._pending, self._scheduled = self._pending, [], False
-        for queue, ev in batch:
-            queue.put_nowait(ev)
-
-
-class _Relay:
-    """A job plus the asyncio queue its events arrive on (put there from the worker thread)."""
-
-    def __init__(self, state: ServerState, params: GenParams):
-        self.state = state
-        mailbox = state.mailbox()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        queue = self.queue
-        self.job = Job(params, lambda ev: mailbox.post(queue, ev))
-        state.worker.submit(self.job)
-        self.finished = False
-        self._held: Event | None = None     # taken from the queue by _merge_queued, not yet yielded
-
-    def _merge_queued(self, ev: Event) -> Event:
-        """`ev` plus the text events already queued behind it, as one event (a stream only).
-
-        While the event loop keeps up, each step's token is its own event; when it falls behind
-        (both cores busy), a stream's tokens of several steps are sent as one chunk instead of one
-        chunk, JSON encoding and socket write each, as a client reading the socket late would have
-        received them in one read anyway. The end of the job (finish, error) stays its own event.
-        """
-        if not _plain(ev):
-            return ev
-        while not self.queue.empty() and self._held is None:
-            nxt = self.queue.get_nowait()
-            if not _plain(nxt):
-                self._held = nxt
-                break
-            if nxt.delta is not None:
-                if ev.delta is None:
-                    ev.delta = Delta()
-                ev.delta.add(nxt.delta)
-            if nxt.logprobs:
-                ev.logprobs = (ev.logprobs or []) + nxt.logprobs
-        return ev
-
-    async def events(self, request: Request | None = None) -> AsyncIterator[Event]:
-        """Events until the job ends; with `request`, a client disconnect cancels the job. A stream
-        (no `request`: its response notices the disconnect) gets queued text events merged
-        (`_merge_queued`)."""
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
-        try:
-            while True:
-                if request is None and self._held is not None:
-                    ev, self._held = self._held, None
-                elif request is None:
-                    ev = await self.queue.get()
-                else:                # events may keep coming: check the connection every so often
-                    try:
-                        ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
-                        ev = None
-                    if loop.time() - checked >= DISCONNECT_POLL_S:
-                        checked = loop.time()
-                        if await request.is_disconnected():
-                            return
-                    if ev is None:
-                        continue
-                if request is None:
-                    ev = self._merge_queued(ev)
-                if ev.finish_reason is not None:
-                    self.state.answered(self.job.params, ev)
-                yield ev
-                if ev.finish_reason is not None or ev.error is not None:
-                    self.finished = True
-                    return
-        finally:
-            if not self.finished:
-                self.job.cancel()
-
-
-def _plain(ev: Event) -> bool:
-    """A text (or logprobs) event that is neither the end of the job nor an error."""
-    return ev.finish_reason is None and ev.error is None and ev.result is None
-
-
 class _ContentChunk:
     """A stream's text-only chunk as bytes, from its JSON with the text spliced in: the same bytes
     as `_sse(json.dumps(chunk))` with that text, at a tenth of the cost (5 us a token)."""
@@ -330,22 +175,22 @@ def create_app(state: ServerState) -> Starlette:
              "meta": meta}]})
 
     async def _submit(request: Request, parse: Callable[[Any], Any], build: Callable[[Any], Callable[[Any], Any]],
-                      prefix: str) -> tuple[Any, GenParams, _Relay, str, int, str]:
+                      prefix: str) -> tuple[Any, GenParams, Relay, str, int, str]:
         """What both completion endpoints do first: parse the body, build the prompt (in the thread
         pool), submit the job; returns (request, params, relay, id, created, model name)."""
-        body = await _read_json(request, state.max_body)
+        body = await read_json(request, state.max_body)
         builder = state.builder
 
         def prepare() -> tuple[Any, GenParams]:
             req = parse(body)
             check_token_ids(req, builder.n_vocab)
-            _check_prompt_size(req, builder.n_ctx, "messages" if isinstance(req, ChatRequest) else "prompt")
+            check_prompt_size(req, builder.n_ctx, "messages" if isinstance(req, ChatRequest) else "prompt")
             return req, build(builder)(req)
         req, params = await run_cpu(prepare)
-        relay = _Relay(state, params)
+        relay = Relay(state, params)
         return req, params, relay, prefix + secrets.token_hex(12), int(time.time()), req.model or state.model_name
 
-    async def _answer(relay: _Relay, request: Request, obj: str, cid: str, model: str, created: int,
+    async def _answer(relay: Relay, request: Request, obj: str, cid: str, model: str, created: int,
                       choice: Callable[[Delta, list[dict[str, Any]], str], dict[str, Any]]) -> Response:
         """A non-streaming answer: gather the job's text and logprobs, then one JSON body with the
         `choice(text, logprobs, finish_reason)`, usage and timings."""
@@ -378,7 +223,7 @@ def create_app(state: ServerState) -> Starlette:
                     "logprobs": {"content": logprobs} if req.logprobs else None, "finish_reason": reason}
         return await _answer(relay, request, "chat.completion", cid, model, created, choice)
 
-    async def _chat_stream(relay: _Relay, cid: str, model: str, created: int,
+    async def _chat_stream(relay: Relay, cid: str, model: str, created: int,
                            include_usage: bool) -> AsyncIterator[bytes]:
         first = True
         text_chunk = _ContentChunk(_chunk(cid, model, created, {"index": 0, "delta": {"content": ""}, "logprobs": None,
@@ -424,7 +269,7 @@ def create_app(state: ServerState) -> Starlette:
                     "logprobs": _legacy_logprobs(lps) if req.logprobs else None, "finish_reason": reason}
         return await _answer(relay, request, "text_completion", cid, model, created, choice)
 
-    async def _completion_stream(relay: _Relay, cid: str, model: str, created: int, include_usage: bool,
+    async def _completion_stream(relay: Relay, cid: str, model: str, created: int, include_usage: bool,
                                  echo: str) -> AsyncIterator[bytes]:
         if echo:
             yield _sse(json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": None,
@@ -459,7 +304,7 @@ def create_app(state: ServerState) -> Starlette:
         limit = builder.n_ctx * MAX_CHARS_PER_TOKEN
         # a body longer than the longest text allowed can be (12 bytes a character: an escaped
         # surrogate pair) is refused before it is read and parsed
-        body = await _read_json(request, min(state.max_body, 12 * limit + (64 << 10)))
+        body = await read_json(request, min(state.max_body, 12 * limit + (64 << 10)))
         if not isinstance(body, dict) or not isinstance(body.get("content", ""), str):
             raise ApiError("'content' must be a string", param="content", code="invalid_type")
         text = body.get("content", "")
@@ -484,7 +329,7 @@ def create_app(state: ServerState) -> Starlette:
         return Response(await run_cpu(work), media_type="application/json")
 
     async def detokenize(request: Request) -> Response:
-        body = await _read_json(request, state.max_body)
+        body = await read_json(request, state.max_body)
         ids = body.get("tokens", []) if isinstance(body, dict) else None
         tok = state.builder.tokenizer
 
@@ -519,6 +364,7 @@ def create_app(state: ServerState) -> Starlette:
             "cache_ram_bytes": state.worker.cache_bytes,
             "speculative": {"draft": state.worker.draft, "draft_max": state.worker.draft_max,
                             "n_drafted": state.worker.n_drafted, "n_accepted": state.worker.n_accepted},
+            "endpoints": API_ENDPOINTS,
         })
 
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -527,6 +373,9 @@ def create_app(state: ServerState) -> Starlette:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        if request.url.path.startswith("/v1/messages"):
+            return _error_response(ApiError(f"{request.method} {request.url.path}: {exc.detail}",
+                                            status=exc.status_code), request.url.path)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind,
                                        "param": None, "code": None}}, status_code=exc.status_code)
@@ -535,9 +384,11 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
                                        "type": "server_error", "param": None, "code": None}}, status_code=500)
 
+    from deltarun.apps.serve.messages_api import messages_routes
     from deltarun.apps.serve.pages import page_routes
+    from deltarun.apps.serve.responses_api import responses_routes
 
-    routes = page_routes(state) + [
+    routes = page_routes(state) + messages_routes(state) + responses_routes(state) + [
         Route("/health", health), Route("/v1/health", health),
         Route("/v1/models", models), Route("/models", models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

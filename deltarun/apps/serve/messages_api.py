@@ -401,13 +401,13 @@ def _ping() -> ServerSentEvent:
 # --------------------------------------------------------------------------------------------- routes
 def messages_routes(state: Any) -> list[Route]:
     """The routes of /v1/messages and /v1/messages/count_tokens on the server's `state`."""
-    from deltarun.apps.serve.app import _check_prompt_size, _read_json, run_cpu
+    from deltarun.apps.serve.relay import check_prompt_size, read_json, run_cpu
 
     register_error_shape("/v1/messages", error_body)
 
     @_anthropic_errors
     async def messages(request: Request) -> Response:
-        body = await _read_json(request, state.max_body)
+        body = await read_json(request, state.max_body)
         req, params, relay = await submit_chat(state, lambda: parse_messages(body))
         max_calls = _max_calls(body)
         mid, model = "msg_" + secrets.token_hex(12), req.model or state.model_name
@@ -458,12 +458,12 @@ def messages_routes(state: Any) -> list[Route]:
 
     @_anthropic_errors
     async def count_tokens(request: Request) -> Response:
-        body = await _read_json(request, state.max_body)
+        body = await read_json(request, state.max_body)
         builder = state.builder
 
         def count() -> int:
             req = parse_messages(body, count_only=True)
-            _check_prompt_size(req, builder.n_ctx, "messages")
+            check_prompt_size(req, builder.n_ctx, "messages")
             if req.response_format is not None:      # a schema that cannot be compiled is a 400 here too
                 builder.grammars.json_schema(req.response_format["schema"], "output_config")
             return builder.prompt_length(req)

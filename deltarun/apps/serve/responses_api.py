@@ -393,12 +393,12 @@ class _Answer:
 # --------------------------------------------------------------------------------------------- routes
 def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Route]:
     """The routes of /v1/responses on the server's `state`, keeping responses in `store`."""
-    from deltarun.apps.serve.app import _read_json
+    from deltarun.apps.serve.relay import read_json
 
     responses = store if store is not None else ResponseStore()
 
     async def create(request: Request) -> Response:
-        body = await _read_json(request, state.max_body)
+        body = await read_json(request, state.max_body)
         prev = previous(body, responses)          # on the event loop: the store is not shared with threads
         rr, params, relay = await submit_chat(state, lambda: ResponsesRequest(body, prev), lambda r: r.chat)
         answer = _Answer(rr, rr.chat.model or state.model_name)
