@@ -334,7 +334,7 @@ def test_greedy_same_alone_and_among_others(model_path):
         kw = dict(max_tokens=12, ignore_eos=True)
         alone = [_ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content for p in prompts]
         h.worker.model.reset()
-        for info in h.worker.cache.cells:
+        for info in h.worker.cache.seqs:
             info.checkpoints.clear()
         calls_before = h.worker.model.stats.n_eval_calls
         with AdmissionGate(h.worker, 8) as gate, cf.ThreadPoolExecutor(8) as pool:
@@ -344,7 +344,7 @@ def test_greedy_same_alone_and_among_others(model_path):
             together = [f.result() for f in futures]
         n_calls = h.worker.model.stats.n_eval_calls - calls_before
     assert together == alone
-    # 8 x 12 tokens: decoding shares ubatches (one per step when the cells are consecutive)
+    # 8 x 12 tokens: decoding shares ubatches (one per step when the seqs are consecutive)
     assert n_calls < 8 * 12
 
 
@@ -526,12 +526,12 @@ def test_cli_prefill_ahead_option(model_path, monkeypatch, flag, expected):
 
 
 def test_warm_up_before_the_first_request(model_path):
-    """Started servers have evaluated two tokens in a cell they then cleared, compiled the chat
+    """Started servers have evaluated two tokens in a seq they then cleared, compiled the chat
     template and loaded anyio's asyncio backend: one-time costs the first request would pay."""
     with _server(model_path, parallel=2) as h:
         m = h.worker.model
         assert (m.stats.n_eval_calls, m.stats.n_eval_tokens) == (1, 2)
-        assert m.n_past(0) == m.n_past(1) == 0 and not h.worker.cache.cells[0].checkpoints
+        assert m.n_past(0) == m.n_past(1) == 0 and not h.worker.cache.seqs[0].checkpoints
         assert h.state._builder is not None and "anyio._backends._asyncio" in sys.modules
 
 
@@ -566,7 +566,7 @@ def test_health_is_503_while_loading(model_path):
 @pytest.mark.parametrize("capture_slots", [CAPTURE_SLOTS, 0])
 def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens, capture_slots):
     """Qwen3 template, thinking off: each turn re-renders the previous answer without the empty
-    think block, so the new prompt differs from what the cell holds right after `assistant\\n`.
+    think block, so the new prompt differs from what the seq holds right after `assistant\\n`.
     The server resumes from the checkpoint taken there and evaluates only the new tokens. With
     capture slots (as `serve` opens its model) the checkpoints inside a prompt chunk (the new
     message's start, the answer's start) are taken by the chunk's own graph evaluation; without,
@@ -598,7 +598,7 @@ def test_multi_turn_evaluates_only_new_tokens(model_path, chat_tokens, capture_s
             if turn:
                 assert evaluated <= new + RS_SLOTS
                 assert evaluated == new
-            # what the cells hold now: the prompt and the answer (the next turn renders the answer differently)
+            # what the seqs hold now: the prompt and the answer (the next turn renders the answer differently)
             held = max((model.tokens(i) for i in range(2)), key=lambda t: common_prefix_length(t, prompt))
             msgs.append({"role": "assistant", "content": r.choices[0].message.content})
 
@@ -639,7 +639,7 @@ def _content_start(chat_tokens, before: list[dict], prompt: list[int]) -> int:
 def test_a_request_stops_work_ahead_after_its_chunk(model_path, chat_tokens, monkeypatch):
     """The next turn arrives while the worker prefills it ahead (made certain here: the request is
     sent, and queued, during the first chunk of work ahead): the work ahead stops after that chunk
-    and the request resumes from the cell's live state there, so it reuses the chunk."""
+    and the request resumes from the seq's live state there, so it reuses the chunk."""
     kw = {"chat_template_kwargs": {"enable_thinking": False}}
     msgs = [{"role": "user", "content": "Tell me about the weather in spring, briefly."}]
     with _server(model_path, parallel=1, chunk=4, checkpoint_every=0, prefill_ahead=True) as h, \
@@ -790,8 +790,8 @@ def test_idle_server_copies_the_next_conversation_to_push_out_ahead(model_path):
         assert not cache.host                   # a slot is still free: nothing copied
         answers.append(_ask(c, convs[1], max_tokens=6))
         h.wait_settled()
-        lru = min(range(2), key=lambda cell: cache.cells[cell].last_used)
-        ahead = cache.cells[lru].copy
+        lru = min(range(2), key=lambda seq: cache.seqs[seq].last_used)
+        ahead = cache.seqs[lru].copy
         assert ahead is not None and [e is ahead for e in cache.host] == [True]
         _ask(c, convs[2], max_tokens=6)         # takes the least recently used slot
         h.wait_settled()

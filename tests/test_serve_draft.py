@@ -126,12 +126,12 @@ def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_pat
 
 
 def _mtp_rows(h: ServeHandle, tokens: list[int]) -> tuple[int, list[np.ndarray]]:
-    """The MTP block's KV rows of the cell holding `tokens` (positions 0..len-2: the last pairs with
-    a token the cell has not evaluated)."""
+    """The MTP block's KV rows of the seq holding `tokens` (positions 0..len-2: the last pairs with
+    a token the seq has not evaluated)."""
     m = h.worker.model
-    cell = max(range(m.memory.n_cells), key=lambda s: common_prefix_length(m.tokens(s), tokens))
-    n = common_prefix_length(m.tokens(cell), tokens)
-    kv = m.memory.read_kv(cell, n)
+    seq = max(range(m.memory.n_seq_max), key=lambda s: common_prefix_length(m.tokens(s), tokens))
+    n = common_prefix_length(m.tokens(seq), tokens)
+    kv = m.memory.read_kv(seq, n)
     return n, [np.frombuffer(kv.rows[il][0], dtype=np.float32).reshape(n, -1)[:n - 1] for il in m.memory.mtp_layers]
 
 
@@ -139,7 +139,7 @@ def _mtp_rows(h: ServeHandle, tokens: list[int]) -> tuple[int, list[np.ndarray]]
 def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_rows(tiny_model_path, prefill_ahead):
     """Multi-turn (the Qwen3 template re-renders the previous answer, so each turn resumes from the
     checkpoint at the answer's start, or with prefill ahead from the re-rendered answer evaluated
-    between turns): only tokens the cells do not hold are evaluated with drafts on (rolled-back
+    between turns): only tokens the seqs do not hold are evaluated with drafts on (rolled-back
     drafts are not held, so they never count as cached), and the MTP block's KV rows after the
     resume (and after the work ahead) equal those a fresh server computes for the same conversation
     (the row before the resume point comes from the hidden row the cache kept)."""

@@ -85,9 +85,9 @@ def _alternating_run(path, keep: bool) -> tuple[np.ndarray, int]:
             for step in range(18):
                 if step % 3:
                     out = m.eval_batch(toks)
-                else:                                     # two runs: cells 0-1 and cell 2
+                else:                                     # two runs: seqs 0-1 and seq 2
                     out = {**m.eval_batch({0: toks[0], 1: toks[1]}), 2: m.eval(toks[2], 2)}
-                if step % 4 == 0:                         # a prompt chunk on cell 3 between the steps
+                if step % 4 == 0:                         # a prompt chunk on seq 3 between the steps
                     m.eval([5, 6, 7, 8, 9][: 2 + step % 3], 3)
                 steps.append(np.stack([out[s] for s in range(3)]))
                 toks = {s: [int(np.argmax(out[s]))] for s in range(3)}
@@ -196,18 +196,18 @@ class _SwapLog:
 
 def _jobs(layout: dict[int, str]) -> list[Job]:
     jobs = []
-    for cell, state in layout.items():
+    for seq, state in layout.items():
         j = Job(GenParams(prompt=[1, 2, 3], max_tokens=4, req=SamplingRequest()), lambda ev: None)
-        j.cell, j.state = cell, state
+        j.seq, j.state = seq, state
         jobs.append(j)
     return jobs
 
 
 @pytest.mark.parametrize("layout, swaps", [
-    # all 8 cells busy, a new request reads its prompt in the hole at cell 3: one swap with the last
+    # all 8 seqs busy, a new request reads its prompt in the hole at seq 3: one swap with the last
     ({0: "decode", 1: "decode", 2: "decode", 3: "prefill", 4: "decode", 5: "decode", 6: "decode", 7: "decode"},
      [(7, 3)]),
-    # generating jobs scattered over free cells: each one outside cells 0-2 moves into a free one
+    # generating jobs scattered over free seqs: each one outside seqs 0-2 moves into a free one
     ({0: "decode", 4: "decode", 6: "decode"}, [(4, 1), (6, 2)]),
     # two readers: the first admitted goes right after the generating ones
     ({1: "prefill", 0: "decode", 2: "decode", 3: "prefill"}, [(2, 1)]),
@@ -219,11 +219,11 @@ def test_compaction_moves_as_few_cells_as_it_needs(layout, swaps):
     w._active = list(jobs)
     w._compact()
     assert log.swaps == swaps
-    decoding = sorted(j.cell for j in jobs if j.state == "decode")
+    decoding = sorted(j.seq for j in jobs if j.state == "decode")
     assert decoding == list(range(len(decoding)))
-    reading = [j.cell for j in jobs if j.state != "decode"]
+    reading = [j.seq for j in jobs if j.state != "decode"]
     assert reading == list(range(len(decoding), len(decoding) + len(reading)))
-    assert len({j.cell for j in jobs}) == len(jobs)
+    assert len({j.seq for j in jobs}) == len(jobs)
 
 
 # --- HTTP side ------------------------------------------------------------------------------------

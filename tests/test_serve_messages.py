@@ -344,9 +344,9 @@ def test_output_config_json_schema(qwen3_server):
 
 # --------------------------------------------------------------------------------------------- the agent loop
 def _held(h, prompt: list[int]) -> list[int]:
-    """What the cells hold that shares the longest prefix with `prompt`."""
+    """What the seqs hold that shares the longest prefix with `prompt`."""
     m = h.worker.model
-    return max((m.tokens(i) for i in range(m.memory.n_cells)), key=lambda t: common_prefix_length(t, prompt))
+    return max((m.tokens(i) for i in range(m.memory.n_seq_max)), key=lambda t: common_prefix_length(t, prompt))
 
 
 def _eval_tokens(h) -> int:

@@ -148,8 +148,8 @@ def model(tiny_model_path):
         yield m
 
 
-def test_memory_cell_copies_move_a_sequence_between_cells(model):
-    """KV rows + recurrent state copied from cell 0 into cell 2 continue exactly like cell 0."""
+def test_memory_seq_copies_move_a_sequence_between_cells(model):
+    """KV rows + recurrent state copied from seq 0 into seq 2 continue exactly like seq 0."""
     model.reset()
     prompt = list(range(40, 80))
     model.eval(prompt, seq=0)
@@ -189,7 +189,7 @@ def test_prompt_cache_lookup_and_budget(model):
     cache.finished(0, answer_start=16)
     assert cache.lookup(prompt, [0, 1, 2]).how == "live" and cache.lookup(prompt, [0]).pos == len(prompt)
     r = cache.lookup(prompt[:16] + [1, 2, 3], [0, 1, 2])
-    assert (r.how, r.pos, r.cell) in {("checkpoint", 16, 0), ("rollback", 16, 0)}
+    assert (r.how, r.pos, r.seq) in {("checkpoint", 16, 0), ("rollback", 16, 0)}
     assert cache.lookup([9, 9, 9], [1, 2]).how == "fresh"
     # moving the conversation out to host RAM and back
     other = list(range(300, 330))
@@ -200,14 +200,14 @@ def test_prompt_cache_lookup_and_budget(model):
     assert back.how == "host" and back.pos == len(prompt)
     cache.apply(back, 1)
     assert model.tokens(1) == prompt and not cache.host
-    # a budget smaller than one entry keeps nothing in host RAM, and only two checkpoints per cell
+    # a budget smaller than one entry keeps nothing in host RAM, and only two checkpoints per seq
     small = PromptCache(model, 3, budget_bytes=1)
     small.apply(small.lookup([1, 2, 3], [1]), 1)
     assert not small.host
     for n in range(4):
         model.eval([5 + n], seq=2)
         small.checkpoint(2)
-    assert sorted(small.cells[2].checkpoints) == [model.n_past(2) - 1, model.n_past(2)]
+    assert sorted(small.seqs[2].checkpoints) == [model.n_past(2) - 1, model.n_past(2)]
 
 
 def _count_kv_reads(model, monkeypatch) -> list[int]:
@@ -217,32 +217,32 @@ def _count_kv_reads(model, monkeypatch) -> list[int]:
     return reads
 
 
-def _hold(model, cache: PromptCache, cell: int, tokens: list[int]) -> None:
-    """A conversation answered in `cell`: evaluated there, checkpointed at its end, finished."""
-    model.eval(tokens, seq=cell)
-    cache.checkpoint(cell)
-    cache.finished(cell, answer_start=model.n_past(cell))
+def _hold(model, cache: PromptCache, seq: int, tokens: list[int]) -> None:
+    """A conversation answered in `seq`: evaluated there, checkpointed at its end, finished."""
+    model.eval(tokens, seq=seq)
+    cache.checkpoint(seq)
+    cache.finished(seq, answer_start=model.n_past(seq))
 
 
 def test_copy_ahead_takes_the_eviction_copy_off_a_requests_path(model, monkeypatch):
-    """With every cell taken, the least recently used conversation is copied to host RAM while
+    """With every seq taken, the least recently used conversation is copied to host RAM while
     idle; the request that pushes it out then copies nothing, and the conversation comes back from
     that copy and goes on exactly as if it had never left."""
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
     convs = [list(range(100, 140)), list(range(200, 230))]
     _hold(model, cache, 0, convs[0])
-    assert not cache.copy_ahead([0, 1])           # an empty cell: nobody gets pushed out
+    assert not cache.copy_ahead([0, 1])           # an empty seq: nobody gets pushed out
     _hold(model, cache, 1, convs[1])
     assert cache.copy_ahead([0, 1]) and [e.tokens for e in cache.host] == [convs[0]]
     assert not cache.copy_ahead([0, 1])           # copied already
     reads = _count_kv_reads(model, monkeypatch)
-    cache.apply(cache.lookup(list(range(300, 320)), [0, 1]), cache.pick_cell([0, 1]))
+    cache.apply(cache.lookup(list(range(300, 320)), [0, 1]), cache.pick_seq([0, 1]))
     assert reads == [] and model.tokens(0) == [] and cache.n_evictions == 1
     assert [e.tokens for e in cache.host] == [convs[0]]
     back = cache.lookup(convs[0] + [5, 6], [1])
     assert (back.how, back.pos) == ("host", len(convs[0]))
-    cache.apply(back, 1)                          # pushes out cell 1's conversation: copied now
+    cache.apply(back, 1)                          # pushes out seq 1's conversation: copied now
     assert len(reads) == 1 and model.tokens(1) == convs[0]
     got = model.eval([5, 6], seq=1)
     want = model.eval(convs[0] + [5, 6], seq=0)
@@ -250,34 +250,34 @@ def test_copy_ahead_takes_the_eviction_copy_off_a_requests_path(model, monkeypat
 
 
 def test_a_stale_copy_ahead_is_dropped(model, monkeypatch):
-    """A copy made ahead is a copy of the cell as it was: once the conversation goes on in its cell,
+    """A copy made ahead is a copy of the seq as it was: once the conversation goes on in its seq,
     the copy is dropped (not kept beside it in host RAM) and a new one made when it is next in line."""
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
-    for cell, toks in enumerate([list(range(100, 140)), list(range(200, 230))]):
-        _hold(model, cache, cell, toks)
-    assert cache.copy_ahead([0, 1]) and cache.cells[0].copy is cache.host[0]
-    _hold(model, cache, 0, [7, 8, 9])             # the conversation in cell 0 goes on
-    assert cache.copy_ahead([0, 1])               # cell 1 is next in line now; cell 0's copy dropped
-    assert [e.tokens for e in cache.host] == [model.tokens(1)] and cache.cells[0].copy is None
+    for seq, toks in enumerate([list(range(100, 140)), list(range(200, 230))]):
+        _hold(model, cache, seq, toks)
+    assert cache.copy_ahead([0, 1]) and cache.seqs[0].copy is cache.host[0]
+    _hold(model, cache, 0, [7, 8, 9])             # the conversation in seq 0 goes on
+    assert cache.copy_ahead([0, 1])               # seq 1 is next in line now; seq 0's copy dropped
+    assert [e.tokens for e in cache.host] == [model.tokens(1)] and cache.seqs[0].copy is None
     reads = _count_kv_reads(model, monkeypatch)
-    cache.apply(cache.lookup([1, 2, 3], [0]), 0)  # pushes out cell 0: copied now, at its new length
+    cache.apply(cache.lookup([1, 2, 3], [0]), 0)  # pushes out seq 0: copied now, at its new length
     assert len(reads) == 1 and sorted(len(e.tokens) for e in cache.host) == [30, 43]
 
 
 def test_copy_ahead_never_pushes_out_what_host_ram_holds(model):
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
-    for cell, t in enumerate([list(range(100, 140)), list(range(200, 240))]):
-        _hold(model, cache, cell, t)
+    for seq, t in enumerate([list(range(100, 140)), list(range(200, 240))]):
+        _hold(model, cache, seq, t)
     other = cache._copy(1)             # host RAM holds another conversation's entry
     cache.budget = cache.nbytes()      # and is full
     assert not cache.copy_ahead([0, 1]) and cache.host == [other]
 
 
 def test_worker_compaction_puts_generating_jobs_side_by_side(model):
-    """Jobs generating in cells 0 and 2 with one reading its prompt in cell 1: after compaction the
-    generating ones are in cells 0-1, each with its own tokens, the reader in cell 2."""
+    """Jobs generating in seqs 0 and 2 with one reading its prompt in seq 1: after compaction the
+    generating ones are in seqs 0-1, each with its own tokens, the reader in seq 2."""
     from deltarun.apps.serve.worker import GenParams, Job, Worker
     from deltarun.apps.serve.protocol import SamplingRequest
 
@@ -285,16 +285,16 @@ def test_worker_compaction_puts_generating_jobs_side_by_side(model):
     w = Worker(lambda: model, 3)
     w.model, w.cache = model, PromptCache(model, 3, 1 << 30)
     jobs = []
-    for cell, state in ((0, "decode"), (1, "prefill"), (2, "decode")):
-        model.eval(list(range(10 + cell, 30 + 2 * cell)), seq=cell)
+    for seq, state in ((0, "decode"), (1, "prefill"), (2, "decode")):
+        model.eval(list(range(10 + seq, 30 + 2 * seq)), seq=seq)
         j = Job(GenParams(prompt=[], max_tokens=1, req=SamplingRequest()), lambda ev: None)
-        j.cell, j.state = cell, state
+        j.seq, j.state = seq, state
         jobs.append(j)
-    held = {j.id: model.tokens(j.cell) for j in jobs}
+    held = {j.id: model.tokens(j.seq) for j in jobs}
     w._active = list(jobs)
     w._compact()
-    assert [j.cell for j in jobs] == [0, 2, 1]
-    assert all(model.tokens(j.cell) == held[j.id] for j in jobs)
+    assert [j.seq for j in jobs] == [0, 2, 1]
+    assert all(model.tokens(j.seq) == held[j.id] for j in jobs)
 
 
 def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
@@ -406,7 +406,7 @@ def test_next_turn_is_where_the_next_prompt_starts_its_new_message(model, monkey
 
 
 def test_prompt_cache_keeps_the_replaced_tail_aside(model):
-    """Work ahead goes back to a checkpoint at the answer start and keeps what the cell held after
+    """Work ahead goes back to a checkpoint at the answer start and keeps what the seq held after
     it aside (`keep_tail`): the old prompt's end resumes from there with its logits (a
     regeneration) and continues exactly as a fresh evaluation would. A request going back keeps
     no aside (the copy would add to its time to first token). The aside counts against the budget
@@ -424,47 +424,47 @@ def test_prompt_cache_keeps_the_replaced_tail_aside(model):
     model.eval(answer, seq=0)
     cache.finished(0, answer_start=16)
     r = cache.lookup(ahead, [0, 1, 2])
-    assert (r.how, r.pos, r.cell) == ("checkpoint", 16, 0)
+    assert (r.how, r.pos, r.seq) == ("checkpoint", 16, 0)
     cache.apply(r, 0, keep_tail=True)
-    aside = cache.cells[0].aside
+    aside = cache.seqs[0].aside
     assert aside is not None and aside.start == 16 and sorted(aside.checkpoints) == [40]
     assert aside.tokens == prompt + answer and aside.kv.start == 16 and aside.kv.n == 45 - 16
     model.eval(ahead[16:], seq=0)
     cache.checkpoint(0)
     cache.finished(0, answer_start=len(ahead))
-    assert cache.nbytes() == sum(c.nbytes for c in cache.cells[0].checkpoints.values()) + aside.nbytes
+    assert cache.nbytes() == sum(c.nbytes for c in cache.seqs[0].checkpoints.values()) + aside.nbytes
     # the old prompt again (a regeneration): from the aside, nothing to evaluate
     r = cache.lookup(prompt, [0, 1, 2])
-    assert (r.how, r.pos, r.cell) == ("aside", 40, 0)
+    assert (r.how, r.pos, r.seq) == ("aside", 40, 0)
     np.testing.assert_array_equal(r.logits, logits_40)
     cache.apply(r, 0)
-    assert model.tokens(0) == prompt and cache.cells[0].aside is None
-    assert sorted(cache.cells[0].checkpoints) == [16, 40]
+    assert model.tokens(0) == prompt and cache.seqs[0].aside is None
+    assert sorted(cache.seqs[0].checkpoints) == [16, 40]
     np.testing.assert_allclose(model.eval(answer, seq=0), Model.logits_for(model, prompt + answer)[-1],
                                rtol=1e-5, atol=1e-5)
     # a request going back to the answer start keeps nothing aside
     r = cache.lookup(ahead + [1, 2], [0])
     assert (r.how, r.pos) == ("checkpoint", 16)
     cache.apply(r, 0)
-    assert model.tokens(0) == prompt[:16] and cache.cells[0].aside is None
+    assert model.tokens(0) == prompt[:16] and cache.seqs[0].aside is None
     # work ahead again, then a budget too tight for everything: the aside goes first
     model.eval(prompt[16:], seq=0)
     cache.checkpoint(0)
     model.eval(answer, seq=0)
     cache.finished(0, answer_start=16)
     cache.apply(cache.lookup(ahead, [0]), 0, keep_tail=True)
-    assert cache.cells[0].aside is not None
+    assert cache.seqs[0].aside is not None
     cache.budget = cache.nbytes() - 1
     cache._enforce_budget()
-    assert cache.cells[0].aside is None and sorted(cache.cells[0].checkpoints) == [16]
+    assert cache.seqs[0].aside is None and sorted(cache.seqs[0].checkpoints) == [16]
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def test_a_cell_cut_below_its_aside_drops_it(model):
-    """The aside's tail continues the cell's first `start` positions. Once the cell goes back
+def test_a_seq_cut_below_its_aside_drops_it(model):
+    """The aside's tail continues the seq's first `start` positions. Once the seq goes back
     below that start (here one position, to a checkpoint at 15) and other tokens fill those
     positions, the aside is no continuation any more: resending the old prompt (and its answer)
     must not resume from it, but give the logits of a fresh evaluation."""
@@ -482,12 +482,12 @@ def test_a_cell_cut_below_its_aside_drops_it(model):
     model.eval(answer, seq=0)
     cache.finished(0, answer_start=16)
     cache.apply(cache.lookup(ahead, [0]), 0, keep_tail=True)          # work ahead: the tail goes aside
-    assert cache.cells[0].aside is not None and cache.cells[0].aside.start == 16
+    assert cache.seqs[0].aside is not None and cache.seqs[0].aside.start == 16
     model.eval(ahead[16:], seq=0)
     cache.finished(0, answer_start=len(ahead))
     branch = prompt[:15] + [300, 301, 302]                            # position 15 gets another token
     r = cache.lookup(branch, [0])
-    assert (r.how, r.pos, r.cell) == ("checkpoint", 15, 0)
+    assert (r.how, r.pos, r.seq) == ("checkpoint", 15, 0)
     cache.apply(r, 0)
     model.eval(branch[15:], seq=0)
     cache.finished(0, answer_start=len(branch))
@@ -501,8 +501,8 @@ def test_a_cell_cut_below_its_aside_drops_it(model):
 
 
 def test_a_lookup_after_a_rollback_plans_none_beyond_the_slots_left(tiny_model_path):
-    """A cell ends with a 4-token verification step of which 2 drafts were rolled back: of the
-    K-1 = 3 tokens its slots reached, 1 is left. A prompt that leaves the cell one token back rolls
+    """A seq ends with a 4-token verification step of which 2 drafts were rolled back: of the
+    K-1 = 3 tokens its slots reached, 1 is left. A prompt that leaves the seq one token back rolls
     back; one that leaves it two back resumes from the checkpoint (a rollback there is one Memory
     refuses). Both go on as a fresh evaluation does."""
     with Model(tiny_model_path("tiny", "f32"), n_ctx=128, n_seq_max=2, n_batch=32, rs_slots=4, n_threads=1,
@@ -518,7 +518,7 @@ def test_a_lookup_after_a_rollback_plans_none_beyond_the_slots_left(tiny_model_p
 
         def check(new: list[int], want: tuple[str, int]) -> None:
             r = cache.lookup(prompt + new, [0])
-            assert (r.how, r.pos, r.cell) == (*want, 0)
+            assert (r.how, r.pos, r.seq) == (*want, 0)
             cache.apply(r, 0)
             got = m.eval((prompt + new)[r.pos:], seq=0)
             m.memory.clear_seq(1)
@@ -542,7 +542,7 @@ def test_kv_rows_read_and_written_from_a_start_position(model):
         k_all, v_all = whole.rows[il]
         assert k.tobytes() == k_all[25 * len(k_all) // 40:].tobytes()
         assert v.tobytes() == np.ascontiguousarray(v_all[:, 25 * v_all.shape[1] // 40:]).tobytes()
-    # cell 1: the first 25 positions from the whole copy, the rest from the tail
+    # seq 1: the first 25 positions from the whole copy, the rest from the tail
     model.memory.write_kv(1, whole, 25)
     model.memory.write_kv(1, tail)
     model.memory.write_recurrent(1, model.memory.read_recurrent(0))

@@ -331,9 +331,9 @@ def ubatch_shape(model: Model, n_seq_tokens: int, n_seqs: int = 1, n_past: int =
     """The shape `Model.eval` / `Model.eval_batch` use for such a ubatch (same n_kv padding, same outputs rule)."""
     if n_seq_tokens <= 0 or n_seqs <= 0 or n_past < 0:
         raise DeltarunError("tokens and seqs must be positive and past non-negative")
-    if seq_head + n_seqs > model.memory.n_cells:
+    if seq_head + n_seqs > model.memory.n_seq_max:
         raise DeltarunError(f"{n_seqs} sequences need n_seq_max >= {seq_head + n_seqs} "
-                            f"(the model was opened for {model.memory.n_cells})")
+                            f"(the model was opened for {model.memory.n_seq_max})")
     if n_past + n_seq_tokens > model.n_ctx:
         raise DeltarunError(f"{n_past} past + {n_seq_tokens} tokens exceed the context size {model.n_ctx}")
     n_kv = padded_n_kv(n_past + n_seq_tokens, model.n_ctx)

@@ -5,7 +5,7 @@ K = rs_slots snapshots (`--rs-slots`) so that speculative tokens can be rolled b
 
 - conv states: one row per cell of (d_conv-1) * K * channels floats, viewed as
   [d_conv-1, K, channels]: slot r of channel c is the window r tokens back.
-- SSM states: [D, n_cells, K] with D = S_v * S_v * H_v; slot-major, so slot 0 of consecutive
+- SSM states: [D, n_seq_max, K] with D = S_v * S_v * H_v; slot-major, so slot 0 of consecutive
   cells is contiguous (what the graph reads as the live state).
 
 Slot 0 is always the newest state. The KV cache holds n_ctx rows per sequence
@@ -62,19 +62,23 @@ class KVRows:
 
 
 @dataclass
-class StateCheckpoint:
-    """A sequence's length, tokens and live recurrent state (host copies), see `Memory.checkpoint`."""
+class Checkpoint:
+    """A point a sequence can return to: its tokens and its live recurrent state (a host copy), see
+    `Memory.checkpoint`. The KV rows are not copied: `Memory.can_restore` tells whether they still
+    hold (`log_index`: where the sequence's truncations are looked up from)."""
 
     seq: int
-    n_past: int
     tokens: list[int]
     log_index: int
-    conv: dict[int, np.ndarray]
-    ssm: dict[int, np.ndarray]
+    state: RecurrentState
+
+    @property
+    def n_past(self) -> int:
+        return self.state.n_past
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.conv.values()) + sum(a.nbytes for a in self.ssm.values())
+        return self.state.nbytes
 
 
 @dataclass
@@ -95,7 +99,7 @@ class Memory:
                  n_capture: int = 0):
         self.hp = hp
         self.n_ctx = n_ctx
-        self.n_cells = n_seq_max
+        self.n_seq_max = n_seq_max
         self.rs_slots = rs_slots
         self.kv_type = kv_type
         layers = hp.n_layer
@@ -157,7 +161,7 @@ class Memory:
         return buffers
 
     def nbytes_expected(self) -> int:
-        return memory_bytes(self.hp, self.n_ctx, self.n_cells, self.rs_slots, self.kv_type, bool(self.mtp_layers),
+        return memory_bytes(self.hp, self.n_ctx, self.n_seq_max, self.rs_slots, self.kv_type, bool(self.mtp_layers),
                             self.n_capture)
 
     @property
@@ -168,11 +172,11 @@ class Memory:
         """Forget every sequence (KV cache and recurrent state)."""
         for b in self.buffers:
             ggml.ggml_backend_buffer_clear(b, 0)
-        self.seqs = [SeqState() for _ in range(self.n_cells)]
-        self.truncations.extend((s, 0) for s in range(self.n_cells))
+        self.seqs = [SeqState() for _ in range(self.n_seq_max)]
+        self.truncations.extend((s, 0) for s in range(self.n_seq_max))
 
     # --- state operations ---------------------------------------------------------------------
-    def checkpoint(self, seq: int = 0) -> StateCheckpoint:
+    def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Remember the live recurrent state of `seq` at its current length, on the host.
 
         A recurrent state cannot be rolled back further than its slots, so a chat keeps a
@@ -181,19 +185,17 @@ class Memory:
         rows need no copy: rows before the checkpoint stay untouched unless the sequence is cut
         shorter than it, which `restore` detects.
         """
-        state = self.read_recurrent(seq)
-        st = self.seqs[seq]
-        return StateCheckpoint(seq, st.n_past, list(st.tokens), len(self.truncations), state.conv, state.ssm)
+        return Checkpoint(seq, list(self.seqs[seq].tokens), len(self.truncations), self.read_recurrent(seq))
 
-    def can_restore(self, cp: StateCheckpoint) -> bool:
+    def can_restore(self, cp: Checkpoint) -> bool:
         """True while no rollback, restore or reset has cut the sequence below the checkpoint."""
         return all(not (s == cp.seq and n < cp.n_past) for s, n in self.truncations[cp.log_index:])
 
-    def restore(self, cp: StateCheckpoint) -> None:
+    def restore(self, cp: Checkpoint) -> None:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
         if not self.can_restore(cp):
             raise RollbackError("the checkpoint is stale: the sequence was cut below it since it was taken")
-        self.write_recurrent(cp.seq, RecurrentState(cp.n_past, cp.conv, cp.ssm))
+        self.write_recurrent(cp.seq, cp.state)
         self.set_tokens(cp.seq, cp.tokens)
 
     def rollback(self, n_tokens: int, seq: int = 0) -> None:
@@ -241,7 +243,7 @@ class Memory:
             # each sequence owns one contiguous block of either cache: K's first n rows are its
             # cells; V (transposed) holds the cells in every row of its block, so all of it is copied
             for cache in (self.k[il], self.v[il]):
-                block = int(ggml.ggml_nbytes(cache)) // self.n_cells
+                block = int(ggml.ggml_nbytes(cache)) // self.n_seq_max
                 size = n * cache.contents.nb[1] if cache is self.k[il] else block
                 if n:
                     self._copy_bytes(cache, src * block, dst * block, size)
@@ -282,7 +284,7 @@ class Memory:
     def _v_layout(self, v: Tensor) -> tuple[int, int]:
         """A V tensor's channels per cell and bytes per position: V is stored transposed, a row per
         channel, n_ctx positions wide."""
-        return int(v.contents.ne[1]) // self.n_cells, int(v.contents.nb[1]) // self.n_ctx
+        return int(v.contents.ne[1]) // self.n_seq_max, int(v.contents.nb[1]) // self.n_ctx
 
     @property
     def kv_position_bytes(self) -> int:
@@ -356,7 +358,7 @@ class Memory:
         """
         hp, K = self.hp, self.rs_slots
         for il in self.conv:
-            conv = tensor_to_numpy(self.conv[il]).reshape(self.n_cells, -1)
+            conv = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)
             row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
             row[:, 0, :] = row[:, r, :]
             numpy_to_tensor(self.conv[il], row.reshape(-1), offset=seq * row.nbytes)
@@ -387,7 +389,7 @@ class Memory:
     def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:
         """Conv state of one sequence as numpy (K, d_conv-1, channels): slot, then oldest column first."""
         hp = self.hp
-        row = tensor_to_numpy(self.conv[il]).reshape(self.n_cells, -1)[seq]   # [(d_conv-1)*K*channels]
+        row = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)[seq]   # [(d_conv-1)*K*channels]
         arr = row.reshape(hp.conv_dim, self.rs_slots, hp.ssm_d_conv - 1)   # numpy of ne [dc1, K, ch]
         return arr.transpose(1, 2, 0).copy()
 
@@ -395,7 +397,7 @@ class Memory:
         """SSM state of one sequence as numpy (K, H_v, S_k, S_v): M[k, v] per head and slot."""
         hp = self.hp
         S, H = hp.head_v_dim, hp.ssm_n_v_heads
-        arr = tensor_to_numpy(self.ssm[il]).reshape(self.rs_slots, self.n_cells, -1)[:, seq, :]   # [K, D]
+        arr = tensor_to_numpy(self.ssm[il]).reshape(self.rs_slots, self.n_seq_max, -1)[:, seq, :]   # [K, D]
         # ggml stores each head as ne [S_k, S_v] (k fastest) = numpy (S_v, S_k): transpose to (S_k, S_v)
         return arr.reshape(self.rs_slots, H, S, S).transpose(0, 1, 3, 2).copy()
 

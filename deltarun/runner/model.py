@@ -23,7 +23,7 @@ from deltarun.base.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, Ub
 from deltarun.base.registry import graph_family_for
 from deltarun.runner import layer_split
 from deltarun.runner.backend import Backend, init_backend
-from deltarun.runner.memory import Memory, RecurrentState, StateCheckpoint
+from deltarun.runner.memory import Memory, RecurrentState, Checkpoint
 from deltarun.runner.scheduler import Scheduler
 from deltarun.runner.weights import Weights
 
@@ -214,15 +214,15 @@ class Model:
         self.memory.clear()
         self._images.clear()
 
-    def checkpoint(self, seq: int = 0) -> StateCheckpoint:
+    def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Remember the live recurrent state of `seq` at its current length (see Memory.checkpoint)."""
         return self.memory.checkpoint(seq)
 
-    def can_restore(self, cp: StateCheckpoint) -> bool:
+    def can_restore(self, cp: Checkpoint) -> bool:
         """True while no rollback, restore or reset has cut the sequence below the checkpoint."""
         return self.memory.can_restore(cp)
 
-    def restore(self, cp: StateCheckpoint) -> None:
+    def restore(self, cp: Checkpoint) -> None:
         """Return sequence cp.seq to the checkpoint (its length, tokens and recurrent state)."""
         self.memory.restore(cp)
 
@@ -458,8 +458,8 @@ class Model:
         the prompt graphs'. Off by default: tools that profile or dump `model.sched` see every
         graph there.
         """
-        largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=self.memory.n_cells,
-                              n_outputs=self.memory.rs_slots * self.memory.n_cells, n_kv=self.n_ctx,
+        largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=self.memory.n_seq_max,
+                              n_outputs=self.memory.rs_slots * self.memory.n_seq_max, n_kv=self.n_ctx,
                               delta_net=self.delta_net)
         while len(self._step_scheds) < n_graphs:
             sched = self._scheduler_for(largest)
@@ -579,8 +579,8 @@ class Model:
     def _check_tokens(self, toks: list[int], seq: int) -> None:
         if not toks:
             raise DeltarunError("no tokens to evaluate")
-        if not 0 <= seq < self.memory.n_cells:
-            raise DeltarunError(f"sequence {seq} out of range (the model was opened for {self.memory.n_cells})")
+        if not 0 <= seq < self.memory.n_seq_max:
+            raise DeltarunError(f"sequence {seq} out of range (the model was opened for {self.memory.n_seq_max})")
         bad = [t for t in toks if not 0 <= int(t) < self.hp.n_vocab]
         if bad:
             raise DeltarunError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")

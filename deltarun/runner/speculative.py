@@ -123,8 +123,8 @@ class ModelDraft:
 
     def __init__(self, draft: Model, target_vocab: int, seq: int = 0):
         check_draft_vocab(draft.hp.n_vocab, target_vocab)
-        if not 0 <= seq < draft.memory.n_cells:
-            raise DeltarunError(f"draft sequence {seq} out of range (the draft model has {draft.memory.n_cells})")
+        if not 0 <= seq < draft.memory.n_seq_max:
+            raise DeltarunError(f"draft sequence {seq} out of range (the draft model has {draft.memory.n_seq_max})")
         self.model, self.seq = draft, seq
 
     def start(self, prompt: list[int]) -> None:

@@ -7,7 +7,7 @@ Modules, each with one job:
 - `output`: generated tokens -> content / reasoning_content / tool_calls deltas, stop strings.
 - `grammar`: llguidance token masks for `response_format` and forced tool calls.
 - `worker`: the thread that owns the Model and schedules every sequence (continuous batching).
-- `prompt_cache`: which saved state (a live cell, a checkpoint, host RAM) each request resumes from.
+- `prompt_cache`: which saved state (a live seq, a checkpoint, host RAM) each request resumes from.
 - `metrics`: Prometheus counters and gauges.
 - `app`: the Starlette routes; `server`: wiring and uvicorn with a clean SIGTERM.
 """

@@ -362,7 +362,7 @@ def create_app(state: ServerState) -> Starlette:
             "build_info": "deltarun",
             "rs_slots": m.rs_slots,
             "cache_ram_bytes": state.worker.cache_bytes,
-            "speculative": {"draft": state.worker.draft, "draft_max": state.worker.draft_max,
+            "speculative": {"draft": state.worker.draft_spec, "draft_max": state.worker.draft_max,
                             "n_drafted": state.worker.n_drafted, "n_accepted": state.worker.n_accepted},
             "endpoints": API_ENDPOINTS,
         })

@@ -254,7 +254,7 @@ class SupervisedWorker:
         self.n_parallel = int(self._kwargs["n_parallel"])
         self.max_queue = int(self._kwargs.get("max_queue", 64))
         self.cache_bytes = int(self._kwargs.get("cache_bytes", 2 << 30))
-        self.draft = self._kwargs.get("draft")                 # /props reports these, as Worker's
+        self.draft_spec = self._kwargs.get("draft")                 # /props reports these, as Worker's
         self.draft_max = int(self._kwargs.get("draft_max", 8))
         self.metrics = metrics or Metrics()
         self.ready = threading.Event()

@@ -3,7 +3,7 @@
 Request handlers (on the event loop) submit a `Job` and read `Event`s back; nothing else touches
 the model. The worker loops over steps; each step
 
-1. admits waiting jobs into idle cells (sequence slots), resuming each from the prompt cache;
+1. admits waiting jobs into idle seqs (sequence slots), resuming each from the prompt cache;
 2. evaluates one prompt chunk of the oldest job still prefilling, so a long prompt delays the
    running streams by one chunk. The checkpoint positions inside a chunk (message boundaries)
    are captured by the same graph evaluation when the model has capture slots (`serve` opens it
@@ -13,7 +13,7 @@ the model. The worker loops over steps; each step
    STALL_FACTOR decode steps: the streams' inter-token latency stays within about
    (1 + STALL_FACTOR) x what it is without the prefill;
 3. decodes one token for every generating job: their last tokens go into one ubatch
-   (`Model.eval_batch` evaluates equal-length token lists of consecutive cells together; when
+   (`Model.eval_batch` evaluates equal-length token lists of consecutive seqs together; when
    they are not consecutive, because a finished job left a hole or a job reading its prompt sits
    between them, the running sequences are first rearranged with `PromptCache.swap`), then each
    job samples its next token. With `--draft` (speculative decoding) each generating job first
@@ -28,8 +28,8 @@ the model. The worker loops over steps; each step
    over a second ubatch for the jobs that cannot speculate (on a small model on the CPU rows are
    not free: hence the adaptive draft length).
 
-A job whose client went away (`cancel()`) is dropped at the next step and its cell freed; the
-tokens it evaluated stay in the cell for the prompt cache.
+A job whose client went away (`cancel()`) is dropped at the next step and its seq freed; the
+tokens it evaluated stay in the seq for the prompt cache.
 
 **Prefill ahead.** When nothing else is to be done, the worker evaluates what the app predicts a
 conversation's next prompt will start with (`prefill_ahead`; `PromptBuilder.next_turn` renders the
@@ -37,14 +37,14 @@ conversation with the answer just given, as the client will send it back, up to 
 message's text begins). A chat client re-sends the history each turn, and the Qwen templates render
 an earlier answer differently from how it was generated (without its think block), so otherwise the
 whole previous answer is evaluated again after the next request arrives. Such work runs as a
-background job in the conversation's cell, only while no request waits or runs, in the chunks a
+background job in the conversation's seq, only while no request waits or runs, in the chunks a
 prompt gets while others decode (each takes about one decode step): a request that arrives stops it
-after the chunk in progress, and resumes from what it reached (the cell's live state, when the
+after the chunk in progress, and resumes from what it reached (the seq's live state, when the
 request's prompt extends it). Nothing is sent for it; its tokens are counted apart
 (`Metrics.ahead_tokens`). The prompt cache keeps the tail it replaces aside, so a regeneration of
 the answer still resumes from the end of its prompt.
 
-**Copy ahead.** When nothing runs or waits and every cell is taken, the worker copies the
+**Copy ahead.** When nothing runs or waits and every seq is taken, the worker copies the
 conversation a new one would push out next to host RAM (`PromptCache.copy_ahead`), so the request
 that pushes it out does not wait for that copy (about 1 ms on the built-in model, more with long
 contexts on large models). Only while the copy fits beside what host RAM holds already.
@@ -118,14 +118,14 @@ class Job:
         self.emit = emit
         self._cancelled = threading.Event()
         self._withdraw: Callable[["Job"], None] | None = None   # takes it off the queue it waits in
-        self.cell: int | None = None
+        self.seq: int | None = None
         self.state = "waiting"            # waiting | prefill | decode | done
-        self.pos = 0                      # prompt tokens the cell holds
+        self.pos = 0                      # prompt tokens the seq holds
         self.n_cached = 0
         self.n_evaluated = 0
         self.draft: DraftSource | None = None   # its draft source (speculative decoding), see Worker._attach_draft
         self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
-        #: what the engine decodes: the cell, sampler, logits processors, history and drafts
+        #: what the engine decodes: the seq, sampler, logits processors, history and drafts
         self.running: Running | None = None
         self.generated: list[int] = []
         self.output: OutputStream | None = None
@@ -164,8 +164,9 @@ class Worker:
         if draft not in (None, "ngram", "mtp") and open_draft is None:
             raise ValueError(f"--draft {draft!r}: a draft model needs open_draft (a function opening it "
                              f"with one sequence per slot)")
-        #: None, "ngram", "mtp" or the draft model's path
-        self.draft = draft
+        #: what --draft named: None, "ngram", "mtp" or the draft model's path (a job's `draft` is its
+        #: DraftSource, made from this)
+        self.draft_spec = draft
         self._ngram = NgramDraft()        # stateless: shared by every job
         self._open_draft = open_draft
         self.draft_model: Any = None      # the draft GGUF, opened with one sequence per slot
@@ -264,14 +265,14 @@ class Worker:
         try:
             self.model = self._open_model()
             keep = getattr(self.model, "keep_step_graphs", None)
-            if keep is not None:         # decode steps between prompt chunks, runs of cells: no re-allocation
+            if keep is not None:         # decode steps between prompt chunks, runs of seqs: no re-allocation
                 keep(STEP_GRAPHS)
             self.engine = Engine(self.model)
-            self.cache = PromptCache(self.model, self.model.memory.n_cells, self.cache_bytes)
+            self.cache = PromptCache(self.model, self.model.memory.n_seq_max, self.cache_bytes)
             self._warm_up()
             if self._grammar_factory is not None:
                 self.grammars = self._grammar_factory(self.model)
-            if self.draft is not None:
+            if self.draft_spec is not None:
                 self._open_drafts()
         except BaseException as e:   # reported by /health and the CLI
             self.load_error = e
@@ -293,7 +294,7 @@ class Worker:
                 self.draft_model.close()
 
     def _warm_up(self) -> None:
-        """Evaluate two tokens in cell 0 and forget them, and make one sampler, before the first
+        """Evaluate two tokens in seq 0 and forget them, and make one sampler, before the first
         request (llama.cpp warms up the same way): the first graph build and compute allocation and
         the first random generator's set-up from OS entropy are one-time costs, about 10 ms on the
         built-in model, that the first request's time to first token would otherwise pay."""
@@ -306,12 +307,12 @@ class Worker:
     def _open_drafts(self) -> None:
         """Check the model can verify drafts and open the draft model (one sequence per slot)."""
         self.k_max = draft_limit(self.model, self.draft_max)
-        if self.draft == "mtp" and not self.model.memory.mtp_layers:
+        if self.draft_spec == "mtp" and not self.model.memory.mtp_layers:
             raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
-        if self.draft not in ("ngram", "mtp"):
+        if self.draft_spec not in ("ngram", "mtp"):
             self.draft_model = self._open_draft()
             check_draft_vocab(self.draft_model.hp.n_vocab, self.model.hp.n_vocab)
-            if self.draft_model.memory.n_cells < self.n_parallel:
+            if self.draft_model.memory.n_seq_max < self.n_parallel:
                 raise DeltarunError(f"the draft model must be opened with n_seq_max={self.n_parallel} "
                                     f"(one sequence per slot)")
 
@@ -375,7 +376,7 @@ class Worker:
         return True
 
     def _copy_ahead(self) -> None:
-        """Nothing runs: copy to host RAM the conversation a new one would push out of its cell
+        """Nothing runs: copy to host RAM the conversation a new one would push out of its seq
         (`PromptCache.copy_ahead`), unless something waits to be done."""
         with self._cond:
             if self._waiting or self._ahead or self._calls or self._stopping:
@@ -401,25 +402,25 @@ class Worker:
         job.state = "done"
         if job in self._active:
             self._active.remove(job)
-        if job.cell is not None and self.cache is not None:
-            self.cache.finished(job.cell, job.params.answer_start)
+        if job.seq is not None and self.cache is not None:
+            self.cache.finished(job.seq, job.params.answer_start)
         self.metrics.running.set(self.counts[0])
 
     # --- admission and prefill ---------------------------------------------------------------------
     def _admit(self, job: Job) -> None:
         model, p = self.model, job.params
-        busy = {j.cell for j in self._active}
+        busy = {j.seq for j in self._active}
         idle = [c for c in range(self.n_parallel) if c not in busy]
         resume = self.cache.lookup(p.prompt, idle)
-        cell = resume.cell if resume.cell is not None else self.cache.pick_cell(idle)
+        seq = resume.seq if resume.seq is not None else self.cache.pick_seq(idle)
         try:
-            self.cache.apply(resume, cell)
+            self.cache.apply(resume, seq)
         except DeltarunError:            # e.g. a rollback the slots no longer cover: start over
             from deltarun.apps.serve.prompt_cache import Resume
 
             resume = Resume()
-            self.cache.apply(resume, cell)
-        job.cell, job.pos, job.n_cached = cell, resume.pos, resume.pos
+            self.cache.apply(resume, seq)
+        job.seq, job.pos, job.n_cached = seq, resume.pos, resume.pos
         job.t_admit = time.perf_counter()
         job.output = OutputStream(model.tokenizer, p.req.stops, reasoning=p.reasoning,
                                   starts_thinking=p.starts_thinking, tools=p.tools)
@@ -429,7 +430,7 @@ class Worker:
         processors = LogitsProcessors(
             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
             banned=end_of_generation_ids(model) if r.ignore_eos else (), grammar=job.constraint)
-        job.running = Running(cell, Sampler(r.sampling), list(p.prompt), processors)
+        job.running = Running(seq, Sampler(r.sampling), list(p.prompt), processors)
         self._attach_draft(job, resume.hidden)
         self._active.append(job)
         self.metrics.prompt_done(len(p.prompt), job.n_cached)
@@ -440,19 +441,19 @@ class Worker:
             job.state = "prefill"
 
     def _admit_ahead(self, job: Job) -> None:
-        """Start evaluating a prompt start ahead, in the cell of the conversation it continues; not
-        when that conversation left the cells (host RAM) or when the cell already holds it."""
+        """Start evaluating a prompt start ahead, in the seq of the conversation it continues; not
+        when that conversation left the seqs (host RAM) or when the seq already holds it."""
         p = job.params
-        idle = [c for c in range(self.n_parallel) if c not in {j.cell for j in self._active}]
+        idle = [c for c in range(self.n_parallel) if c not in {j.seq for j in self._active}]
         resume = self.cache.lookup(p.prompt, idle)
-        if resume.cell is None or resume.pos >= len(p.prompt) or resume.how == "aside" \
-                or resume.pos < self.cache.cells[resume.cell].answer_start:
+        if resume.seq is None or resume.pos >= len(p.prompt) or resume.how == "aside" \
+                or resume.pos < self.cache.seqs[resume.seq].answer_start:
             return
-        self.cache.apply(resume, resume.cell, keep_tail=True)
-        job.cell, job.pos, job.n_cached = resume.cell, resume.pos, resume.pos
+        self.cache.apply(resume, resume.seq, keep_tail=True)
+        job.seq, job.pos, job.n_cached = resume.seq, resume.pos, resume.pos
         job.t_admit = time.perf_counter()
-        if self.draft == "mtp":            # the MTP block's KV rows follow the prompt, as for a request
-            job.draft = MtpDraft(self.model, seq=job.cell)
+        if self.draft_spec == "mtp":            # the MTP block's KV rows follow the prompt, as for a request
+            job.draft = MtpDraft(self.model, seq=job.seq)
             job.mtp_tail = (resume.hidden, job.pos - 1) if resume.hidden is not None and job.pos > 0 else None
         job.state = "prefill"
         self._active.append(job)
@@ -461,21 +462,21 @@ class Worker:
     def _attach_draft(self, job: Job, resume_hidden: np.ndarray | None) -> None:
         """Give an admitted job its draft source.
 
-        ngram: the shared stateless one. mtp: an MtpDraft on the job's cell, for every job (one that
-        cannot speculate still fills the MTP block's KV rows of its cell, so a later request
-        resuming from this cell through the prompt cache finds them as a fresh evaluation leaves
+        ngram: the shared stateless one. mtp: an MtpDraft on the job's seq, for every job (one that
+        cannot speculate still fills the MTP block's KV rows of its seq, so a later request
+        resuming from this seq through the prompt cache finds them as a fresh evaluation leaves
         them); the row before the resume point is filled from the hidden row the cache kept.
         A draft model: the free sequence of the draft model holding the longest prefix of the
         prompt (a returning conversation only evaluates what is new to the draft model; any other
         sequence is evaluated again from the start by `ModelDraft.propose`).
         """
         speculates = self._can_speculate(job)
-        if self.draft == "mtp":
-            job.draft = MtpDraft(self.model, seq=job.cell)
+        if self.draft_spec == "mtp":
+            job.draft = MtpDraft(self.model, seq=job.seq)
             job.mtp_tail = (resume_hidden, job.pos - 1) if resume_hidden is not None and job.pos > 0 else None
         elif not speculates:
             return
-        elif self.draft == "ngram":
+        elif self.draft_spec == "ngram":
             job.draft = self._ngram
         else:
             m = self.draft_model
@@ -532,14 +533,14 @@ class Worker:
             end, inside = inside[slots], inside[:slots]
         t0 = time.perf_counter()
         wants_hidden = job.draft is not None and job.draft.needs_hidden
-        logits = self.model.eval(p.prompt[job.pos:end], job.cell, all_hidden=wants_hidden,
+        logits = self.model.eval(p.prompt[job.pos:end], job.seq, all_hidden=wants_hidden,
                                  captures=[c - job.pos for c in inside])
         for c in inside:
-            self.cache.checkpoint(job.cell, state=self.model.last_captures[c])
+            self.cache.checkpoint(job.seq, state=self.model.last_captures[c])
         if wants_hidden:                   # the MTP block's KV rows follow the prompt chunk by chunk
             rows = self.model.last_hidden[0]
             self._feed_mtp(job, rows, job.pos)
-            self.cache.note_hidden(job.cell, rows)
+            self.cache.note_hidden(job.seq, rows)
         if others and self._decode_s > 0:
             self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
         if self.trace is not None:
@@ -548,7 +549,7 @@ class Worker:
         job.n_evaluated += end - job.pos
         job.pos = end
         if end in p.checkpoints or end == n:
-            self.cache.checkpoint(job.cell, logits if end == n else None)
+            self.cache.checkpoint(job.seq, logits if end == n else None)
             self.metrics.cache_bytes.set(self.cache.nbytes())
         if end == n and p.ahead:
             self._release(job)
@@ -566,59 +567,59 @@ class Worker:
 
     # --- decoding ----------------------------------------------------------------------------------
     def _compact(self) -> None:
-        """Move the running jobs into the lowest cells, generating ones first, then the ones still
+        """Move the running jobs into the lowest seqs, generating ones first, then the ones still
         reading their prompt (in admission order), so the generating ones form one run and the next
         to finish its prompt joins its end.
 
-        With as few moves as that takes (each is a `PromptCache.swap`: two cells' KV rows and
-        states through the host): a generating job already in the first cells stays where it is,
-        one outside them swaps with the lowest cell there no generating job holds. When a request
-        took the cell a finished one left in the middle, that is one swap (with the last
-        generating job), not a cascade through every cell after the hole.
+        With as few moves as that takes (each is a `PromptCache.swap`: two seqs' KV rows and
+        states through the host): a generating job already in the first seqs stays where it is,
+        one outside them swaps with the lowest seq there no generating job holds. When a request
+        took the seq a finished one left in the middle, that is one swap (with the last
+        generating job), not a cascade through every seq after the hole.
         """
-        decoding = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.cell)
+        decoding = sorted((j for j in self._active if j.state == "decode"), key=lambda j: j.seq)
         reading = [j for j in self._active if j.state != "decode"]
         n = len(decoding)
-        held = {j.cell for j in decoding if j.cell < n}
+        held = {j.seq for j in decoding if j.seq < n}
         free = iter(c for c in range(n) if c not in held)
         for job in decoding:
-            if job.cell >= n:
+            if job.seq >= n:
                 self._move(job, next(free))
         for target, job in enumerate(reading, start=n):
-            if job.cell != target:
+            if job.seq != target:
                 self._move(job, target)
 
     def _move(self, job: Job, target: int) -> None:
-        """Swap `job`'s cell with cell `target` (and whichever running job holds it)."""
-        src = job.cell
-        other = next((j for j in self._active if j.cell == target), None)
+        """Swap `job`'s seq with seq `target` (and whichever running job holds it)."""
+        src = job.seq
+        other = next((j for j in self._active if j.seq == target), None)
         self.cache.swap(src, target)
-        job.cell = target
+        job.seq = target
         if other is not None:
-            other.cell = src
-        for j in (job, other):        # the sequence (and an MTP draft's KV rows) moved with the cell
+            other.seq = src
+        for j in (job, other):        # the sequence (and an MTP draft's KV rows) moved with the seq
             if j is not None and j.running is not None:
-                j.running.seq = j.cell
+                j.running.seq = j.seq
             if j is not None and j.draft is not None and j.draft.needs_hidden:
-                j.draft.seq = j.cell
+                j.draft.seq = j.seq
         if self.trace is not None:
             self.trace.append(("move", job.id, target))
 
     def _decode(self, jobs: list[Job]) -> None:
-        """One engine step for every generating job (see the module docstring): their cells made
+        """One engine step for every generating job (see the module docstring): their seqs made
         consecutive first, then each job's budget, the step, and each job's kept tokens streamed."""
         for j in list(jobs):
             if j.cancelled:
                 self._release(j)
-        cells = sorted(j.cell for j in jobs if j.state == "decode")
-        if cells and cells[-1] - cells[0] + 1 != len(cells):
+        seqs = sorted(j.seq for j in jobs if j.state == "decode")
+        if seqs and seqs[-1] - seqs[0] + 1 != len(seqs):
             try:
                 self._compact()
             except Exception as e:  # noqa: BLE001 - a failed move ends the jobs involved, not the server
                 for j in list(self._active):
                     self._fail(j, _server_error(e))
                 return
-        jobs = sorted((j for j in jobs if j.state == "decode"), key=lambda j: j.cell)
+        jobs = sorted((j for j in jobs if j.state == "decode"), key=lambda j: j.seq)
         if not jobs:
             return
         for j in jobs:
@@ -627,7 +628,7 @@ class Worker:
         outcomes = self.engine.step([j.running for j in jobs])
         seconds = time.perf_counter() - t0
         if self.trace is not None:
-            by_seq = {j.cell: j.id for j in jobs}
+            by_seq = {j.seq: j.id for j in jobs}
             self.trace.extend(("batch", tuple(by_seq[s.seq] for s in run), width)
                               for run, width in self.engine.last_runs)
         before = sum(len(j.generated) for j in jobs)
@@ -645,7 +646,7 @@ class Worker:
             self._finish(job, "length")
             return
         if o.hidden is not None:         # the MTP block's rows follow the kept tokens
-            self.cache.note_hidden(job.cell, o.hidden)
+            self.cache.note_hidden(job.seq, o.hidden)
         if job.running.length is not None:
             self.n_drafted += o.n_drafted
             self.n_accepted += o.n_accepted
@@ -682,7 +683,7 @@ class Worker:
         reason = None
         if job.output.stopped or (job.constraint is not None and job.constraint.done):
             reason = "stop"
-        elif len(job.generated) >= p.max_tokens or model.n_past(job.cell) + 1 > model.n_ctx:
+        elif len(job.generated) >= p.max_tokens or model.n_past(job.seq) + 1 > model.n_ctx:
             reason = "length"
         if delta or info is not None:
             job.emit(Event(delta=delta, logprobs=[info] if info is not None else None))
@@ -695,7 +696,7 @@ class Worker:
     def _can_speculate(self, job: Job) -> bool:
         """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
         r = job.params.req
-        return (self.draft is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
+        return (self.draft_spec is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
                 and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
 
     def _finish(self, job: Job, reason: str) -> None:

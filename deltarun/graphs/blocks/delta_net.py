@@ -133,7 +133,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
 
     # conv state: slot 0 of this ubatch's cells, read in place (the sequences' cells are
     # consecutive from seq_head: Memory keeps them there, so nothing is gathered)
-    conv_all = g.mem.conv[il]                                   # [(d_conv-1)*K*conv_dim, n_cells]
+    conv_all = g.mem.conv[il]                                   # [(d_conv-1)*K*conv_dim, n_seq_max]
     dc1, ch = hp.ssm_d_conv - 1, hp.conv_dim
     cell = nb(conv_all)[1]
     conv_states = g.cb(g.view(conv_all, (dc1, ch, N), (K * dc1 * f32, cell), ub.seq_head * cell),
@@ -163,7 +163,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
         if kind.broadcast == "tiled":
             q, k = repeat_tiled(g, q, k, il)
 
-    ssm_all = g.mem.ssm[il]                                     # [D, n_cells, K]
+    ssm_all = g.mem.ssm[il]                                     # [D, n_seq_max, K]
     D = hp.ssm_state_size
     slot0 = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), ub.seq_head * nb(ssm_all)[1])   # in place, contiguous
     state = g.cb(ggml.ggml_reshape_4d(c, slot0, S, S, nv, N), "state_predelta", il)
