@@ -70,10 +70,10 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
               help="Address to listen on; anything but loopback exposes the model to the network.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--parallel", "-np", type=click.IntRange(min=1, max=64), default=4, show_default=True,
-              help="Sequences decoded together (slots); more requests wait in the queue.")
+              help="Sequences decoded together (n_seq_max); more requests wait in the queue.")
 @click.option("--cache-ram", type=click.IntRange(min=0), default=2048, show_default=True, metavar="MiB",
-              help="Host RAM for the prompt cache: conversations moved out of their slot, and state checkpoints "
-                   "beyond the two newest of each slot (those are always kept).")
+              help="Host RAM for the prompt cache: conversations moved out of their sequence, and state "
+                   "checkpoints beyond the two newest of each sequence (those are always kept).")
 @click.option("--api-key", default=None, envvar="DELTARUN_API_KEY",
               help="Require 'Authorization: Bearer KEY'. Pass it as DELTARUN_API_KEY or with --api-key-file: "
                    "on the command line every local user sees it (ps).")
@@ -97,7 +97,7 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
 @click.option("--expose-model-path", is_flag=True, default=False,
               help="Report the model's absolute path in /props (else its file name).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait for a slot; beyond that the answer is 503 with Retry-After.")
+              help="Requests that may wait for a sequence; beyond that the answer is 503 with Retry-After.")
 @click.option("--chunk", type=click.IntRange(min=1), default=None,
               help="Most prompt tokens evaluated between two decode steps [default: --batch].")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=1024, show_default=True,
@@ -140,7 +140,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     if draft is not None:      # a rejected draft is rolled back within the recurrent-state slots
         opts["rs_slots"] = max(int(opts["rs_slots"]), draft_max + 1)
         opts["batch"] = max(int(opts["batch"]), draft_max + 1)
-        if draft not in ("ngram", "mtp"):      # a draft GGUF: one sequence per slot (a partial: it pickles)
+        if draft not in ("ngram", "mtp"):      # a draft GGUF: one sequence per request sequence (a partial: it pickles)
             open_draft = functools.partial(open_model, Path(draft), n_seq_max=parallel, quiet=True,
                                            **draft_model_options(opts))
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
@@ -157,6 +157,6 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
                              capture_slots=CAPTURE_SLOTS, **opts)
 
     def ready() -> None:
-        click.echo(f"serving {path.name} on http://{host}:{port}/v1 ({parallel} slots)", err=True)
+        click.echo(f"serving {path.name} on http://{host}:{port}/v1 ({parallel} sequences)", err=True)
 
     serve_forever(load, settings, host, port, log_level=log_level, on_ready=ready)

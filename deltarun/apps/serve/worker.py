@@ -3,7 +3,7 @@
 Request handlers (on the event loop) submit a `Job` and read `Event`s back; nothing else touches
 the model. The worker loops over steps; each step
 
-1. admits waiting jobs into idle seqs (sequence slots), resuming each from the prompt cache;
+1. admits waiting jobs into idle sequences, resuming each from the prompt cache;
 2. evaluates one prompt chunk of the oldest job still prefilling, so a long prompt delays the
    running streams by one chunk. The checkpoint positions inside a chunk (message boundaries)
    are captured by the same graph evaluation when the model has capture slots (`serve` opens it
@@ -134,7 +134,7 @@ class Job:
         self.t_admit = self.t_first = self.t_end = 0.0
 
     def cancel(self) -> None:
-        """Called from any thread: the client is gone. A job still waiting for a slot leaves the
+        """Called from any thread: the client is gone. A job still waiting for a sequence leaves the
         queue at once (`Worker.submit` gave it the way out), so it holds no queue place meanwhile."""
         self._cancelled.set()
         withdraw, self._withdraw = self._withdraw, None
@@ -163,13 +163,13 @@ class Worker:
         self._grammar_factory = grammar_factory
         if draft not in (None, "ngram", "mtp") and open_draft is None:
             raise ValueError(f"--draft {draft!r}: a draft model needs open_draft (a function opening it "
-                             f"with one sequence per slot)")
+                             f"with one sequence per serving sequence)")
         #: what --draft named: None, "ngram", "mtp" or the draft model's path (a job's `draft` is its
         #: DraftSource, made from this)
         self.draft_spec = draft
         self._ngram = NgramDraft()        # stateless: shared by every job
         self._open_draft = open_draft
-        self.draft_model: Any = None      # the draft GGUF, opened with one sequence per slot
+        self.draft_model: Any = None      # the draft GGUF, opened with one sequence per serving sequence
         self.draft_max = draft_max
         self.k_max = 0                    # drafts per verification: min(draft_max, rs_slots - 1)
         self.n_drafted = self.n_accepted = 0
@@ -182,7 +182,7 @@ class Worker:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
-        #: prompt starts to evaluate while idle (`prefill_ahead`), newest last; one per slot at most
+        #: prompt starts to evaluate while idle (`prefill_ahead`), newest last; one per sequence at most
         self._ahead: collections.deque[GenParams] = collections.deque(maxlen=n_parallel)
         self._admitting = False           # jobs taken from the queues, not yet in _active (see `idle`)
         self._copying = False             # copying a conversation to host RAM ahead (see `idle`)
@@ -305,7 +305,7 @@ class Worker:
         Sampler(SamplingParams(temperature=1.0))
 
     def _open_drafts(self) -> None:
-        """Check the model can verify drafts and open the draft model (one sequence per slot)."""
+        """Check the model can verify drafts and open the draft model (one sequence per serving sequence)."""
         self.k_max = draft_limit(self.model, self.draft_max)
         if self.draft_spec == "mtp" and not self.model.memory.mtp_layers:
             raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
@@ -314,7 +314,7 @@ class Worker:
             check_draft_vocab(self.draft_model.hp.n_vocab, self.model.hp.n_vocab)
             if self.draft_model.memory.n_seq_max < self.n_parallel:
                 raise DeltarunError(f"the draft model must be opened with n_seq_max={self.n_parallel} "
-                                    f"(one sequence per slot)")
+                                    f"(one sequence per serving sequence)")
 
     def _step(self) -> bool:
         with self._cond:
