@@ -202,7 +202,7 @@ def model_tensors(cfg: ModelConfig, n_vocab: int, seed: int = 0) -> dict[str, np
 
 def _keeps_f32(name: str, arr: np.ndarray) -> bool:
     """Tensors a converter leaves in F32 whatever the file type: 1-D ones, conv and routers."""
-    return arr.ndim == 1 or "ssm_conv1d" in name or "ffn_gate_inp" in name
+    return arr.ndim == 1 or "ssm_conv1d" in name or "ffn_gate_inp" in name or name.endswith(".ssm_a")
 
 
 def quantize(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:

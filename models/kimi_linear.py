@@ -1,0 +1,308 @@
+"""Writes synthetic Kimi-Linear GGUF files (`kimi-linear`) the way llama.cpp's converter does.
+
+As for Qwen3.5 (models/qwen35.py), in two steps, so that a test can start from weights no GGUF
+layout has touched: `hf_weights(cfg, n_vocab, seed)` makes what a `KimiLinearForCausalLM`
+checkpoint holds (moonshotai's names, which llama.cpp's tensor_mapping.py maps: `self_attn.q_conv1d`,
+`f_a_proj`, `b_proj`, `A_log`, `dt_bias`, `g_a_proj`, `o_norm`, `kv_a_proj_with_mqa`, `kv_b_proj`,
+`block_sparse_moe.experts.N.w1`, ... in torch shapes); `convert(cfg, hf)` then does what
+`conversion/kimi_linear.py` (llama.cpp, vendored in llama-cpp-python 0.3.36) does to them:
+
+* `q/k/v_conv1d.weight` [channels, 1, d_conv] reshaped to numpy (1, channels, 1, d_conv)
+  (ggml ne [d_conv, 1, channels, 1]: the same memory);
+* `A_log` [1, 1, H, 1] stored as `-exp(A_log)` (`ssm_a`), `dt_bias` renamed to `ssm_dt.bias`;
+* the experts' `w1`, `w3`, `w2` stacked into `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`;
+* `kv_b_proj` [H (nope + v), kv_lora] split per head into `attn_k_b` (k rows, transposed to
+  (H, kv_lora, nope)) and `attn_v_b` ((H, v, kv_lora));
+* metadata of `TextModel` and `KimiLinearModel.set_gguf_parameters`: `attention.head_count_kv`
+  per layer (1 for MLA layers, 0 for KDA layers), `attention.key_length` = kv_lora + rope, the MLA
+  head sizes, `kda.head_dim`, the MoE keys (see docs/kimi-linear-gguf.md).
+
+Norm weights are stored as they are (Kimi's RMSNorm multiplies by w, not 1 + w). Types follow the
+converter's rule (1-D tensors, norms, the router and the conv kernels stay F32). The vocabulary is
+the packaged tiny cut of the Qwen2 BPE (the real model's is tiktoken's `kimi-k2`, which the graph
+does not depend on), the chat template the Qwen3 one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, chat_template, finish_gguf
+from deltarun.model_files.vocab import vocab_named
+
+ARCH = "kimi-linear"
+GATING_SIGMOID = 2   # gguf.ExpertGatingFuncType.SIGMOID
+
+
+@dataclass(frozen=True)
+class KimiLinearConfig:
+    """A Kimi-Linear model's hyper-parameters, named as in its config.json (`linear_attn_config`
+    flattened: `full_attn_layers` / `kda_layers` are 1-based layer numbers)."""
+
+    vocab: str = "tiny"
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    full_attn_layers: tuple[int, ...] = (2, 4)
+    num_attention_heads: int = 4        # MLA heads = KDA heads (linear_attn_config.num_heads)
+    kda_head_dim: int = 32              # linear_attn_config.head_dim
+    short_conv_kernel_size: int = 4
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    intermediate_size: int = 256        # the leading dense layers
+    first_k_dense_replace: int = 1
+    num_experts: int = 8
+    num_experts_per_token: int = 2
+    moe_intermediate_size: int = 64
+    num_shared_experts: int = 1
+    routed_scaling_factor: float = 2.446
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        if any(not 1 <= i <= self.num_hidden_layers for i in self.full_attn_layers):
+            raise ValueError(f"full_attn_layers {self.full_attn_layers} must be 1-based layer numbers "
+                             f"up to {self.num_hidden_layers}")
+        if self.q_lora_rank is not None:
+            raise ValueError("only Kimi-Linear's uncompressed query (q_lora_rank = None) is generated")
+
+    @property
+    def recurrent(self) -> list[bool]:
+        return [i + 1 not in self.full_attn_layers for i in range(self.num_hidden_layers)]
+
+    @property
+    def kda_dim(self) -> int:
+        return self.num_attention_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+PRESETS: dict[str, KimiLinearConfig] = {
+    # Unit-test model: KDA, MLA, KDA, MLA; layer 0 dense, the others MoE with a shared expert.
+    "tiny-kimi-linear": KimiLinearConfig(),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face weights
+# --------------------------------------------------------------------------------------------
+
+
+def hf_weights(cfg: KimiLinearConfig, n_vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float32 weights named and shaped as a Kimi-Linear checkpoint (torch shapes)."""
+    rng = np.random.default_rng(seed)
+    E, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.kda_head_dim
+    depth_scale = 1.0 / np.sqrt(2.0 * cfg.num_hidden_layers)
+
+    def lin(n_out: int, n_in: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) * (scale / np.sqrt(n_in))).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def kda(p: str) -> dict[str, np.ndarray]:
+        t = {p + f"{x}_proj.weight": lin(H * d, E) for x in "qkv"}
+        for x in "qkv":
+            t[p + f"{x}_conv1d.weight"] = (rng.standard_normal((H * d, 1, cfg.short_conv_kernel_size)) * 0.5
+                                           ).astype(np.float32)
+        t[p + "f_a_proj.weight"] = lin(d, E)
+        t[p + "f_b_proj.weight"] = lin(H * d, d)
+        t[p + "b_proj.weight"] = lin(H, E)
+        t[p + "A_log"] = np.log(rng.uniform(0.5, 4.0, (1, 1, H, 1))).astype(np.float32)
+        t[p + "dt_bias"] = (rng.standard_normal(H * d) * 0.5).astype(np.float32)
+        t[p + "g_a_proj.weight"] = lin(d, E)
+        t[p + "g_b_proj.weight"] = lin(H * d, d)
+        t[p + "o_norm.weight"] = norm(d)
+        t[p + "o_proj.weight"] = lin(E, H * d, depth_scale)
+        return t
+
+    def mla(p: str) -> dict[str, np.ndarray]:
+        return {
+            p + "q_proj.weight": lin(H * cfg.qk_head_dim, E),
+            p + "kv_a_proj_with_mqa.weight": lin(cfg.kv_lora_rank + cfg.qk_rope_head_dim, E),
+            p + "kv_a_layernorm.weight": norm(cfg.kv_lora_rank),
+            p + "kv_b_proj.weight": lin(H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            p + "o_proj.weight": lin(E, H * cfg.v_head_dim, depth_scale),
+        }
+
+    def mlp(p: str, n_ff: int, scale: float) -> dict[str, np.ndarray]:
+        return {p + "gate_proj.weight": lin(n_ff, E), p + "up_proj.weight": lin(n_ff, E),
+                p + "down_proj.weight": lin(E, n_ff, scale)}
+
+    def moe(p: str) -> dict[str, np.ndarray]:
+        ff = cfg.moe_intermediate_size
+        t = {p + "gate.weight": lin(cfg.num_experts, E, 4.0),
+             p + "gate.e_score_correction_bias": (rng.standard_normal(cfg.num_experts) * 0.5).astype(np.float32)}
+        for j in range(cfg.num_experts):
+            q = f"{p}experts.{j}."
+            t[q + "w1.weight"] = lin(ff, E)
+            t[q + "w2.weight"] = lin(E, ff, depth_scale)
+            t[q + "w3.weight"] = lin(ff, E)
+        t.update(mlp(p + "shared_experts.", ff * cfg.num_shared_experts, depth_scale))
+        return t
+
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": (rng.standard_normal((n_vocab, E))).astype(np.float32)}
+    for il in range(cfg.num_hidden_layers):
+        p = f"model.layers.{il}."
+        w[p + "input_layernorm.weight"] = norm(E)
+        w[p + "post_attention_layernorm.weight"] = norm(E)
+        w.update(kda(p + "self_attn.") if cfg.recurrent[il] else mla(p + "self_attn."))
+        if il < cfg.first_k_dense_replace:
+            w.update(mlp(p + "mlp.", cfg.intermediate_size, depth_scale))
+        else:
+            w.update(moe(p + "block_sparse_moe."))
+    w["model.norm.weight"] = norm(E)
+    w["lm_head.weight"] = lin(n_vocab, E)
+    return w
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion (conversion/kimi_linear.py + gguf-py's tensor map)
+# --------------------------------------------------------------------------------------------
+
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+_BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_conv1d.weight": "ssm_conv1d_q.weight",
+    "self_attn.k_conv1d.weight": "ssm_conv1d_k.weight",
+    "self_attn.v_conv1d.weight": "ssm_conv1d_v.weight",
+    "self_attn.f_a_proj.weight": "ssm_f_a.weight",
+    "self_attn.f_b_proj.weight": "ssm_f_b.weight",
+    "self_attn.b_proj.weight": "ssm_beta.weight",
+    "self_attn.A_log": "ssm_a",
+    "self_attn.dt_proj.bias": "ssm_dt.bias",
+    "self_attn.g_a_proj.weight": "ssm_g_a.weight",
+    "self_attn.g_b_proj.weight": "ssm_g_b.weight",
+    "self_attn.o_norm.weight": "ssm_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.k_b_proj.weight": "attn_k_b.weight",
+    "self_attn.v_b_proj.weight": "attn_v_b.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "block_sparse_moe.experts.w1.weight": "ffn_gate_exps.weight",
+    "block_sparse_moe.experts.w3.weight": "ffn_up_exps.weight",
+    "block_sparse_moe.experts.w2.weight": "ffn_down_exps.weight",
+    "block_sparse_moe.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "block_sparse_moe.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "block_sparse_moe.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def _gguf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".", 3)
+    if parts[:2] != ["model", "layers"] or parts[3] not in _BLOCK_NAMES:
+        raise ValueError(f"cannot map tensor {name!r}")
+    return f"blk.{parts[2]}.{_BLOCK_NAMES[parts[3]]}"
+
+
+def convert(cfg: KimiLinearConfig, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GGUF tensors (numpy order, float32) from HF tensors, as conversion/kimi_linear.py writes them."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, x in hf.items():
+        x = np.asarray(x, dtype=np.float32)
+        if name.endswith(("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")):
+            channels, d_conv = x.shape[0], x.shape[-1]
+            x = x.reshape(1, channels, 1, d_conv)
+        if name.endswith(".A_log"):
+            x = -np.exp(x)
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        if ".block_sparse_moe.experts." in name:      # stacked once every expert is seen
+            head, rest = name.split(".block_sparse_moe.experts.")
+            j, wid = rest.split(".", 1)
+            experts.setdefault((head, wid), {})[int(j)] = x
+            continue
+        if name.endswith("kv_b_proj.weight"):
+            H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            kv_b = x.reshape(H, nope + v, x.shape[-1])
+            k_b, v_b = kv_b[:, :nope], kv_b[:, nope:]
+            out[_gguf_name(name.replace("kv_b_proj", "k_b_proj"))] = np.ascontiguousarray(k_b.transpose(0, 2, 1))
+            out[_gguf_name(name.replace("kv_b_proj", "v_b_proj"))] = np.ascontiguousarray(v_b)
+            continue
+        out[_gguf_name(name)] = np.ascontiguousarray(x)
+    for (head, wid), by_index in experts.items():
+        stacked = np.stack([by_index[j] for j in range(cfg.num_experts)])
+        out[_gguf_name(f"{head}.block_sparse_moe.experts.{wid}")] = np.ascontiguousarray(stacked)
+    return out
+
+
+def model_tensors(cfg: KimiLinearConfig, n_vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The GGUF tensors of a synthetic model: `convert(cfg, hf_weights(cfg, n_vocab, seed))`."""
+    return convert(cfg, hf_weights(cfg, n_vocab, seed))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _add_metadata(w: gguf.GGUFWriter, cfg: KimiLinearConfig, n_vocab: int, wtype: str) -> None:
+    """The keys `TextModel` and `KimiLinearModel.set_gguf_parameters` write for this config."""
+    p = ARCH
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_token)
+    w.add_uint32(f"{p}.expert_gating_func", GATING_SIGMOID)   # moe_router_activation_func = sigmoid
+    w.add_file_type(_FILE_TYPES[wtype])
+    w.add_uint32(f"{p}.vocab_size", n_vocab)
+    w.add_array(f"{p}.attention.head_count_kv", [0 if r else 1 for r in cfg.recurrent])
+    w.add_uint32(f"{p}.ssm.conv_kernel", cfg.short_conv_kernel_size)
+    w.add_uint32(f"{p}.kda.head_dim", cfg.kda_head_dim)
+    w.add_uint32(f"{p}.attention.kv_lora_rank", cfg.kv_lora_rank)
+    w.add_uint32(f"{p}.rope.dimension_count", cfg.qk_rope_head_dim)
+    w.add_uint32(f"{p}.attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_uint32(f"{p}.attention.key_length_mla", cfg.qk_head_dim)
+    w.add_uint32(f"{p}.attention.value_length_mla", cfg.v_head_dim)
+    w.add_uint32(f"{p}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    w.add_uint32(f"{p}.expert_shared_count", cfg.num_shared_experts)
+    w.add_uint32(f"{p}.leading_dense_block_count", cfg.first_k_dense_replace)
+    w.add_float32(f"{p}.expert_weights_scale", cfg.routed_scaling_factor)
+
+
+def write_model(path: str | Path, config: KimiLinearConfig | str = "tiny-kimi-linear", wtype: str = "f32",
+                seed: int = 0, name: str | None = None) -> Path:
+    """Write a synthetic Kimi-Linear GGUF to `path` and return the path."""
+    cfg = PRESETS[config] if isinstance(config, str) else config
+    if wtype not in WEIGHT_TYPES:
+        raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
+    vocab = vocab_named(cfg.vocab)
+    tensors = model_tensors(cfg, vocab.n_vocab, seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), ARCH)
+    w.add_name(name or f"deltarun synthetic {ARCH} {wtype}")
+    _add_metadata(w, cfg, vocab.n_vocab, wtype)
+    return finish_gguf(w, tmp, path, vocab, "qwen2", chat_template(), tensors, wtype)
+
+
+def config_with(preset: str = "tiny-kimi-linear", **changes: object) -> KimiLinearConfig:
+    """A preset with some fields changed (handy in tests)."""
+    return dataclasses.replace(PRESETS[preset], **changes)
