@@ -51,7 +51,7 @@ import jinja2
 import numpy as np
 
 from deltarun.base.chat_template import ChatTemplate
-from deltarun.base.errors import ContextFullError, DeltarunError
+from deltarun.base.errors import ContextFullError, DeltarunError, ImageError
 from deltarun.base.tokenizer import StreamDecoder
 from deltarun.runner.files import write_atomically
 from deltarun.runner.generation import GenerationStats, decode_tokens
@@ -292,7 +292,7 @@ class ChatSession:
     def __init__(self, model: Model, template: ChatTemplate | None = None, sampler: Sampler | None = None, *,
                  system: str | None = None, enable_thinking: bool | None = None, n_predict: int = -1,
                  stop: Sequence[str] = (), context_shift: bool = False, seq: int = 0,
-                 draft: Any = None, draft_max: int = 8):
+                 draft: Any = None, draft_max: int = 8, vision: Any = None):
         self.model = model
         self.template = template if template is not None else ChatTemplate.from_model(model)
         self.sampler = sampler if sampler is not None else Sampler(GREEDY)
@@ -313,6 +313,11 @@ class ChatSession:
         self._active: Iterator[str] | None = None
         self._logits: tuple[int, int, np.ndarray] | None = None   # (eval calls, n_past, logits)
         self._checkpoint: Any = None   # recurrent state at the end of the last prompt (Model.checkpoint)
+        self.vision = vision           # a VisionEncoder (the mmproj), for attach_image
+        self.pending_images: list[Any] = []     # PreparedImages attached to the next message
+        self._images: dict[int, Any] = {}       # image token -> PreparedImage, of the messages' images
+        self._image_rows: dict[int, np.ndarray] = {}   # image token -> its embedding rows, once encoded
+        self._image_files: dict[str, str] = {}  # digest -> the file it was read from (for the saved conversation)
 
     # --- counters ----------------------------------------------------------------------------------
     @property
@@ -365,6 +370,9 @@ class ChatSession:
         self.messages = [m for m in self.messages[:1] if m.get("role") == "system"]
         self.model.reset()
         self._logits = None
+        self.pending_images.clear()
+        self._images.clear()
+        self._image_rows.clear()
 
     def save(self, path: str | Path) -> None:
         """Write the conversation as JSON, atomically (a temporary file renamed over `path`)."""
@@ -398,13 +406,62 @@ class ChatSession:
     def render(self, messages: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
         return self.template.render(self.messages if messages is None else messages,
                                     add_generation_prompt=add_generation_prompt,
-                                    enable_thinking=self.enable_thinking)
+                                    enable_thinking=self.enable_thinking, images=self.vision is not None)
 
     def tokenize(self, text: str) -> list[int]:
         tok = self.model.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
         add_special = not (bos and text.startswith(bos))   # the template may have written bos itself
-        return tok.encode(text, add_special=add_special, parse_special=True)
+        tokens = tok.encode(text, add_special=add_special, parse_special=True)
+        images = self._message_images()
+        if not images:
+            return tokens
+        from deltarun.runner.multimodal import place_images, vision_token_ids
+
+        return place_images(tokens, vision_token_ids(self.model)[1], images)[0]
+
+    # --- images ------------------------------------------------------------------------------------
+    def attach_image(self, path: str | Path) -> Any:
+        """Read an image (PNG, JPEG, WebP, GIF) and attach it to the next message; the PreparedImage."""
+        from deltarun.runner.images import load_image
+
+        if self.vision is None:
+            raise ImageError("images need the model's vision tower: start chat with --mmproj FILE")
+        from deltarun.runner.model import image_token
+
+        image = load_image(Path(path).expanduser(), self.vision.hp)
+        self.pending_images.append(image)
+        self._images[image_token(image.digest)] = image   # messages name it by its digest
+        self._image_files[image.digest] = str(path)
+        return image
+
+    def _message_images(self) -> list[Any]:
+        """The images of the conversation's messages in the order the template renders them."""
+        from deltarun.runner.model import image_token
+
+        out = []
+        for m in self.messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                for p in content:
+                    if p.get("type") == "image":
+                        image = self._images.get(image_token(p.get("digest", "")))
+                        if image is None:
+                            raise ImageError(f"an image part of the conversation names no attached image "
+                                             f"({p.get('image') or p.get('digest')})")
+                        out.append(image)
+        return out
+
+    def _user_content(self, user_text: str) -> str | list[dict[str, Any]]:
+        """The next user message's content: its text, or image parts followed by the text when images
+        are attached (the template renders each as <|vision_start|><|image_pad|><|vision_end|>)."""
+        if not self.pending_images:
+            return user_text
+        parts: list[dict[str, Any]] = []
+        for img in self.pending_images:
+            parts.append({"type": "image", "image": self._image_files.get(img.digest, ""), "digest": img.digest})
+        self.pending_images = []
+        return parts + [{"type": "text", "text": user_text}]
 
     def prompt_tokens(self, messages: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Tokens of the conversation rendered with the generation prompt (what a turn evaluates)."""
@@ -435,7 +492,9 @@ class ChatSession:
 
     def _turn(self, user_text: str) -> Iterator[str]:
         model = self.model
-        self.messages.append({"role": "user", "content": user_text})
+        attached = list(self.pending_images)
+        content = self._user_content(user_text)
+        self.messages.append({"role": "user", "content": content})
         stats = self.last_turn = TurnStats()
         self.turn_opens_thinking = False
         decoder = StreamDecoder(model.tokenizer)
@@ -489,8 +548,9 @@ class ChatSession:
                 stopper.flush()
                 self.messages.append({"role": "assistant", "content": stopper.kept})
             elif self.messages and self.messages[-1].get("role") == "user" \
-                    and self.messages[-1].get("content") == user_text:
+                    and self.messages[-1].get("content") is content:
                 self.messages.pop()      # cancelled before the first token: the turn did not happen
+                self.pending_images = attached + self.pending_images   # its images wait for the next one
             self.totals.add(stats)
 
     def _decoding(self, answer: list[int], stats: TurnStats) -> tuple[dict[str, Any], GenerationStats]:
@@ -596,9 +656,16 @@ class ChatSession:
         self._prefill(prompt + answer, stats)
         return True
 
-    def _eval(self, tokens: list[int]) -> np.ndarray:
+    def _eval(self, prompt: list[int], step: tuple[int, int, Any]) -> np.ndarray:
+        """Evaluate prompt positions step[0]..step[1] (text, or an image: `prompt_steps`)."""
         with deferred_sigint():
-            logits = self.model.eval(tokens, self.seq)
+            if step[2] is None:
+                logits = self.model.eval(prompt[step[0]:step[1]], self.seq)
+            else:
+                from deltarun.runner.multimodal import eval_step, vision_token_ids
+
+                logits = eval_step(self.model, prompt, step, self.seq, self._rows_of,
+                                   vision_token_ids(self.model)[1])
             self._logits = (self.model.stats.n_eval_calls, self.model.n_past(self.seq), logits)
         return logits
 
@@ -630,6 +697,23 @@ class ChatSession:
             stats.recomputed = True
         return plan.pos
 
+    def _placed(self, prompt: list[int]) -> list[Any]:
+        """Where the conversation's images lie in `prompt` (none without images)."""
+        if not self._images:
+            return []
+        from deltarun.runner.multimodal import find_images
+
+        return find_images(prompt, self._images)
+
+    def _rows_of(self, image: Any) -> np.ndarray:
+        """An image's embedding rows, encoded by the vision tower once per conversation."""
+        from deltarun.runner.model import image_token
+
+        key = image_token(image.digest)
+        if key not in self._image_rows:
+            self._image_rows[key] = self.vision.encode(image)
+        return self._image_rows[key]
+
     def _checkpoint_position(self, prompt_text: str, prompt: list[int]) -> int | None:
         """How many tokens of `prompt` the next turn's rendering will surely repeat.
 
@@ -659,11 +743,15 @@ class ChatSession:
             else None
         done = 0
         try:
+            from deltarun.runner.multimodal import prompt_steps
+
+            placed = self._placed(prompt)
             for begin, end in ((n, cut), (cut, len(prompt))) if cut is not None else ((n, len(prompt)),):
-                # one eval per ubatch (the same split Model.eval makes), so Ctrl-C can stop a long prefill
-                for size in self.model.split_ubatches(end - begin) if end > begin else []:
-                    self._eval(prompt[n + done:n + done + size])
-                    done += size
+                # one eval per ubatch (the same split Model.eval makes), so Ctrl-C can stop a long
+                # prefill; an image is one step
+                for step in prompt_steps(begin, end, placed, self.model.split_ubatches) if end > begin else []:
+                    self._eval(prompt, step)
+                    done += step[1] - step[0]
                 if end == cut and hasattr(self.model, "checkpoint"):
                     self._checkpoint = self.model.checkpoint(self.seq)
         finally:

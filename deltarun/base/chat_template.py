@@ -113,13 +113,16 @@ class ChatTemplate:
         return self.name == BUILTIN_NAME
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None, tools: Sequence[Any] | None = None, **extra: Any) -> str:
+               enable_thinking: bool | None = None, tools: Sequence[Any] | None = None, images: bool = False,
+               **extra: Any) -> str:
         """The prompt text of a conversation.
 
         `enable_thinking=None` leaves the variable undefined (the template's default); extra keyword
-        arguments become template variables, as `apply_chat_template(**kwargs)` does.
+        arguments become template variables, as `apply_chat_template(**kwargs)` does. `images`: image
+        parts ({"type": "image"}) are rendered (the caller puts the image's rows where the template
+        writes its pad token) instead of refused.
         """
-        _refuse_media_parts(messages)
+        _refuse_media_parts(messages, allowed=frozenset({"image"}) if images else frozenset())
         variables: dict[str, Any] = {
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
@@ -143,7 +146,7 @@ class ChatTemplate:
 MEDIA_PART_TYPES = frozenset({"image", "image_url", "input_image", "video", "video_url", "input_audio", "audio"})
 
 
-def _refuse_media_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+def _refuse_media_parts(messages: Sequence[Mapping[str, Any]], allowed: frozenset[str] = frozenset()) -> None:
     """Content given as a list of parts may hold text parts only: deltarun runs the text model, so an
     image or video part (which Qwen3.5's template would turn into placeholder tokens with nothing to
     fill them) is refused up front with one line naming the message."""
@@ -155,6 +158,6 @@ def _refuse_media_parts(messages: Sequence[Mapping[str, Any]]) -> None:
             kind = part.get("type") if isinstance(part, Mapping) else None
             keys = set(part) if isinstance(part, Mapping) else set()
             media = ({kind} | keys) & MEDIA_PART_TYPES
-            if media:
+            if media and not (kind in allowed and media <= allowed):
                 raise TokenizerError(f"message {index} ({message.get('role', '?')}) has a {sorted(media)[0]} "
                                      "part: only text parts are supported (deltarun runs text models)")

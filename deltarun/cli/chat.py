@@ -6,6 +6,7 @@ slash commands and prints the streamed answers (thinking dimmed or hidden).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -29,6 +30,7 @@ Commands:
   /save FILE      write the conversation as JSON
   /load FILE      read a conversation written by /save
   /stats          tokens, speed and context used
+  /image PATH     attach an image (PNG, JPEG, WebP, GIF) to the next message (needs --mmproj)
   /exit           quit (Ctrl-D does too)
 Ctrl-C stops an answer. A line starting with // sends it as a message beginning with /.
 End a line with \\ to continue the message on the next line."""
@@ -165,6 +167,14 @@ class ChatUI:
         self.session.load(path)
         _err(f"[loaded {len(self.session.messages)} messages from {path}]")
 
+    def cmd_image(self, arg: str) -> None:
+        if not arg:
+            _err("usage: /image PATH")
+            return
+        image = self.session.attach_image(arg)
+        h, w = image.merged_hw
+        _err(f"[image {arg} attached to the next message: {h * w} tokens ({h} x {w})]")
+
     def cmd_stats(self, arg: str) -> None:
         s = self.session
         n_ctx, n_past = s.model.n_ctx, s.n_past
@@ -191,7 +201,7 @@ class ChatUI:
 COMMANDS: dict[str, Callable[[ChatUI, str], Any]] = {
     "help": ChatUI.cmd_help, "?": ChatUI.cmd_help, "exit": ChatUI.cmd_exit, "quit": ChatUI.cmd_exit,
     "reset": ChatUI.cmd_reset, "system": ChatUI.cmd_system, "save": ChatUI.cmd_save, "load": ChatUI.cmd_load,
-    "stats": ChatUI.cmd_stats,
+    "stats": ChatUI.cmd_stats, "image": ChatUI.cmd_image,
 }
 
 
@@ -268,6 +278,21 @@ def _prefill_next_turn(session: Any) -> None:
         pass
 
 
+def _open_vision(mmproj: Path, model: Any) -> Any:
+    """The vision tower of `mmproj`, checked against the text model (hidden size, architecture)."""
+    from deltarun.runner.multimodal import vision_token_ids
+    from deltarun.runner.vision import VisionEncoder
+
+    enc = VisionEncoder(mmproj, backend=model.backend)
+    try:
+        enc.check_text_model(model.hp.n_embd, model.family.arch)
+        vision_token_ids(model)
+    except BaseException:
+        enc.close()
+        raise
+    return enc
+
+
 @click.command("chat")
 @model_argument()
 @click.option("--system", default=None, metavar="TEXT", help="System prompt.")
@@ -281,12 +306,14 @@ def _prefill_next_turn(session: Any) -> None:
 @click.option("--context-shift", is_flag=True,
               help="When the context is full, drop the oldest turns (the system prompt stays) and go on.")
 @click.option("--single", is_flag=True, help="Read all of stdin as one message, answer it and exit.")
+@click.option("--mmproj", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The model's vision tower (mmproj-*.gguf): /image PATH attaches an image to the next message.")
 @draft_options
 @sampling_options
 @model_options
 def chat(model: Path | None, system: str | None, think: bool | None, hide_thinking: bool, n_predict: int,
          stop: tuple[str, ...], context_shift: bool, single: bool, draft: str | None, draft_max: int,
-         **opts: Any) -> None:
+         mmproj: Path | None = None, **opts: Any) -> None:
     """Chat with MODEL.gguf using the chat template stored in the file.
 
     On a terminal this is an interactive prompt with line editing and history. Otherwise stdin is
@@ -316,13 +343,14 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
         _err(f"loading {model or 'the built-in model'} ...")
     t_load = time.perf_counter()
     m, source = open_with_draft(model, draft, draft_max, **opts)
-    with m:
+    with m, contextlib.ExitStack() as stack:
+        vision = stack.enter_context(_open_vision(mmproj, m)) if mmproj is not None else None
         template = ChatTemplate.from_model(m)
         if template.is_builtin:
             _err("the model file has no chat template: using the built-in Qwen3 ChatML template")
         session = ChatSession(m, template, Sampler(params), system=system, enable_thinking=think,
                               n_predict=n_predict, stop=stop, context_shift=context_shift, draft=source,
-                              draft_max=draft_max)
+                              draft_max=draft_max, vision=vision)
         if interactive:
             _err(f"{m.path} loaded in {time.perf_counter() - t_load:.2f} s ({m.n_ctx} ctx, {m.backend.name})")
         ui = ChatUI(session, hide_thinking=hide_thinking, context_shift=context_shift)

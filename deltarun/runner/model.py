@@ -8,6 +8,7 @@ Python work is setting a few input tensors.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ class ImageSpan:
     rows: int
     cols: int
     rope0: int
-    pad_token: int
+    token: int               # what the sequence records for each of its rows (Model.eval_image)
 
     @property
     def shift(self) -> int:
@@ -129,6 +130,37 @@ class ImageSpan:
         """[3, n] (temporal, height, width) rope positions of the image's tokens, row-major."""
         r, c = np.divmod(np.arange(self.n, dtype=np.int32), np.int32(self.cols))
         return np.stack([np.full(self.n, self.rope0, dtype=np.int32), self.rope0 + r, self.rope0 + c])
+
+
+def image_token(digest: bytes | str) -> int:
+    """The id a sequence's token list records for each row of the image with this digest: negative,
+    so no vocabulary token is one, and different for different images (56 bits of the digest), so
+    the token lists that chat and the prompt cache compare to resume a prompt tell images apart
+    although their pad tokens are the same id (the cache is keyed on image content)."""
+    raw = bytes.fromhex(digest) if isinstance(digest, str) else bytes(digest)
+    return -1 - int.from_bytes(raw[:7], "little")
+
+
+def image_spans(tokens: Sequence[int], grids: dict[int, tuple[int, int]]) -> list[ImageSpan]:
+    """The whole images in a token list: runs of an image token (`grids` gives each one's merged
+    grid), rope positions counted from the start as `Model.eval_image` gives them."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    idx = np.flatnonzero(arr < 0)
+    spans: list[ImageSpan] = []
+    shift, i = 0, 0
+    while i < idx.size:
+        start = int(idx[i])
+        tok = int(arr[start])
+        rows, cols = grids.get(tok, (0, 0))
+        n = rows * cols
+        if n and start + n <= arr.size and bool(np.all(arr[start:start + n] == tok)):
+            span = ImageSpan(start, n, rows, cols, start + shift, tok)
+            spans.append(span)
+            shift += span.shift
+            i = int(np.searchsorted(idx, start + n))
+        else:
+            i += 1
+    return spans
 
 
 @dataclass
@@ -195,7 +227,10 @@ class Model:
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
         self.last_captures: dict[int, RecurrentState] = {}   # eval(captures=...): length -> state
-        self._images: dict[int, list[ImageSpan]] = {}   # per sequence, the images placed (eval_image)
+        #: the merged grid of each image token a sequence may hold (eval_image's `token`)
+        self._image_grids: dict[int, tuple[int, int]] = {}
+        #: per sequence, its images as of a length of `memory.truncations` (see `images`)
+        self._images: dict[int, tuple[int, list[ImageSpan]]] = {}
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -213,6 +248,7 @@ class Model:
         """Forget every sequence (KV cache and recurrent state)."""
         self.memory.clear()
         self._images.clear()
+        self._image_grids.clear()
 
     def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Remember the live recurrent state of `seq` at its current length (see Memory.checkpoint)."""
@@ -285,13 +321,17 @@ class Model:
             self.last_hidden = np.concatenate(hiddens, axis=0)[None]
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
-    def eval_image(self, rows: np.ndarray, grid: tuple[int, int], pad_token: int, seq: int = 0) -> np.ndarray:
+    def eval_image(self, rows: np.ndarray, grid: tuple[int, int], pad_token: int, seq: int = 0, *,
+                   token: int | None = None, skip: int = 0) -> np.ndarray:
         """Evaluate an image's embedding rows [n, n_embd] (a merged grid of grid[0] x grid[1] tokens,
         row-major) appended to sequence `seq`, where the prompt has n `pad_token`s; logits of its last
         row. As `Qwen3_5Model.forward`: the rows replace the pad tokens' embeddings, the image's
         tokens take the rope streams (p, p + row, p + col) from the next text position p, and the
         text after it continues at p + max(rows, cols); KV cells and the causal mask stay in
-        sequence order. The sequence records the pad tokens."""
+        sequence order. The sequence records `token` for each row (default the pad token; callers that
+        resume prompts by comparing token lists give an id that names the image, `image_token`, so a
+        different image with the same pad tokens is never taken for this one). `skip`: the first rows
+        are already held (the sequence was resumed inside the image)."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         n = int(grid[0]) * int(grid[1])
         if rows.ndim != 2 or rows.shape != (n, self.hp.n_embd):
@@ -301,29 +341,47 @@ class Model:
             raise DeltarunError(f"{self.path}: images need a model with multi-section rope (qwen35, qwen35moe)")
         if not 0 <= pad_token < self.hp.n_vocab:
             raise DeltarunError(f"image pad token {pad_token} is outside the vocabulary")
-        self._check_tokens([pad_token] * n, seq)
-        start = self.n_past(seq)
-        span = ImageSpan(start, n, int(grid[0]), int(grid[1]), start + self._rope_shift(seq), int(pad_token))
+        recorded = int(image_token(hashlib.blake2b(rows.tobytes(), digest_size=8).digest()) if token is None
+                       else token)
+        if recorded >= 0 or self._image_grids.get(recorded, (int(grid[0]), int(grid[1]))) != (grid[0], grid[1]):
+            raise DeltarunError(f"image token {recorded} is not negative or names an image of another grid")
+        held = self.memory.seqs[seq].tokens if 0 <= seq < self.memory.n_seq_max else []
+        if not 0 <= skip < n or (skip and held[len(held) - skip:] != [recorded] * skip):
+            raise DeltarunError(f"cannot resume image evaluation after {skip} of its {n} rows: the sequence "
+                                f"does not end with them")
+        self._check_tokens([pad_token] * (n - skip), seq)
+        start = self.n_past(seq) - skip
+        self._image_grids[recorded] = (int(grid[0]), int(grid[1]))
+        span = ImageSpan(start, n, int(grid[0]), int(grid[1]), start + self._rope_shift(seq), recorded)
         streams = span.streams()
-        done, logits = 0, None
-        for size in self.split_ubatches(n):
+        done, logits = skip, None
+        for size in self.split_ubatches(n - skip):
             chunk = slice(done, done + size)
             logits = self._eval_ubatch([[pad_token] * size], seq, False, embd=rows[chunk], rope=streams[:, chunk])
+            self.memory.seqs[seq].tokens[-size:] = [recorded] * size
             done += size
-        self._images.setdefault(seq, []).append(span)
+        self._images[seq] = (len(self.memory.truncations), self._images_now(seq)[1] + [span])
         return logits[0][-1]
 
     def images(self, seq: int = 0) -> list[ImageSpan]:
         """The images placed in sequence `seq` that it still holds whole."""
         st = self.memory.seqs[seq]
-        kept = [s for s in self._images.get(seq, [])
-                if s.start + s.n <= st.n_past and all(t == s.pad_token for t in st.tokens[s.start:s.start + s.n])]
-        self._images[seq] = kept
-        return kept
+        return list(self._images_now(seq)[1])
+
+    def _images_now(self, seq: int) -> tuple[int, list[ImageSpan]]:
+        """The images of `seq`, found again in its tokens when its token list was replaced or cut
+        since they were last listed (a checkpoint or host copy restored, a rollback, a copy):
+        every replacement appends to `memory.truncations`, and only eval_image appends images."""
+        log = len(self.memory.truncations)
+        cached = self._images.get(seq)
+        if cached is None or cached[0] != log:
+            cached = (log, image_spans(self.memory.seqs[seq].tokens, self._image_grids) if self._image_grids else [])
+            self._images[seq] = cached
+        return cached
 
     def _rope_shift(self, seq: int) -> int:
         """How far the rope positions of new text in `seq` are from its cache positions."""
-        return sum(s.shift for s in self.images(seq)) if self._images.get(seq) else 0
+        return sum(s.shift for s in self._images_now(seq)[1]) if self._image_grids else 0
 
     def split_ubatches(self, n: int) -> list[int]:
         """Sizes of the ubatches for n tokens of one sequence."""
@@ -359,7 +417,6 @@ class Model:
         A draft model drafts on a copy, so its committed sequence never needs a rollback.
         """
         self.memory.copy_seq(src, dst)
-        self._images[dst] = list(self._images.get(src, []))
 
     def mtp_eval(self, tokens: list[int], hidden: np.ndarray, start: int, seq: int = 0,
                  n_outputs: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -650,7 +707,7 @@ class Model:
             pos = np.array([[starts[0]]], dtype=np.int32)
         else:
             pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-        if rope is None and self._images:
+        if rope is None and self._image_grids:
             shifts = [self._rope_shift(shape.seq_head + i) for i in range(shape.n_seqs)]
             if any(shifts):
                 text = (pos + np.asarray(shifts, dtype=np.int32)[:, None]).reshape(1, -1)

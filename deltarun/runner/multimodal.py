@@ -8,11 +8,14 @@ of the pad tokens (`Model.eval_image`). In a raw prompt, images go where llama.c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import numpy as np
 
 from deltarun.base.errors import DeltarunError, ImageError
 from deltarun.base.vision import PreparedImage
-from deltarun.runner.model import Model
+from deltarun.runner.model import Model, image_token
 from deltarun.runner.vision import VisionEncoder
 
 MEDIA_MARKER = "<__media__>"
@@ -58,6 +61,89 @@ def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images:
     for piece, img, emb in zip(pieces, images, rows):
         pending += model.tokenizer.encode(piece) + [start]
         model.eval(pending, seq)
-        model.eval_image(np.asarray(emb), img.merged_hw, pad, seq)
+        model.eval_image(np.asarray(emb), img.merged_hw, pad, seq, token=image_token(img.digest))
         pending = [end]
     return pending + model.tokenizer.encode(pieces[-1])
+
+
+@dataclass(frozen=True)
+class PlacedImage:
+    """An image in a prompt's token list: its `n` image tokens (`token`, see `image_token`) from
+    position `start`, where the chat template wrote one <|image_pad|>."""
+
+    start: int
+    image: PreparedImage
+    token: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.image.n_tokens
+
+
+def place_images(tokens: Sequence[int], pad: int, images: Sequence[PreparedImage]) -> tuple[list[int], list[PlacedImage]]:
+    """`tokens` (a rendered prompt, one `pad` per image) with each pad replaced by its image's
+    tokens, and where they are. The images are taken in order; a prefix of a prompt may hold fewer
+    pads than there are images, never more."""
+    out: list[int] = []
+    placed: list[PlacedImage] = []
+    for t in tokens:
+        if t != pad:
+            out.append(int(t))
+            continue
+        if len(placed) == len(images):
+            raise ImageError(f"the prompt has more {VISION_TOKENS[1]} tokens than the {len(images)} images attached")
+        img = images[len(placed)]
+        placed.append(PlacedImage(len(out), img, image_token(img.digest)))
+        out += [placed[-1].token] * img.n_tokens
+    return out, placed
+
+
+def prompt_steps(begin: int, end: int, placed: Sequence[PlacedImage],
+                 split: Callable[[int], list[int]]) -> list[tuple[int, int, PlacedImage | None]]:
+    """How to evaluate prompt positions begin..end: (from, to, image) steps, each image (or the
+    rest of one, when `begin` lies inside it) one step, the text between in the ubatches
+    `split(n)` gives."""
+    steps: list[tuple[int, int, PlacedImage | None]] = []
+    pos = begin
+    for img in sorted(placed, key=lambda p: p.start):
+        if img.end <= pos or img.start >= end:
+            continue
+        if img.end > end:
+            raise ImageError(f"prompt positions {begin}..{end} end inside an image ({img.start}..{img.end})")
+        for size in split(img.start - pos) if img.start > pos else []:
+            steps.append((pos, pos + size, None))
+            pos += size
+        steps.append((pos, img.end, img))
+        pos = img.end
+    for size in split(end - pos) if end > pos else []:
+        steps.append((pos, pos + size, None))
+        pos += size
+    return steps
+
+
+def eval_step(model: Model, tokens: Sequence[int], step: tuple[int, int, PlacedImage | None], seq: int,
+              rows_of: Callable[[PreparedImage], np.ndarray], pad: int, **text_opts: object) -> np.ndarray:
+    """Evaluate one of `prompt_steps` into sequence `seq` (which holds the prompt up to its start);
+    the logits of its last row. `rows_of` gives an image's embedding rows (the vision tower's)."""
+    begin, end, img = step
+    if img is None:
+        return model.eval(list(tokens[begin:end]), seq, **text_opts)
+    return model.eval_image(np.asarray(rows_of(img.image)), img.image.merged_hw, pad, seq, token=img.token,
+                            skip=begin - img.start)
+
+
+def find_images(tokens: Sequence[int], images: dict[int, PreparedImage]) -> list[PlacedImage]:
+    """Where the images of `images` (by their `image_token`) lie in a token list made by
+    `place_images`: each run of an image's token, n_tokens at a time."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    idx = np.flatnonzero(arr < 0)
+    placed: list[PlacedImage] = []
+    i = 0
+    while i < idx.size:
+        start = int(idx[i])
+        img = images.get(int(arr[start]))
+        if img is None:
+            raise ImageError(f"position {start} of the prompt holds an image that is not attached")
+        placed.append(PlacedImage(start, img, int(arr[start])))
+        i = int(np.searchsorted(idx, start + img.n_tokens))
+    return placed

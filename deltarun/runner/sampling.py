@@ -142,6 +142,7 @@ class Sampler:
             return logits
         recent = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
         ids = np.unique(np.asarray(recent, dtype=np.int64))
+        ids = ids[(ids >= 0) & (ids < len(logits))]    # an image's tokens (negative ids) are no vocabulary tokens
         out = np.array(logits, dtype=np.float32, copy=True)
         vals = out[ids]
         out[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
