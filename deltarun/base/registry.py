@@ -25,6 +25,7 @@ BUILTIN = {
     "qwen3next": ("deltarun.graphs.qwen3next", "Qwen3NextFamily"),
     "qwen35": ("deltarun.graphs.qwen35", "Qwen35Family"),
     "qwen35moe": ("deltarun.graphs.qwen35moe", "Qwen35MoeFamily"),
+    "kimi-linear": ("deltarun.graphs.kimi_linear", "KimiLinearFamily"),
 }
 
 

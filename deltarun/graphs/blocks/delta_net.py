@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from deltarun.base.errors import UnsupportedModelError
 from deltarun.base.ggml_util import Tensor, ggml, nb, ne
 from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
@@ -121,14 +122,33 @@ def repeat_tiled(g: GraphContext, q: Tensor, k: Tensor, il: int) -> tuple[Tensor
 def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> Tensor:
     hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
     p = f"blk.{il}."
+    S, nv = hp.ssm_d_state, hp.ssm_n_v_heads
+    T, N = ub.n_seq_tokens, ub.n_seqs
+
+    qkv, z = qkvz(g, cur, il)                               # [conv_dim, T, N], [value_dim, T*N]
+    beta, gate = beta_and_gate(g, cur, il, kind)
+    out = recurrent_core(g, qkv, w[p + "ssm_conv1d.weight"], gate, beta, il, kind.broadcast)
+
+    z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
+    normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
+    gated = ggml.ggml_mul(c, normed, ggml.ggml_silu(c, z4))
+    final = g.cb(ggml.ggml_reshape_2d(c, gated, hp.value_dim, T * N), "final_output", il)
+    return g.cb(g.mm(w[p + "ssm_out.weight"], final), "linear_attn_out", il)
+
+
+def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tensor, beta: Tensor, il: int,
+                   broadcast: str) -> Tensor:
+    """From the conv input channels q|k|v [conv_dim, T, N] to the delta rule's output [S, H_v, T, N],
+    through the layer's recurrent state: the causal conv over the conv state (its last windows
+    written to the rollback slots), SiLU, L2-normed q/k broadcast to the value heads (`broadcast`,
+    see `DeltaNet`), and the delta rule with `gate` ([1, H_v, T, N] per head, or [S, H_v, T, N] per
+    key channel) and `beta`, whose K newest states go to the slots. Shared by the gated delta net
+    and Kimi's KDA (graphs/blocks/kda.py)."""
+    hp, ub, c = g.hp, g.ub, g.ctx
     S, nk, nv = hp.ssm_d_state, hp.ssm_n_k_heads, hp.ssm_n_v_heads
     T, N = ub.n_seq_tokens, ub.n_seqs
     K = g.mem.rs_slots
     f32 = 4
-
-    qkv, z = qkvz(g, cur, il)                               # [conv_dim, T, N], [value_dim, T*N]
-
-    beta, gate = beta_and_gate(g, cur, il, kind)
     rs = recurrent_input(g)
 
     # conv state: slot 0 of this ubatch's cells, read in place (the sequences' cells are
@@ -142,7 +162,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     g.cb(conv_input, "conv_input", il)                          # [d_conv-1+T, conv_dim, N]
     write_conv_slots(g, rs, conv_all, conv_input, il)
 
-    conv_out = ggml.ggml_ssm_conv(c, conv_input, w[p + "ssm_conv1d.weight"])
+    conv_out = ggml.ggml_ssm_conv(c, conv_input, conv_weight)
     g.cb(conv_out, "conv_output_raw", il)
     conv_out = g.cb(ggml.ggml_silu(c, conv_out), "conv_output_silu", il)   # [conv_dim, T, N]
 
@@ -152,7 +172,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     v = g.view(conv_out, (S, nv, T, N), (S * f32, row, row * T), 2 * hp.key_dim * f32)
     q = ggml.ggml_l2_norm(c, q, hp.rms_eps)
     k = ggml.ggml_l2_norm(c, k, hp.rms_eps)
-    if kind.broadcast == "grouped":
+    if broadcast == "grouped":
         q, k = repeat_grouped(g, q, k)
     g.cb(q, "q_conv_predelta", il)      # qwen35: still H_k heads, as in llama.cpp's fused path
     g.cb(k, "k_conv_predelta", il)
@@ -160,7 +180,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
         g.cb(v, "v_conv_predelta", il)  # a view: the fused op reads rows by stride (CPU, Vulkan, CUDA)
     else:
         v = g.cb(ggml.ggml_cont(c, v), "v_conv_predelta", il)   # the primitive ops reshape it
-        if kind.broadcast == "tiled":
+        if broadcast == "tiled":
             q, k = repeat_tiled(g, q, k, il)
 
     ssm_all = g.mem.ssm[il]                                     # [D, n_seq_max, K]
@@ -185,12 +205,7 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
     n_written = min(T, K)
     dst = g.view(ssm_all, (D, N, n_written), (nb(ssm_all)[1], nb(ssm_all)[2]), ub.seq_head * nb(ssm_all)[1])
     g.expand(g.cb(ggml.ggml_cpy(c, snaps, dst), "ssm_state_store", il))
-
-    z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
-    normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
-    gated = ggml.ggml_mul(c, normed, ggml.ggml_silu(c, z4))
-    final = g.cb(ggml.ggml_reshape_2d(c, gated, hp.value_dim, T * N), "final_output", il)
-    return g.cb(g.mm(w[p + "ssm_out.weight"], final), "linear_attn_out", il)
+    return out
 
 
 def qkvz(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor]:
@@ -329,7 +344,7 @@ def _delta_net_step(g: GraphContext, q, k, v, gate, beta, state, il: int) -> tup
     q = ggml.ggml_scale(c, ggml.ggml_reshape_4d(c, q, S, 1, H, N), 1.0 / math.sqrt(S))
     k = ggml.ggml_reshape_4d(c, k, S, 1, H, N)
     v = ggml.ggml_reshape_4d(c, v, S, 1, H, N)
-    gate = ggml.ggml_reshape_4d(c, gate, 1, 1, H, N)
+    gate = ggml.ggml_reshape_4d(c, gate, ne(gate)[0], 1, H, N)   # per head, or per key channel (KDA)
     beta = ggml.ggml_reshape_4d(c, beta, 1, 1, H, N)
     m = ggml.ggml_mul(c, state, ggml.ggml_exp(c, gate))                   # [S_k, S_v, H, N]
     kv_mem = ggml.ggml_mul_mat(c, m, k)                                 # [S_v, 1, H, N]
@@ -354,6 +369,9 @@ def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: 
     """
     c = g.ctx
     S, H, T, N = ne(v)
+    if ne(gate)[0] != 1:
+        raise UnsupportedModelError("the primitive chunked delta rule has no per-channel gate (Kimi's KDA); "
+                                    "run this model with the fused delta rule (--delta-net fused)")
     C = CHUNK_SIZE
     pad = (C - T % C) % C
     nc = (T + pad) // C
