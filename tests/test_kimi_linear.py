@@ -187,6 +187,17 @@ def test_a_restored_capture_continues_as_the_unbroken_sequence(kimi_path):
     assert rel_err(resumed, unbroken) < F32_TOL
 
 
+def test_a_conv_kernel_stored_f16_is_a_clear_error(tmp_path, monkeypatch):
+    from deltarun.base.errors import ModelFileError
+    from deltarun.model_files import generate
+
+    keeps = generate._keeps_f32
+    monkeypatch.setattr(generate, "_keeps_f32", lambda name, arr: "conv1d_k" not in name and keeps(name, arr))
+    path = kl.write_model(tmp_path / "kimi-f16-conv.gguf", PRESET, "f16")
+    with pytest.raises(ModelFileError, match="ssm_conv1d_k.weight.*must be F32"):
+        Model(path, n_ctx=64)
+
+
 def test_the_primitive_delta_rule_says_it_has_no_per_channel_gate(kimi_path):
     with pytest.raises(UnsupportedModelError, match="per-channel gate"):
         Model(kimi_path, n_ctx=64, delta_net="primitive")

@@ -17,6 +17,8 @@ reads (issue 32: KV memory per token is twice llama.cpp's until Memory skips it)
 
 from __future__ import annotations
 
+import gguf
+
 from deltarun.base.errors import ModelFileError
 from deltarun.base.ggml_util import Tensor, ggml
 from deltarun.base.gguf_file import GGUFFile
@@ -28,6 +30,8 @@ from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.family import HybridFamily, Spec
 
 ARCH = "kimi-linear"
+#: besides spec.F32_ONLY: the three conv kernels (concatenated for ggml_ssm_conv) and the router's bias
+F32_ONLY = kda.CONV_NAMES + ("exp_probs_b.bias",)
 GATING_SIGMOID = 2   # expert_gating_func (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
 
 
@@ -39,6 +43,11 @@ class KimiLinearFamily(HybridFamily):
     def __init__(self, gguf_file: GGUFFile):
         self.mla_shape, self.n_dense_lead, self.router = self.read_extras(gguf_file)
         super().__init__(gguf_file)
+        for name, info in gguf_file.tensors.items():   # element-wise operands ggml's CPU ops need in F32
+            if name.endswith(F32_ONLY) and info.ggml_type != gguf.GGMLQuantizationType.F32:
+                raise ModelFileError(f"{gguf_file.path}: tensor {name!r} has type "
+                                     f"{gguf.GGMLQuantizationType(info.ggml_type).name}; it must be F32 "
+                                     "(convert the model again, keeping it unquantized)")
 
     # --- spec ---------------------------------------------------------------------------------
     @classmethod
