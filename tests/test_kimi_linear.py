@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deltarun.base.errors import UnsupportedModelError
 from deltarun.model_files import kimi_linear as kl
 from deltarun.model_files.vocab import vocab_named
 from deltarun.runner.model import Model
@@ -124,12 +123,13 @@ def test_the_file_has_llama_cpp_layout(kimi_path):
         assert m.memory.k[1].contents.ne[0] == CFG.kv_lora_rank + CFG.qk_rope_head_dim
 
 
-def test_f32_logits_and_greedy_match_reference(kimi_path, reference):
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+def test_f32_logits_and_greedy_match_reference(kimi_path, reference, delta_net):
     toks = prompt(80, seed=1)
     expected = reference.forward(toks)
-    with Model(kimi_path, n_ctx=256, kv_type="f32", n_batch=32) as m:   # three ubatches: the caches carry over
+    with Model(kimi_path, n_ctx=256, kv_type="f32", n_batch=32, delta_net=delta_net) as m:   # three ubatches
         got = m.logits_for(toks)
-        print(f"kimi-linear f32: {rel_err(got, expected):.2e}")
+        print(f"kimi-linear {delta_net} f32: {rel_err(got, expected):.2e}")
         assert rel_err(got, expected) < F32_TOL
         assert (got.argmax(1) == expected.argmax(1)).all()
         m.reset()
@@ -162,10 +162,11 @@ def test_two_sequences_in_one_ubatch_match_reference(kimi_path, reference):
     assert rel_err(got[1], want_b) < F32_TOL
 
 
-@pytest.mark.parametrize("n_block,n_back", [(5, 3), (3, 3), (3, 1)])   # (3, 3): the whole ubatch
-def test_rollback_equals_recomputation(kimi_path, n_block, n_back):
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+@pytest.mark.parametrize("n_block,n_back", [(5, 3), (3, 3), (3, 1), (20, 3)])   # (3, 3): the whole ubatch
+def test_rollback_equals_recomputation(kimi_path, n_block, n_back, delta_net):
     first, block, cont = prompt(7, seed=10), prompt(n_block, seed=11), prompt(4, seed=12)
-    with Model(kimi_path, n_ctx=128, kv_type="f32", rs_slots=4) as m:
+    with Model(kimi_path, n_ctx=128, kv_type="f32", rs_slots=4, delta_net=delta_net) as m:
         m.eval(first)
         m.eval(block)
         m.rollback(n_back)
@@ -174,9 +175,11 @@ def test_rollback_equals_recomputation(kimi_path, n_block, n_back):
     assert rel_err(after, fresh) < F32_TOL
 
 
-def test_a_restored_capture_continues_as_the_unbroken_sequence(kimi_path):
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+def test_a_restored_capture_continues_as_the_unbroken_sequence(kimi_path, delta_net):
     toks = prompt(60, seed=2)
-    with Model(kimi_path, n_ctx=128, n_batch=64, kv_type="f32", capture_slots=2, n_seq_max=2) as m:
+    with Model(kimi_path, n_ctx=128, n_batch=64, kv_type="f32", capture_slots=2, n_seq_max=2,
+               delta_net=delta_net) as m:
         m.eval(toks[:40], seq=0, captures=[13, 29])
         m.memory.write_recurrent(1, m.last_captures[29])
         m.memory.write_kv(1, m.memory.read_kv(0, 29), 29)
@@ -198,9 +201,18 @@ def test_a_conv_kernel_stored_f16_is_a_clear_error(tmp_path, monkeypatch):
         Model(path, n_ctx=64)
 
 
-def test_the_primitive_delta_rule_says_it_has_no_per_channel_gate(kimi_path):
-    with pytest.raises(UnsupportedModelError, match="per-channel gate"):
-        Model(kimi_path, n_ctx=64, delta_net="primitive")
+def test_fused_equals_primitive(kimi_path):
+    """The primitive chunked form with per-channel decays (chunks of 16, several per ubatch, a
+    partial last one) against ggml's fused op: logits, the K state snapshots and the conv slots."""
+    toks = prompt(2 * 16 + 5 + 40, seed=6)
+    results = {}
+    for mode in ("fused", "primitive"):
+        with Model(kimi_path, n_ctx=256, kv_type="f32", delta_net=mode, rs_slots=4, n_batch=37) as m:
+            results[mode] = (m.logits_for(toks), m.memory.ssm_slots(0), m.memory.conv_slots(0))
+    print(f"kimi-linear primitive vs fused: {rel_err(results['primitive'][0], results['fused'][0]):.2e}")
+    assert rel_err(results["primitive"][0], results["fused"][0]) < F32_TOL
+    np.testing.assert_allclose(results["primitive"][1], results["fused"][1], atol=1e-5, rtol=1e-4)
+    np.testing.assert_array_equal(results["primitive"][2], results["fused"][2])
 
 
 # about 4x the measured median error per position (printed by the test; 2 vCPU x86-64): f16 7.5e-4,

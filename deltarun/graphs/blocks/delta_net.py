@@ -7,6 +7,9 @@ the conv state, whose last Kw windows go to the rollback slots with ONE set_rows
 `rs_s_slot_rev`, L2-normed q/k broadcast to the value heads, and the delta rule itself, fused
 (`ggml_gated_delta_net`, which also writes the K state snapshots) or from primitive ops (the
 one-token recurrence, or the chunked WY form), then the gated RMSNorm and the output projection.
+The part from the conv input to the delta rule's output (`recurrent_core`) is shared with Kimi's
+KDA (blocks/kda.py), whose decay gate is per key channel ([S, H, T, N] instead of [1, H, T, N]):
+the fused op and the one-token step take either; the chunked form has a per-channel variant.
 
 Value-head order (`DeltaNet.broadcast`): with more value heads than key heads, qwen3next files
 keep value heads grouped by key head (value head j*r+i reads key head j), so q/k are repeated
@@ -21,13 +24,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from deltarun.base.errors import UnsupportedModelError
 from deltarun.base.ggml_util import Tensor, ggml, nb, ne
 from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.inputs import RecurrentStateInput
 
 CHUNK_SIZE = 64  # chunk length of the primitive (chunked) delta rule
+#: chunk length of the per-channel-decay form (Kimi's KDA), whose pairwise decays take
+#: S x C x C floats per chunk and head
+KDA_CHUNK_SIZE = 16
 
 Spec = dict[str, tuple[tuple[int, ...], bool]]
 
@@ -334,6 +339,8 @@ def delta_net_primitive(g: GraphContext, q, k, v, gate, beta, state, K: int, il:
     """The delta rule from elementary ops: the one-token recurrence, or the chunked form."""
     if ne(v)[2] == 1:
         return _delta_net_step(g, q, k, v, gate, beta, state, il)
+    if ne(gate)[0] != 1:
+        return _delta_net_chunked_per_channel(g, q, k, v, gate, beta, state, K, il)
     return _delta_net_chunked(g, q, k, v, gate, beta, state, K, il)
 
 
@@ -369,9 +376,6 @@ def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: 
     """
     c = g.ctx
     S, H, T, N = ne(v)
-    if ne(gate)[0] != 1:
-        raise UnsupportedModelError("the primitive chunked delta rule has no per-channel gate (Kimi's KDA); "
-                                    "run this model with the fused delta rule (--delta-net fused)")
     C = CHUNK_SIZE
     pad = (C - T % C) % C
     nc = (T + pad) // C
@@ -444,4 +448,106 @@ def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: 
     snap = snaps[0]
     for s in snaps[1:]:
         snap = ggml.ggml_concat(c, snap, s, 2)
+    return out, snap
+
+
+def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int
+                                   ) -> tuple[Tensor, Tensor]:
+    """The chunked form with a decay per key channel (Kimi's KDA: gate [S, H, T, N]).
+
+    As `_delta_net_chunked`, with G the per-channel cumulative log-decay: the pairwise decays no
+    longer factor out of the dot products, so they are taken explicitly, D[s, t, i] = e^(G_t[i] -
+    G_s[i]) for s <= t (never above 1), over chunks of KDA_CHUNK_SIZE tokens:
+      A[t,s]  = b_t sum_i k_t[i] k_s[i] D[s,t,i] (s < t),   QK[t,s] = sum_i q_t[i] k_s[i] D[s,t,i]
+      (I + A) U = B V,  (I + A) W = B (e^G o K),  Delta = U - W M0
+      O = (e^G o Q) M0 + QK Delta,  M_end = e^(G_last) o M0 + (e^(G_last - G) o K)^T Delta
+    """
+    c = g.ctx
+    S, H, T, N = ne(v)
+    C = KDA_CHUNK_SIZE
+    pad = (C - T % C) % C
+    nc = (T + pad) // C
+    HN = H * N
+    B = nc * HN
+
+    def chunked(x: Tensor, width: int) -> Tensor:  # [width, H, T, N] -> [width, C, nc, H*N]
+        x = ggml.ggml_cont(c, ggml.ggml_permute(c, x, 0, 2, 1, 3))
+        if pad:
+            x = ggml.ggml_pad(c, x, 0, pad, 0, 0)
+        return ggml.ggml_reshape_4d(c, x, width, C, nc, HN)
+
+    def by_token(x: Tensor) -> Tensor:             # [S, C, nc, HN] -> [C, S, B]: tokens along ne0
+        return ggml.ggml_reshape_3d(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_reshape_3d(c, x, S, C, B))),
+                                    C, S, B)
+
+    def pairwise(x_t: Tensor, decay: Tensor) -> Tensor:
+        """sum_i x_t[i] k_s[i] D[s,t,i] as [C(s), C(t), nc, HN]; x_t, k by token [C, S, B]."""
+        xt = ggml.ggml_repeat_4d(c, ggml.ggml_reshape_4d(c, x_t, 1, C, S, B), C, C, S, B)
+        prod = ggml.ggml_mul(c, ggml.ggml_mul(c, xt, ggml.ggml_reshape_4d(c, kc, C, 1, S, B)), decay)
+        prod = ggml.ggml_cont(c, ggml.ggml_permute(c, prod, 1, 2, 0, 3))               # [S, C(s), C(t), B]
+        return ggml.ggml_reshape_4d(c, ggml.ggml_sum_rows(c, prod), C, C, nc, HN)
+
+    q = chunked(ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), S)
+    k = chunked(k, S)
+    v = chunked(v, S)
+    bc = chunked(beta, 1)                                                   # [1, C, nc, HN]
+    Gc = g.cb(ggml.ggml_cumsum(c, by_token(chunked(gate, S))), "kda_g_cumsum", il)   # [C, S, B]
+    G = ggml.ggml_reshape_4d(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, Gc)), S, C, nc, HN)
+    kc = by_token(k)
+    diff = ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, ggml.ggml_reshape_4d(c, Gc, 1, C, S, B), C, C, S, B),
+                         ggml.ggml_reshape_4d(c, Gc, C, 1, S, B))              # (s, t, i): G_t - G_s
+    D = g.cb(ggml.ggml_tri(c, ggml.ggml_exp(c, diff), ggml.GGML_TRI_TYPE_LOWER_DIAG), "kda_decay", il)  # s <= t
+
+    A = ggml.ggml_tri(c, ggml.ggml_mul(c, pairwise(kc, D), bc), ggml.GGML_TRI_TYPE_LOWER)
+    QK = pairwise(by_token(q), D)
+    ident = ggml.ggml_diag(c, ggml.ggml_fill(c, ggml.ggml_view_2d(c, bc, C, 1, nb(bc)[2], 0), 1.0))
+    lhs = g.cb(ggml.ggml_add(c, A, ident), "dnet_lhs", il)
+    eG = ggml.ggml_exp(c, G)                                                  # [S, C, nc, HN]
+    U = ggml.ggml_solve_tri(c, lhs, ggml.ggml_mul(c, v, bc), True, True, False)
+    W = ggml.ggml_solve_tri(c, lhs, ggml.ggml_mul(c, ggml.ggml_mul(c, k, eG), bc), True, True, False)
+    G_last = g.view(G, (S, 1, nc, HN), nb(G)[1:], (C - 1) * nb(G)[1])       # [S, 1, nc, HN]
+    to_end = ggml.ggml_exp(c, ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_last, S, C, nc, HN), G))
+    KdT = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k, to_end)))  # [C, S, nc, HN]
+    eG_last = ggml.ggml_exp(c, ggml.ggml_cont(c, G_last))                        # [S, 1, nc, HN]
+    qG = ggml.ggml_mul(c, q, eG)
+
+    def chunk(t: Tensor, i: int) -> Tensor:
+        return g.view(t, (ne(t)[0], ne(t)[1], 1, ne(t)[3]), nb(t)[1:], i * nb(t)[2])
+
+    m = ggml.ggml_reshape_4d(c, state, S, S, 1, HN)                         # (k, v) per head
+    outs, starts, deltas = [], [], []
+    for i in range(nc):
+        starts.append(m)
+        delta = ggml.ggml_sub(c, chunk(U, i), ggml.ggml_mul_mat(c, m, chunk(W, i)))    # [S_v, C]
+        delta_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, delta))                      # [C, S_v]
+        deltas.append(delta_t)
+        inter = ggml.ggml_mul_mat(c, m, chunk(qG, i))
+        intra = ggml.ggml_mul_mat(c, delta_t, chunk(QK, i))
+        outs.append(ggml.ggml_add(c, inter, intra))                                     # [S_v, C]
+        m = ggml.ggml_add(c, ggml.ggml_mul(c, m, chunk(eG_last, i)), ggml.ggml_mul_mat(c, chunk(KdT, i), delta_t))
+        g.cb(m, f"dnet_chunk{i}_state", il)
+    o = outs[0]
+    for part in outs[1:]:
+        o = ggml.ggml_concat(c, o, part, 2)                                             # [S_v, C, nc, HN]
+    o = g.view(o, (S, T, H, N), (nb(o)[1], nb(o)[2] * nc, nb(o)[2] * nc * H), 0)
+    out = ggml.ggml_cont(c, ggml.ggml_permute(c, o, 0, 2, 1, 3))                        # [S, H, T, N]
+
+    # snapshots: slot 0 is the final state; slot r is the state after token T-1-r:
+    # M_t = e^(G_t) o M0 + (e^(G_t - G_s) o k_s)_{s <= t}^T Delta_{s <= t}
+    snaps = [ggml.ggml_reshape_3d(c, m, S * S * H, N, 1)]
+    for r in range(1, min(T, K)):
+        t = T - 1 - r
+        i, l = divmod(t, C)
+        G_l = g.view(chunk(G, i), (S, 1, 1, HN), nb(G)[1:], l * nb(G)[1])
+        G_s = g.view(chunk(G, i), (S, l + 1, 1, HN), nb(G)[1:], 0)
+        k_s = g.view(chunk(k, i), (S, l + 1, 1, HN), nb(k)[1:], 0)
+        decay = ggml.ggml_exp(c, ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_l, S, l + 1, 1, HN), G_s))
+        kd_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k_s, decay)))   # [l+1, S]
+        d_s = g.view(deltas[i], (l + 1, S, 1, HN), nb(deltas[i])[1:], 0)
+        m_t = ggml.ggml_add(c, ggml.ggml_mul(c, starts[i], ggml.ggml_exp(c, ggml.ggml_cont(c, G_l))),
+                            ggml.ggml_mul_mat(c, kd_t, ggml.ggml_cont(c, d_s)))
+        snaps.append(ggml.ggml_reshape_3d(c, m_t, S * S * H, N, 1))
+    snap = snaps[0]
+    for s_ in snaps[1:]:
+        snap = ggml.ggml_concat(c, snap, s_, 2)
     return out, snap

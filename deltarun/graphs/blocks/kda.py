@@ -6,8 +6,8 @@ src/models/kimi-linear.cpp): separate q, k, v projections, each with its own sho
 (`ssm_conv1d_{q,k,v}`; here they run as one conv over the channels q|k|v, so the conv state is one
 row per slot like the delta net's); as many key as value heads; the decay per key channel,
 g = ssm_a * softplus(ssm_f_b ssm_f_a x + ssm_dt.bias), which `ggml_gated_delta_net` takes as a
-[S_v, H, T, N] gate; the output RMSNorm gated by sigmoid(ssm_g_b ssm_g_a x) (not SiLU), then
-`attn_output`.
+[S_v, H, T, N] gate (the primitive form: `delta_net._delta_net_chunked_per_channel`); the output
+RMSNorm gated by sigmoid(ssm_g_b ssm_g_a x) (not SiLU), then `attn_output`.
 """
 
 from __future__ import annotations
