@@ -290,3 +290,27 @@ def test_engine_steps_with_ngram_drafts_keep_the_reference_tokens(kimi_path):
         got = [r.history[len(p):len(p) + n_new] for r, p in zip(running, prompts)]
     assert got == want
     assert running[0].n_drafted > 0
+
+
+GV = __import__("gguf").GGUFValueType
+BAD_FILES = [
+    ({"drop_keys": ("kimi-linear.kda.head_dim",)}, "kda.head_dim' is missing"),
+    ({"set_kv": {"kimi-linear.attention.head_count_kv": (1, GV.UINT32)}}, "head_count_kv must list"),
+    ({"set_kv": {"kimi-linear.attention.head_count_kv": ([0, 1, 0, 2], GV.ARRAY, GV.UINT32)}}, "0 \\(KDA\\) or 1"),
+    ({"set_kv": {"kimi-linear.attention.key_length": (41, GV.UINT32)}}, "must be kv_lora_rank \\+ rope dims = 40"),
+    ({"set_kv": {"kimi-linear.expert_gating_func": (1, GV.UINT32)}}, "router is sigmoid"),
+    ({"set_kv": {"kimi-linear.attention.q_lora_rank": (16, GV.UINT32)}}, "compressed query"),
+    ({"set_kv": {"kimi-linear.rope.dimension_count": (24, GV.UINT32)}}, "must be below key_length_mla"),
+    ({"tensors": {"blk.1.attn_k_b.weight": None}}, "'blk.1.attn_k_b.weight' is missing"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_FILES)
+def test_a_bad_file_is_one_clear_error(kimi_path, tmp_path, edit, message):
+    from deltarun.base.errors import ModelFileError
+    from test_loader_errors import rewrite
+
+    bad = tmp_path / "bad.gguf"
+    rewrite(kimi_path, bad, **edit)
+    with pytest.raises(ModelFileError, match=message):
+        Model(bad, n_ctx=64)
