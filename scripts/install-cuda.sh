@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build ggml-python 0.0.45 with ggml's CUDA backend and install it into a Python environment.
+# Build ggml-python 0.0.45's bindings on ggml 0.25.3 (scripts/ggml-wheel.sh: the same pinned source
+# and kernel patches as scripts/install.sh) with ggml's CUDA backend, and install them into a Python
+# environment.
 #
 #   scripts/install-cuda.sh [--venv DIR] [--arch SM]
 #
@@ -18,8 +20,8 @@
 #
 # After installing, two fixes are applied to the installed package (idempotent):
 # - ggml-python 0.0.45 binds ggml_backend_cuda_allreduce_tensor for every CUDA build, but ggml
-#   0.15.3 declares it without defining it, so `import ggml` fails with AttributeError; the binding
-#   is made conditional on the symbol being there.
+#   (0.15.3, and 0.25.3 still) declares it without defining it, so `import ggml` fails with
+#   AttributeError; the binding is made conditional on the symbol being there.
 # - when cuBLAS comes from pip, ggml/__init__.py preloads it (RTLD_GLOBAL) so libggml-cuda.so
 #   finds it without LD_LIBRARY_PATH.
 set -euo pipefail

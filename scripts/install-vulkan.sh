@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build ggml-python 0.0.45 with ggml's Vulkan backend and install it into a Python environment.
+# Build ggml-python 0.0.45's bindings on ggml 0.25.3 (scripts/ggml-wheel.sh: the same pinned source
+# and kernel patches as scripts/install.sh) with ggml's Vulkan backend, and install them into a
+# Python environment.
 #
 #   scripts/install-vulkan.sh [--venv DIR] [--no-apt] [--env-file FILE]
 #

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Install deltarun (editable, with the test tools) on ggml-python built the way llama.cpp builds
-# ggml for the CPU.
+# Install deltarun (editable, with the test tools) on ggml-python 0.0.45's bindings built on ggml
+# 0.25.3 (a pinned, checksummed source: see scripts/ggml-wheel.sh) the way llama.cpp builds ggml for
+# the CPU, with deltarun's kernel patches (scripts/ggml-patches).
 #
 #   scripts/install.sh [--venv DIR]
 #
 # --venv DIR   create (if needed) and install into this virtual environment; default: the
 #              current `python`'s environment.
 #
-# The only difference from a plain `pip install -e '.[test]'` is GGML_LLAMAFILE=ON: llamafile's
+# Besides the newer ggml and the patches, the difference from a plain `pip install -e '.[test]'`
+# (ggml-python's own ggml 0.15.3) is GGML_LLAMAFILE=ON: llamafile's
 # tinyBLAS matrix kernels, which llama.cpp enables and ggml's own CMake default leaves off. Prompt
 # processing (batched matrix products) is 1.3-1.5x faster with them (bench/RESULTS.md); decoding
 # is unchanged. It is also built with GGML_RPC=ON: ggml's RPC backend, which `deltarun rpc-server`

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -81,6 +82,17 @@ def test_devices_command_table_and_json():
     assert set(data["built_with"]) == {"vulkan", "cuda"}
     assert data["auto"] == (devices.best_device().backend_name if devices.best_device() else "cpu")
     assert data["cpu_features"] == devices.cpu_features()
+
+
+def test_devices_names_the_ggml_version(monkeypatch):
+    # the ggml under the bindings (scripts/install.sh: a newer one than ggml-python vendors)
+    version = ggml.ggml_version().decode()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+    r = run("devices")
+    assert f"on ggml {version}" in r.stdout
+    assert json.loads(run("devices", "--json").stdout)["ggml"] == version
+    monkeypatch.setattr(ggml, "ggml_version", lambda: b"9.8.7")
+    assert "on ggml 9.8.7" in run("devices").stdout
 
 
 def test_cpu_features_say_whether_llamafile_kernels_are_built_in(monkeypatch):

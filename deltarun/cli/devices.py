@@ -34,6 +34,7 @@ def devices(as_json: bool, rpc: str | None) -> None:
                                "auto": best.backend_name if best else "cpu",
                                "cpu_features": devices_mod.cpu_features(),
                                "ggml_python": getattr(devices_mod.ggml, "__version__", ""),
+                               "ggml": devices_mod.ggml_version(),
                                "rpc": {"built_in": rpc_mod.available(),
                                        "servers": [{"endpoint": s.endpoint, "protocol": s.version_text,
                                                     "devices": len(s.devices)} for s in servers]}}, indent=1))
@@ -49,7 +50,7 @@ def devices(as_json: bool, rpc: str | None) -> None:
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
     features = devices_mod.cpu_features()
     click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {devices_mod.physical_cores()}")
-    click.echo(f"ggml-python {getattr(devices_mod.ggml, '__version__', '?')}")
+    click.echo(f"ggml-python {getattr(devices_mod.ggml, '__version__', '?')} on ggml {devices_mod.ggml_version()}")
     for note in (devices_mod.llamafile_note(features), devices_mod.patches_note()):
         if note:
             click.echo(note)

@@ -1,6 +1,6 @@
 """`deltarun rpc-server`: serve one local device to other machines through ggml's RPC backend.
 
-The server is ggml's own (`ggml_backend_rpc_start_server`, protocol 4.0.1), the same as
+The server is ggml's own (`ggml_backend_rpc_start_server`, protocol 7.0.0 in ggml 0.25.3), the same as
 llama.cpp's `rpc-server`; clients connect with `--rpc HOST:PORT`. It runs in a thread of its own
 because ggml's call blocks for ever and has no stop call: the main thread waits for Ctrl-C or
 SIGTERM and then ends the process (the server holds nothing that needs saving). The protocol has

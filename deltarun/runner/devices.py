@@ -72,6 +72,12 @@ def cpu_features() -> list[str]:
     return found
 
 
+def ggml_version() -> str:
+    """The version of the ggml library under ggml-python's bindings (ggml_version(), e.g. 0.25.3):
+    scripts/install.sh builds them on a newer ggml than the one ggml-python 0.0.45 vendors."""
+    return c_text(ggml.ggml_version()) or "?"
+
+
 def llamafile_note(features: list[str]) -> str | None:
     """What to tell a user whose ggml-python lacks llamafile's kernels (None when it has them)."""
     if "LLAMAFILE" in features:
@@ -82,7 +88,7 @@ def llamafile_note(features: list[str]) -> str | None:
 
 def patches_note() -> str | None:
     """What to tell a user whose ggml-python was not built with scripts/ggml-patches (None when it
-    was: scripts/ggml-wheel.sh labels such builds `0.0.45+deltarun.<patches' hash>`)."""
+    was: scripts/ggml-wheel.sh labels such builds `0.0.45+deltarun.<hash of the source and patches>`)."""
     if "+deltarun." in getattr(ggml, "__version__", ""):
         return None
     return ("note: this ggml-python lacks deltarun's kernel patches (scripts/ggml-patches: SET_ROWS on "

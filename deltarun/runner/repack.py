@@ -9,6 +9,11 @@ from typing import Any, Iterator
 from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context
 
 
+#: `ggml_backend_dev_get_extra_bufts_t` (ggml-backend.h): the CPU registry's proc address that lists
+#: its extra buffer types (a NULL-terminated array); ggml-python has no binding for it.
+EXTRA_BUFTS_FN = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
 def cpu_repack_buffer_type() -> Any | None:
     """ggml's CPU_REPACK buffer type, when this build has it (None otherwise).
 
@@ -22,7 +27,7 @@ def cpu_repack_buffer_type() -> Any | None:
     dev = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
     if not fn or not dev:
         return None
-    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
+    extra = EXTRA_BUFTS_FN(fn)(dev)
     i = 0
     while extra and extra[i]:
         if ggml.ggml_backend_buft_name(extra[i]) == b"CPU_REPACK":

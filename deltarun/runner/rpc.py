@@ -1,7 +1,7 @@
 """ggml's RPC backend: servers by endpoint, a handshake probe, and clean failure when one is lost.
 
 deltarun does not invent a protocol: a remote device is ggml's own RPC backend (ggml-rpc.cpp,
-protocol 4.0.1 in ggml 0.15.3), the one llama.cpp's `--rpc` and `rpc-server` use, so a deltarun
+protocol 7.0.0 in ggml 0.25.3), the one llama.cpp's `--rpc` and `rpc-server` use, so a deltarun
 client can use a llama.cpp rpc-server of the same protocol and the other way round. This module
 adds what that client lacks:
 
@@ -38,7 +38,7 @@ adds what that client lacks:
   process that stops (SIGSTOP, a hung driver) while its host's kernel keeps the connection alive
   (or a TCP proxy in between that stays connected); ggml waits for it as llama.cpp does.
 
-IPv6: ggml 0.15.3's transport (ggml-rpc/transport.cpp) is IPv4 only: the client opens an AF_INET
+IPv6: ggml's transport (ggml-rpc/transport.cpp, 0.15.3 and 0.25.3) is IPv4 only: the client opens an AF_INET
 socket and resolves with gethostbyname, the server binds `inet_addr(host)` (a dotted quad, not
 even a host name), and the endpoint parser splits at the first ':'. So `[::1]:50052` is refused
 in one line (`parse_endpoint`), host names are resolved to their IPv4 address as ggml does
@@ -56,11 +56,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from deltarun.base.errors import BackendError
-from deltarun.base.ggml_util import ctypes, ggml
+from deltarun.base.ggml_util import c_text, ctypes, ggml
 from deltarun.runner.devices import DeviceInfo, list_devices
 
-#: The protocol ggml-rpc.cpp speaks in the ggml that ggml-python 0.0.45 vendors.
-PROTOCOL = (4, 0, 1)
+#: The protocol ggml-rpc.cpp speaks (RPC_PROTO_*_VERSION of ggml-rpc.h) in each ggml deltarun is built
+#: on: 0.25.3 by scripts/install.sh, 0.15.3 by a plain `pip install ggml-python`.
+RPC_PROTOCOLS = {"0.15.3": (4, 0, 1), "0.25.3": (7, 0, 0)}
+#: The installed ggml's (tests/test_ggml_abi.py checks it against the installed ggml-rpc.h).
+PROTOCOL = RPC_PROTOCOLS.get(c_text(ggml.ggml_version()), RPC_PROTOCOLS["0.25.3"])
 CMD_GET_DEVICE_MEMORY = 11
 CMD_HELLO = 14
 CMD_DEVICE_COUNT = 15
