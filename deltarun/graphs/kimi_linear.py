@@ -10,9 +10,9 @@
 Keys, tensors and the converter's transforms are in docs/kimi-linear-gguf.md; the graph computes
 what llama.cpp's src/models/kimi-linear.cpp computes. KDA runs on the delta net's recurrent state
 (rollback slots, capture slots, prompt cache alike), its gate per key channel. The MLA layers'
-cache rows are the compressed latent [c | k_pe] (`attention.key_length` wide, one KV head), as in
-llama.cpp; deltarun's Memory also allocates a V cache of that width for them, which MLA never
-reads (issue 32: KV memory per token is twice llama.cpp's until Memory skips it).
+cache rows are the compressed latent [c | k_pe] (`attention.key_length` per token), as in
+llama.cpp, split in halves over the K and V caches Memory allocates (`HParams.head_dim` is half
+the row: see blocks/mla.py), so memory per token is llama.cpp's.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ class KimiLinearFamily(HybridFamily):
             raise ModelFileError(f"{f.path}: {a}.attention.head_count_kv must list, per layer, 0 (KDA) or 1 (MLA), "
                                  f"{n_layer} entries; found {spec._show(kv_heads)}; {spec.REDO}")
         n_head = spec._int(f, a, "attention.head_count")
+        key_length = spec._int(f, a, "attention.key_length")
+        if key_length % 2:
+            raise ModelFileError(f"{f.path}: {a}.attention.key_length = {key_length} (kv_lora_rank + rope dims) "
+                                 f"is odd; deltarun stores the MLA row in two halves: {spec.REDO}")
         d = spec._int(f, a, "kda.head_dim")
         n_ff_exp = spec._int(f, a, "expert_feed_forward_length")
         hp = HParams(
@@ -73,8 +77,10 @@ class KimiLinearFamily(HybridFamily):
             n_embd=spec._int(f, a, "embedding_length"),
             n_ff=spec._int(f, a, "feed_forward_length"),
             n_head=n_head,
-            n_head_kv=1,                                         # MLA as MQA over the latent rows
-            head_dim=spec._int(f, a, "attention.key_length"),    # kv_lora_rank + rope dims
+            # the cached latent row (attention.key_length = kv_lora_rank + rope dims) split over the K
+            # and V caches of one KV head, half in each (blocks/mla.py)
+            n_head_kv=1,
+            head_dim=key_length // 2,
             rms_eps=spec._float(f, a, "attention.layer_norm_rms_epsilon"),
             rope_freq_base=spec._float(f, a, "rope.freq_base", 10000.0),
             n_rot=spec._int(f, a, "rope.dimension_count"),
@@ -124,10 +130,13 @@ class KimiLinearFamily(HybridFamily):
 
     def expected_tensors(self) -> Spec:
         hp = self.hp
-        if self.mla_shape.kv_lora_rank + self.mla_shape.n_rope != hp.head_dim:
-            raise ModelFileError(f"{self.file.path}: {self.arch}.attention.key_length {hp.head_dim} must be "
-                                 f"kv_lora_rank + rope dims = {self.mla_shape.kv_lora_rank + self.mla_shape.n_rope}; "
-                                 f"{spec.REDO}")
+        s = self.mla_shape
+        if s.row_width != 2 * hp.head_dim:
+            raise ModelFileError(f"{self.file.path}: {self.arch}.attention.key_length {2 * hp.head_dim} must be "
+                                 f"kv_lora_rank + rope dims = {s.row_width}; {spec.REDO}")
+        if s.n_rope > s.kv_lora_rank:
+            raise ModelFileError(f"{self.file.path}: {self.arch}.rope.dimension_count {s.n_rope} exceeds "
+                                 f"kv_lora_rank {s.kv_lora_rank}; {spec.REDO}")
         E = hp.n_embd
         t = head.tensors(hp)
         t["output.weight"] = ((E, hp.n_vocab), True)

@@ -1,12 +1,17 @@
 """Multi-head Latent Attention (DeepSeek's MLA) as Kimi-Linear runs it: no rope, KV cache of latents.
 
 The cache keeps what llama.cpp keeps: one row per token, [c | k_pe] (kv_lora_rank + rope dims,
-`attention.key_length`, `head_count_kv` = 1), where c is the normalised compressed KV. Attention
-runs absorbed (llama.cpp's `build_attn` with `v_mla`): each head's q_nope goes through `attn_k_b`
-into the latent space, scores are [q_abs | q_pe] . [c | k_pe] against the cached rows, the values
-are the rows' c (a view of the same cache: nothing else is stored), and `attn_v_b` lifts each
-head's result back to its value dims before `attn_output`. Kimi applies no rotation to the
-"rope" dims (NoPE), so no positions are read. The scale is 1/sqrt(key_length_mla).
+`attention.key_length`), where c is the normalised compressed KV, and nothing else. deltarun's
+Memory gives every attention layer a K and a V cache of equal width (`HParams.head_dim` x
+`n_head_kv`), V laid out a row per channel across the cells; MLA has one row per token, so the
+family sets that width to half the row and the row is split: its first half goes to the K cache,
+its second half to the V cache (per token: kv_lora_rank + rope elements in all, as llama.cpp,
+which keeps the row in K and no V for MLA). Attention runs absorbed (llama.cpp's `build_attn`
+with `v_mla`): each head's q_nope goes through `attn_k_b` into the latent space, the scores are
+[q_abs | q_pe] . [c | k_pe] summed over the two halves, the values are the rows' c (read from
+both halves), and `attn_v_b` lifts each head's result to its value dims before `attn_output`.
+Kimi applies no rotation to the "rope" dims (NoPE), so no positions are read. The scale is
+1/sqrt(key_length_mla).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class MlaShape:
     def n_nope(self) -> int:
         return self.key_length - self.n_rope
 
+    @property
+    def row_width(self) -> int:
+        """Elements cached per token: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.n_rope
+
 
 def tensors(hp: HParams, p: str, s: MlaShape) -> Spec:
     """The weights of one MLA mixer (prefix `blk.N.`), query uncompressed (Kimi's q_lora_rank = None)."""
@@ -55,7 +65,7 @@ def mla(g: GraphContext, cur: Tensor, il: int, s: MlaShape) -> Tensor:
     p = f"blk.{il}."
     H, lora, rope, nope = hp.n_head, s.kv_lora_rank, s.n_rope, s.n_nope
     T, N, n_tokens = ub.n_seq_tokens, ub.n_seqs, ub.n_tokens
-    width = lora + rope
+    width, half = s.row_width, s.row_width // 2
     kv = kv_input(g)
 
     q = g.cb(ggml.ggml_reshape_3d(c, g.mm(w[p + "attn_q.weight"], cur), s.key_length, H, n_tokens), "q", il)
@@ -70,21 +80,38 @@ def mla(g: GraphContext, cur: Tensor, il: int, s: MlaShape) -> Tensor:
     latent = g.view(kv_pe, (lora, n_tokens), (nb(kv_pe)[1],), 0)
     k_pe = g.view(kv_pe, (rope, n_tokens), (nb(kv_pe)[1],), lora * esz)
     latent = g.rms_norm(latent, w[p + "attn_kv_a_norm.weight"], "kv_cmpr", il)
-    k_row = g.cb(ggml.ggml_concat(c, latent, k_pe, 0), "Kcur", il)                                  # [width, n]
+    row = g.cb(ggml.ggml_concat(c, latent, k_pe, 0), "Kcur", il)                                    # [width, n]
 
-    k_cache = g.mem.k[il]
-    k_store = g.cb(ggml.ggml_set_rows(c, k_cache, k_row, kv.kv_idxs), "k_cache_store", il)
+    # the row's first half to the K cache (a row per cell), its second half to the V cache (one row
+    # per channel across the cells, as Memory lays V out)
+    k_cache, v_cache = g.mem.k[il], g.mem.v[il]
+    k_half = ggml.ggml_cont(c, g.view(row, (half, n_tokens), (nb(row)[1],), 0))
+    k_store = g.cb(ggml.ggml_set_rows(c, k_cache, k_half, kv.kv_idxs), "k_cache_store", il)
+    v_half = ggml.ggml_cont(c, g.view(row, (half, n_tokens), (nb(row)[1],), half * esz))
+    v_rows = ggml.ggml_reshape_2d(c, v_cache, 1, ggml.ggml_nelements(v_cache))
+    v_store = g.cb(ggml.ggml_set_rows(c, v_rows, ggml.ggml_reshape_2d(c, v_half, 1, half * n_tokens), kv.v_idxs),
+                   "v_cache_store", il)
+
     n_kv, n_ctx = ub.n_kv, g.mem.n_ctx
-    row = nb(k_cache)[1]
-    k_view = g.cb(g.view(k_store, (width, n_kv, 1, N), (row, n_ctx * row, n_ctx * row), ub.seq_head * n_ctx * row),
-                  "k_view", il)                                                                      # [width, n_kv, 1, N]
-    v_view = g.view(k_store, (lora, n_kv, 1, N), (row, n_ctx * row, n_ctx * row), ub.seq_head * n_ctx * row)
-    v_t = g.cb(ggml.ggml_cont(c, ggml.ggml_transpose(c, v_view)), "v_view", il)                     # [n_kv, lora, 1, N]
+    row_k = nb(k_cache)[1]
+    row_v = n_ctx * ggml.ggml_element_size(v_cache)
+    k_view = g.cb(g.view(k_store, (half, n_kv, 1, N), (row_k, n_ctx * row_k, n_ctx * row_k),
+                         ub.seq_head * n_ctx * row_k), "k_view", il)                               # [half, n_kv, 1, N]
+    v_view = g.cb(g.view(v_store, (n_kv, half, 1, N), (row_v, half * row_v, half * row_v),
+                         ub.seq_head * half * row_v), "v_view", il)                                # [n_kv, half, 1, N]
 
-    q = ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, width, H, T, N), 0, 2, 1, 3)                # [width, T, H, N]
-    kq = g.cb(ggml.ggml_mul_mat(c, k_view, q), "kq", il)                                             # [n_kv, T, H, N]
+    q = ggml.ggml_cont(c, ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, width, H, T, N), 0, 2, 1, 3))  # [width, T, H, N]
+    q_first = g.view(q, (half, T, H, N), nb(q)[1:], 0)
+    q_second = g.view(q, (half, T, H, N), nb(q)[1:], half * esz)
+    kq = ggml.ggml_add(c, ggml.ggml_mul_mat(c, k_view, q_first),
+                       ggml.ggml_mul_mat(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, v_view)), q_second))
+    g.cb(kq, "kq", il)                                                                               # [n_kv, T, H, N]
     kq = g.cb(ggml.ggml_soft_max_ext(c, kq, kv.kq_mask, 1.0 / math.sqrt(s.key_length), 0.0), "kq_soft_max", il)
-    kqv = g.cb(ggml.ggml_mul_mat(c, v_t, kq), "kqv", il)                                             # [lora, T, H, N]
+    # the values are the rows' latent c: the K half, and the V half's first lora - half channels
+    latent_first = ggml.ggml_cont(c, ggml.ggml_transpose(c, k_view))                                # [n_kv, half, 1, N]
+    latent_second = g.view(v_view, (n_kv, lora - half, 1, N), nb(v_view)[1:], 0)
+    kqv = ggml.ggml_concat(c, ggml.ggml_mul_mat(c, latent_first, kq), ggml.ggml_mul_mat(c, latent_second, kq), 0)
+    g.cb(kqv, "kqv", il)                                                                             # [lora, T, H, N]
     kqv = ggml.ggml_mul_mat(c, w[p + "attn_v_b.weight"],
                             ggml.ggml_reshape_3d(c, ggml.ggml_cont(c, ggml.ggml_permute(c, kqv, 0, 1, 3, 2)),
                                                  lora, T * N, H))                                   # [v, T*N, H]
