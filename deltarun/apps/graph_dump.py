@@ -420,7 +420,7 @@ def _unnamed(name: str) -> bool:
     return not base or _AUTO_NAME.match(base) is not None
 
 
-def _name_layer(name: str) -> int | None:
+def layer_of_name(name: str) -> int | None:
     if _unnamed(name):
         return None
     base = _DERIVED.sub("", name)
@@ -434,7 +434,7 @@ def _name_layer(name: str) -> int | None:
 def _assign_layers(nodes: list[TensorRecord], leafs: list[TensorRecord]) -> None:
     """Layer from the name; unnamed nodes take the layer shared by all their consumers."""
     for r in nodes + leafs:
-        r.layer = _name_layer(r.name)
+        r.layer = layer_of_name(r.name)
     consumers: dict[str, list[TensorRecord]] = {}
     for r in nodes:
         for s in dict.fromkeys(r.src_ids):

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from importlib import resources
 from typing import Any
 
-from deltarun.apps.graph_dump import _name_layer
+from deltarun.apps.graph_dump import layer_of_name
 
 NODE_W = 180      # node box width in layout units (CSS pixels at zoom 1)
 GAP_X = 24        # horizontal gap between boxes of one rank
@@ -217,7 +217,7 @@ def compare_view(graph: dict[str, Any], side_a: dict[str, Any], side_b: dict[str
     for row in graph["nodes"]:
         t = {k: row[k] for k in ("id", "index", "name", "op", "type", "ne", "status", "nmse", "limit", "max_abs_err",
                                  "n_diff", "note", "named", "backend_a", "backend_b", "inputs")}
-        t.update(kind="node", backend=row["backend_b"] or row["backend_a"], layer=row.get("layer", _name_layer(row["name"])),
+        t.update(kind="node", backend=row["backend_b"] or row["backend_a"], layer=row.get("layer", layer_of_name(row["name"])),
                  src_ids=[i["id"] for i in row["inputs"]], src=[i["name"] for i in row["inputs"]])
         tensors.append(t)
         known.add(row["id"])
@@ -228,7 +228,7 @@ def compare_view(graph: dict[str, Any], side_a: dict[str, Any], side_b: dict[str
                 continue
             leaf = {"id": i["id"], "kind": "leaf" if i["kind"] != "node" else "uncompared", "name": i["name"],
                     "op": "NONE" if i["kind"] != "node" else "?", "type": "", "ne": None, "src_ids": [], "src": [],
-                    "layer": _name_layer(i["name"]), "status": _LEAF_STATUS.get(i["kind"], i["status"] or "not_compared"),
+                    "layer": layer_of_name(i["name"]), "status": _LEAF_STATUS.get(i["kind"], i["status"] or "not_compared"),
                     "input_kind": i["kind"], "nmse": None, "backend": None}
             if i["kind"] in _LEAF_FLAGS:
                 leaf[_LEAF_FLAGS[i["kind"]]] = True
