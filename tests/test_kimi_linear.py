@@ -332,3 +332,17 @@ def test_f16_kv_cache(kimi_path, reference):
     print(f"kimi-linear f16 KV: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
     assert np.median(per_pos) < 2.5e-4 and per_pos.max() < 1e-3
     assert (got.argmax(1) == expected.argmax(1)).all()
+
+
+def test_inspect_shows_the_layer_pattern_and_llama_cpps_kv_bytes(kimi_path):
+    """`deltarun inspect`: KDA / MLA by layer, and the KV cache of llama.cpp's MLA layout: one
+    latent row (kv_lora_rank + rope elements, F16) per token and MLA layer, nothing else."""
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["inspect", str(kimi_path)])
+    assert result.exit_code == 0, result.output
+    assert "pattern            LALA" in result.output
+    n_mla, row, n_ctx = 2, CFG.kv_lora_rank + CFG.qk_rope_head_dim, 4096
+    assert f"KV cache             {n_mla * row * n_ctx * 2 / 1024:.2f} KiB" in result.output
