@@ -11,6 +11,7 @@ Tolerances (tiny preset, 2 vCPU x86-64 shared with other sessions): F32 weights 
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 
@@ -296,7 +297,7 @@ def test_engine_steps_with_ngram_drafts_keep_the_reference_tokens(kimi_path):
     assert running[0].n_drafted > 0
 
 
-GV = __import__("gguf").GGUFValueType
+GV = gguf.GGUFValueType
 BAD_FILES = [
     ({"drop_keys": ("kimi-linear.kda.head_dim",)}, "kda.head_dim' is missing"),
     ({"set_kv": {"kimi-linear.attention.head_count_kv": (1, GV.UINT32)}}, "head_count_kv must list"),
