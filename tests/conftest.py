@@ -32,21 +32,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_path(tiny_model_dir: Path) -> TinyModelPath:
     """Factory: (preset="tiny", wtype="f32", seed=0, **config changes) -> path of the written GGUF."""
     from deltarun.model_files import generate as gen
-    from deltarun.model_files import qwen35
+    from deltarun.model_files import kimi_linear, qwen35
 
     cache: dict[tuple, Path] = {}
 
     def get(preset: str = "tiny", wtype: str = "f32", seed: int = 0, **changes: object) -> Path:
-        family = qwen35 if preset in qwen35.PRESETS else gen   # Qwen3.5 presets: models/qwen35.py
+        # Qwen3.5 presets: models/qwen35.py; Kimi-Linear: models/kimi_linear.py
+        family = qwen35 if preset in qwen35.PRESETS else kimi_linear if preset in kimi_linear.PRESETS else gen
         if preset not in family.PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose from {', '.join([*gen.PRESETS, *qwen35.PRESETS])}")
+            raise ValueError(f"unknown preset {preset!r}; choose from "
+                             f"{', '.join([*gen.PRESETS, *qwen35.PRESETS, *kimi_linear.PRESETS])}")
         if wtype not in gen.WEIGHT_TYPES:
             raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(gen.WEIGHT_TYPES)}")
         key = (preset, wtype, seed, tuple(sorted(changes.items())))
         path = cache.get(key)
         if path is None:
-            if family is qwen35:
-                cfg = qwen35.config_with(preset, **changes)
+            if family is not gen:
+                cfg = family.config_with(preset, **changes)
             else:
                 cfg = dataclasses.replace(gen.PRESETS[preset], **changes) if changes else gen.PRESETS[preset]
             suffix = "".join(f"-{k}={v}" for k, v in sorted(changes.items()))

@@ -347,3 +347,25 @@ def test_inspect_shows_the_layer_pattern_and_llama_cpps_kv_bytes(kimi_path):
     assert "pattern            LALA" in result.output
     n_mla, row, n_ctx = 2, CFG.kv_lora_rank + CFG.qk_rope_head_dim, 4096
     assert f"KV cache             {n_mla * row * n_ctx * 2 / 1024:.2f} KiB" in result.output
+
+
+def test_make_tiny_and_the_fixture_write_the_family(tmp_path, tiny_model_path):
+    """`make-tiny --preset tiny-kimi-linear` writes the generator's file (the same tensors as the
+    tests' fixture, same seed), and `generate` greedy on it gives the engine's tokens."""
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+    from deltarun.runner.generation import generate_tokens
+
+    out = tmp_path / "k.gguf"
+    r = CliRunner().invoke(cli, ["make-tiny", str(out), "--preset", "tiny-kimi-linear"])
+    assert r.exit_code == 0, r.output
+    fixture = tiny_model_path("tiny-kimi-linear")
+    a, b = gguf.GGUFReader(str(out)), gguf.GGUFReader(str(fixture))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    assert all(np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(a.tensors, b.tensors))
+    r = CliRunner().invoke(cli, ["generate", str(out), "-p", "one two three", "-n", "6", "--temp", "0"])
+    assert r.exit_code == 0, r.output
+    with Model(fixture, n_ctx=64) as m:
+        want = m.tokenizer.decode(list(generate_tokens(m, m.tokenizer.encode("one two three"), 6, Sampler(GREEDY))))
+    assert r.stdout.startswith(want)

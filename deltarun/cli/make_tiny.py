@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from deltarun.base.errors import DeltarunError
-from deltarun.model_files import qwen35
+from deltarun.model_files import kimi_linear, qwen35
 from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
 
 
@@ -16,13 +16,15 @@ from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
 @click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, writable=True, path_type=Path))
 @click.option("--type", "wtype", type=click.Choice(list(WEIGHT_TYPES)), default="f32", show_default=True,
               help="Type of the 2-D weights (norms, routers, conv and ssm_a stay F32, like converted files).")
-@click.option("--preset", type=click.Choice(list(PRESETS) + list(qwen35.PRESETS)), default="tiny", show_default=True,
+@click.option("--preset", type=click.Choice(list(PRESETS) + list(qwen35.PRESETS) + list(kimi_linear.PRESETS)),
+              default="tiny", show_default=True,
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
                    "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024), "
                    "bench-vocab151k (bench with the real 151,936-token Qwen2 vocabulary); "
                    "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes), "
                    "bench-qwen35-echo (the same shapes, greedy repeats the last token: every MTP draft right), "
-                   "-vocab151k / -vocab248k (with the real 151,936 / 248,320-token vocabularies).")
+                   "-vocab151k / -vocab248k (with the real 151,936 / 248,320-token vocabularies); "
+                   "Kimi-Linear: tiny-kimi-linear (KDA + MLA + MoE).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
 @click.option("--seed", "-s", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
@@ -33,6 +35,9 @@ def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
     """
     if preset in qwen35.PRESETS:
         _make_qwen35(out, wtype, preset, seed)
+        return
+    if preset in kimi_linear.PRESETS:
+        _make_other(kimi_linear, out, wtype, preset, seed)
         return
     cfg = PRESETS[preset]
     if mtp and cfg.n_mtp == 0:
@@ -46,6 +51,15 @@ def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
     extra = f" + {cfg.n_mtp} MTP" if cfg.n_mtp else ""
     click.echo(f"wrote {path}: preset {preset}, type {wtype}, seed {seed}, {cfg.n_layer} layers{extra} "
                f"({layers} blocks), {size / 2**20:.1f} MiB")
+
+
+def _make_other(family: object, out: Path, wtype: str, preset: str, seed: int) -> None:
+    """A preset of another family's generator (HF-order weights converted as llama.cpp does)."""
+    try:
+        path = family.write_model(out, preset, wtype, seed)  # type: ignore[attr-defined]
+    except OSError as e:
+        raise DeltarunError(f"cannot write {out}: {e.strerror or e}") from e
+    click.echo(f"wrote {path}: preset {preset}, type {wtype}, seed {seed}, {path.stat().st_size / 2**20:.1f} MiB")
 
 
 def _make_qwen35(out: Path, wtype: str, preset: str, seed: int) -> None:
