@@ -440,3 +440,13 @@ def test_compare_html_needs_an_existing_folder(tiny_model_path, tmp_path):
     result = CliRunner().invoke(cli, ["compare", str(tiny_model_path("tiny", "f32")), "-s", "0", "-n", "4", "-q",
                                       "--html", str(tmp_path / "missing" / "report.html")])
     assert result.exit_code == 2 and "no such folder" in result.output
+
+
+def test_served_graph_page_names_the_model_by_file_name(server, tiny_model_path):
+    """As /props: the graph page does not show the model's absolute path (a local user's directory
+    layout) unless the server was started with --expose-model-path."""
+    path = tiny_model_path("tiny", "f32")
+    status, body = get(server.base_url + "/graph?tokens=2")
+    assert status == 200
+    html = body.decode()
+    assert str(path) not in html and str(path.parent) not in html and path.name in html

@@ -41,13 +41,19 @@ def _int_param(request: Request, name: str, default: int, lo: int) -> int:
     return value
 
 
-def graph_page(model: Any, n_tokens: int, n_past: int) -> str:
-    """The graph page of `model` for an n_tokens ubatch after n_past tokens (on the model thread)."""
+def graph_page(model: Any, n_tokens: int, n_past: int, expose_model_path: bool = False) -> str:
+    """The graph page of `model` for an n_tokens ubatch after n_past tokens (on the model thread);
+    the model named by its file name unless `expose_model_path` (as /props does)."""
+    from pathlib import Path
+
     from deltarun.apps.graph_dump import dump_graph, ubatch_shape
     from deltarun.apps.graph_page import render_graph_html
 
     shape = ubatch_shape(model, n_tokens, 1, n_past, False)
-    return render_graph_html(dump_graph(model, shape, n_past=n_past).to_dict())
+    dump = dump_graph(model, shape, n_past=n_past).to_dict()
+    if not expose_model_path:
+        dump["model"] = Path(dump["model"]).name
+    return render_graph_html(dump)
 
 
 def page_routes(state: Any) -> list[Route]:
@@ -72,7 +78,8 @@ def page_routes(state: Any) -> list[Route]:
         html = pages.get(key)
         if html is None:
             try:
-                page = partial(graph_page, n_tokens=n_tokens, n_past=n_past)    # pickles: a supervised worker
+                page = partial(graph_page, n_tokens=n_tokens, n_past=n_past,   # pickles: a supervised worker
+                               expose_model_path=state.expose_model_path)
                 html = await asyncio.wrap_future(state.worker.call(page))
             except DeltarunError as e:
                 raise ApiError(str(e), code="invalid_value") from None
