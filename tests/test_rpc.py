@@ -456,3 +456,28 @@ def test_vanished_host_is_detected_within_30s(model8):
     line = _one_line_error(None, res["stderr"], "127.0.0.1:50052")
     assert "lost" in line, line
     assert res["elapsed"] < LOST_DEADLINE_S, res
+
+
+def test_devices_listed_after_a_server_went_away():
+    """A process that added an RPC server which has gone since still lists its devices (ggml 0.25
+    asks a server for its memory on every call and aborts when it cannot connect): the gone
+    server's device is listed with 0 bytes, the process goes on."""
+    server = Server()
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys\nfrom deltarun.runner import rpc\nfrom deltarun.runner.devices import list_devices\n"
+         f"rpc.add_servers([{server.endpoint!r}])\n"
+         "print([d.memory_total > 0 for d in list_devices() if d.registry == 'RPC'], flush=True)\n"
+         "sys.stdin.readline()\n"
+         "print([d.memory_total for d in list_devices() if d.registry == 'RPC'], flush=True)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), text=True)
+    try:
+        assert child.stdout.readline().strip() == "[True]", child.stderr.read()
+        server.stop()
+        out, err = child.communicate("go\n", timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        server.stop()
+    assert child.returncode == 0, err
+    assert out.strip() == "[0]"

@@ -163,6 +163,18 @@ def _ensure_registry() -> None:
             pass
 
 
+def _reachable(endpoint: str) -> bool:
+    """Whether an RPC server's HOST:PORT accepts a TCP connection now (closed at once)."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def list_devices() -> list[DeviceInfo]:
     """Every device in ggml's registry, in registry order (the CPU is usually last)."""
     _ensure_registry()
@@ -170,13 +182,17 @@ def list_devices() -> list[DeviceInfo]:
     for i in range(int(ggml.ggml_backend_dev_count())):
         dev = ggml.ggml_backend_dev_get(i)
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         reg = ggml.ggml_backend_dev_backend_reg(dev)
+        registry = c_text(ggml.ggml_backend_reg_name(reg)) if reg else "?"
+        # ggml 0.25 asks an RPC server for its memory on every call and aborts when it has gone
+        # (a server this process used earlier): such a device is listed with 0 bytes
+        if registry != "RPC" or _reachable(c_text(ggml.ggml_backend_dev_description(dev))):
+            ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         dtype = int(ggml.ggml_backend_dev_type(dev))
         out.append(DeviceInfo(index=i, name=c_text(ggml.ggml_backend_dev_name(dev)),
                               description=c_text(ggml.ggml_backend_dev_description(dev)),
                               type=DEVICE_TYPE_NAMES.get(dtype, str(dtype)),
-                              registry=c_text(ggml.ggml_backend_reg_name(reg)) if reg else "?",
+                              registry=registry,
                               memory_free=int(free.value), memory_total=int(total.value), handle=int(dev)))
     return out
 
