@@ -32,11 +32,11 @@ from deltarun.base.errors import ModelFileError, UnsupportedModelError
 from deltarun.base.ggml_util import Tensor, c_array, ctypes, ggml, set_name
 from deltarun.base.gguf_file import GGUFFile
 from deltarun.base.vision import PreparedImage, VisionGraph, VisionHParams
+from deltarun.graphs.inputs import GraphInput
 
 PROJECTOR = "qwen3vl_merger"
 ROPE_THETA = 10000.0
 REDO = "convert the model's vision tower again (convert_hf_to_gguf.py --mmproj)"
-_NP = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32}
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,31 +44,12 @@ _NP = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32}
 # --------------------------------------------------------------------------------------------
 
 
-class _HostInput:
-    """Named input tensors with host arrays (as graphs/inputs.GraphInput, for one image size)."""
+class _HostInput(GraphInput):
+    """A text graph's `GraphInput` (named input tensors with host arrays) for one image size: its
+    values follow from the image, not from a ubatch."""
 
-    def __init__(self) -> None:
-        self.tensors: dict[str, Tensor] = {}
-        self.host: dict[str, np.ndarray] = {}
-
-    def new(self, ctx: Any, name: str, gtype: int, *shape: int) -> Tensor:
-        t = ggml.ggml_new_tensor(ctx, gtype, len(shape), c_array(ctypes.c_int64, list(shape)))
-        set_name(t, name)
-        ggml.ggml_set_input(t)
-        self.tensors[name] = t
-        return t
-
-    def bind(self) -> list[tuple[Tensor, int, int]]:
-        out = []
-        for name, t in self.tensors.items():
-            c = t.contents
-            if not c.buffer:
-                continue
-            nd = int(ggml.ggml_n_dims(t))
-            arr = np.zeros(tuple(reversed([int(c.ne[i]) for i in range(nd)])), dtype=_NP[c.type])
-            self.host[name] = arr
-            out.append((t, arr.ctypes.data, arr.nbytes))
-        return out
+    def bind(self) -> list[tuple[Tensor, int, int]]:   # type: ignore[override]
+        return super().bind(None)  # type: ignore[arg-type]
 
     def set_input(self, image: PreparedImage) -> None:
         raise NotImplementedError
