@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pytest
 from test_serve import _server
-from test_serve_messages import LOOKUP, RS_SLOTS, TEMPLATES, WEATHER, _chat_loop, _eval_tokens, _held
+from test_serve_messages import (LOOKUP, RS_SLOTS, TEMPLATES, WEATHER, _chat_loop, _eval_tokens, _held,  # noqa: F401
+                                 qwen3_server, server, template_path)  # the same module-scoped servers, here
 
 from deltarun.apps.serve import response_store
 from deltarun.apps.serve.output import Delta
@@ -30,23 +31,6 @@ FN_WEATHER = {"type": "function", "name": WEATHER["name"], "description": WEATHE
 def _fn(tool: dict) -> dict:
     return {"type": "function", "name": tool["name"], "description": tool["description"],
             "parameters": tool["input_schema"]}
-
-
-@pytest.fixture(scope="module", params=sorted(TEMPLATES))
-def template_path(request, tiny_model_path):
-    return request.param, tiny_model_path(TEMPLATES[request.param], "f32")
-
-
-@pytest.fixture(scope="module")
-def server(template_path):
-    with _server(template_path[1], parallel=2, chunk=32, checkpoint_every=0) as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(tiny_model_path):
-    with _server(tiny_model_path("tiny", "f32"), parallel=2, chunk=32, checkpoint_every=0) as h:
-        yield h
 
 
 def _client(h, key: str = "x") -> openai.OpenAI:
