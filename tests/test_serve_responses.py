@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from test_serve import _server
-from test_serve_messages import (LOOKUP, RS_SLOTS, TEMPLATES, WEATHER, _chat_loop, _eval_tokens, _held,  # noqa: F401
+from test_serve_messages import (LOOKUP, RS_SLOTS, WEATHER, _chat_loop, _eval_tokens, _held,  # noqa: F401
                                  qwen3_server, server, template_path)  # the same module-scoped servers, here
 
 from deltarun.apps.serve import response_store
