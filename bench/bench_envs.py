@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -32,6 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # the sdist whose vendored llama.cpp both LLAMACPP and llama-server use
+LLAMA_CPP_PYTHON_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # as scripts/ggml-wheel.sh
+
+
+def cached_sdist() -> Path | None:
+    """The llama-cpp-python sdist scripts/ggml-wheel.sh keeps in its cache (same pinned sha256), if there.
+
+    The ggml wheel is built from this very sdist, so building from it needs no download (and no
+    network: the package index is not always reachable) and keeps all three builds on one source."""
+    cache = Path(os.environ.get("DELTARUN_WHEEL_CACHE", Path.home() / ".cache" / "deltarun-wheels"))
+    sdist = cache / "sources" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if sdist.is_file() and hashlib.sha256(sdist.read_bytes()).hexdigest() == LLAMA_CPP_PYTHON_SDIST_SHA256:
+        return sdist
+    return None
 
 
 @dataclass(frozen=True)
@@ -63,9 +80,11 @@ class BuildEnv:
             venv.EnvBuilder(with_pip=True, system_site_packages=self.system_site_packages).create(self.dir)
         env = dict(os.environ, CMAKE_ARGS=self.cmake_args, **self.extra_env)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        print(f"[bench_envs] building {' '.join(self.packages)} with CMAKE_ARGS={self.cmake_args} "
+        packages = [str(sdist) if p == f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}" and (sdist := cached_sdist())
+                    else p for p in self.packages]
+        print(f"[bench_envs] building {' '.join(packages)} with CMAKE_ARGS={self.cmake_args} "
               "(minutes; llama-cpp-python ~20-40 min on two cores)", file=log, flush=True)
-        subprocess.run([str(self.python()), "-m", "pip", "install", "--no-cache-dir", *self.packages],
+        subprocess.run([str(self.python()), "-m", "pip", "install", "--no-cache-dir", *packages],
                        env=env, check=True)
         if not self.is_ready():
             raise RuntimeError(f"the {self.name} environment is not usable after installing")
@@ -75,7 +94,7 @@ class BuildEnv:
 LLAMACPP = BuildEnv(
     name="llamacpp",
     check="import llama_cpp, numpy",
-    packages=["--no-binary", "llama-cpp-python", "llama-cpp-python==0.3.36", "numpy", "psutil"],
+    packages=["--no-binary", "llama-cpp-python", "llama-cpp-python==0.3.36", "numpy", "psutil"],  # see cached_sdist
     cmake_args=" ".join([
         "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DGGML_BLAS=OFF", "-DGGML_CUDA=OFF", "-DGGML_VULKAN=OFF",
         "-DGGML_METAL=OFF", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -95,7 +114,6 @@ GGML_STOCK = BuildEnv(
 
 ENVS = {"llamacpp": LLAMACPP, "ggml-stock": GGML_STOCK}
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"   # the sdist whose vendored llama.cpp both LLAMACPP and llama-server use
 LLAMA_SERVER_CMAKE_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON",
     "-DGGML_BLAS=OFF", "-DGGML_CUDA=OFF", "-DGGML_VULKAN=OFF", "-DGGML_METAL=OFF",
@@ -109,10 +127,12 @@ def llama_cpp_source(work: Path, log=sys.stderr) -> Path:
     """The vendored llama.cpp of the llama-cpp-python sdist, fetched with pip into work/ on first use."""
     root = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
     if not (root / "vendor" / "llama.cpp" / "tools" / "server").is_dir():
-        print(f"[bench_envs] pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist)", file=log, flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(work)], check=True)
-        (sdist,) = work.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz")
+        sdist = cached_sdist()
+        if sdist is None:
+            print(f"[bench_envs] pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist)", file=log, flush=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(work)], check=True)
+            (sdist,) = work.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz")
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
     return root / "vendor" / "llama.cpp"
@@ -134,7 +154,7 @@ def build_llama_server(build_dir: Path, source: Path | None = None, jobs: int = 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Build a bench environment (if needed) and print its python or binary.")
     ap.add_argument("what", choices=[*ENVS, "llama-server"])
-    ap.add_argument("--source", type=Path, help="llama-server: a vendored llama.cpp tree [default: pip download the sdist]")
+    ap.add_argument("--source", type=Path, help="llama-server: a vendored llama.cpp tree [default: the cached sdist (cached_sdist), else pip download it]")
     ap.add_argument("--build-dir", type=Path, default=HERE.parent / "build" / "llama-server",
                     help="llama-server: out-of-tree build folder [default: build/llama-server, git-ignored]")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="llama-server: compile jobs")
