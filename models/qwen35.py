@@ -387,8 +387,9 @@ def chat_template() -> str:
     return resources.files("deltarun.model_files").joinpath(CHAT_TEMPLATE_RESOURCE).read_text(encoding="utf-8")
 
 
-def _add_metadata(w: gguf.GGUFWriter, cfg: Qwen35Config, wtype: str) -> None:
-    """The keys `set_gguf_parameters` of the converter's class chain writes for this config."""
+def add_metadata(w: gguf.GGUFWriter, cfg: Qwen35Config, wtype: str) -> None:
+    """The keys `set_gguf_parameters` of the converter's class chain writes for this config (also the
+    start of qwen4exp's, models/qwen4exp.py)."""
     arch = cfg.arch
     n_blocks = cfg.num_hidden_layers + cfg.mtp_num_hidden_layers
     # TextModel
@@ -440,7 +441,7 @@ def write_model(path: str | Path, config: Qwen35Config | str = "tiny-qwen35", wt
 
     w = gguf.GGUFWriter(str(tmp), cfg.arch)
     w.add_name(name or f"deltarun synthetic {cfg.arch} {wtype}")
-    _add_metadata(w, cfg, wtype)
+    add_metadata(w, cfg, wtype)
     return finish_gguf(w, tmp, path, vocab, "qwen35", chat_template(), tensors, wtype)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from deltarun.base.errors import DeltarunError
-from deltarun.model_files import kimi_linear, qwen35
+from deltarun.model_files import kimi_linear, qwen35, qwen4exp
 from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
 
 
@@ -16,7 +16,8 @@ from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
 @click.argument("out", metavar="OUT.gguf", type=click.Path(dir_okay=False, writable=True, path_type=Path))
 @click.option("--type", "wtype", type=click.Choice(list(WEIGHT_TYPES)), default="f32", show_default=True,
               help="Type of the 2-D weights (norms, routers, conv and ssm_a stay F32, like converted files).")
-@click.option("--preset", type=click.Choice(list(PRESETS) + list(qwen35.PRESETS) + list(kimi_linear.PRESETS)),
+@click.option("--preset", type=click.Choice(list(PRESETS) + list(qwen35.PRESETS) + list(kimi_linear.PRESETS)
+                                      + list(qwen4exp.PRESETS)),
               default="tiny", show_default=True,
               help="Model shape: tiny (n_v = 2 n_k heads), tiny-eqheads (n_v = n_k), tiny-legacy (ssm_in), "
                    "tiny-tied (no output.weight, merged gate_up), tiny-mtp (one MTP layer), bench (hidden 1024), "
@@ -24,7 +25,11 @@ from deltarun.model_files.generate import PRESETS, WEIGHT_TYPES, write_model
                    "Qwen3.5: tiny-qwen35 (dense FFN), tiny-qwen35moe (MoE), bench-qwen35 (Qwen3.5-0.8B shapes), "
                    "bench-qwen35-echo (the same shapes, greedy repeats the last token: every MTP draft right), "
                    "-vocab151k / -vocab248k (with the real 151,936 / 248,320-token vocabularies); "
-                   "Kimi-Linear: tiny-kimi-linear (KDA + MLA + MoE).")
+                   "Kimi-Linear: tiny-kimi-linear (KDA + MLA + MoE), -k2vocab (a small kimi-k2 vocabulary), "
+                   "bench-kimi-linear (Kimi-Linear-48B-A3B layer shapes, 4 layers, 32 experts), "
+                   "-vocab164k (with a 163,840-row vocabulary); "
+                   "Qwen3.8-Flash-Next: tiny-qwen4exp (Gated DeltaNet + QSA attention, hyper-connections, "
+                   "hashed n-gram PLE, MoE).")
 @click.option("--mtp", is_flag=True, help="Add one multi-token-prediction (nextn) layer to the preset.")
 @click.option("--seed", "-s", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
@@ -38,6 +43,9 @@ def make_tiny(out: Path, wtype: str, preset: str, mtp: bool, seed: int) -> None:
         return
     if preset in kimi_linear.PRESETS:
         _make_other(kimi_linear, out, wtype, preset, seed)
+        return
+    if preset in qwen4exp.PRESETS:
+        _make_other(qwen4exp, out, wtype, preset, seed)
         return
     cfg = PRESETS[preset]
     if mtp and cfg.n_mtp == 0:
