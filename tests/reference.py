@@ -230,11 +230,13 @@ def rotate_neox(x, theta):
 # --------------------------------------------------------------------------------------------
 
 
-def full_attention(w, prefix, hp: RefHParams, h, positions, k_cache, v_cache, rope=None):
+def full_attention(w, prefix, hp: RefHParams, h, positions, k_cache, v_cache, rope=None, select=None):
     """Gated full attention for a chunk h (T, n_embd) at absolute positions; caches are lists
     (one (n_head_kv, head_dim) entry per past position) extended in place. Returns (T, n_embd).
 
-    rope(x (heads, head_dim), pos) -> rotated x; default NEOX on the first n_rot dims."""
+    rope(x (heads, head_dim), pos) -> rotated x; default NEOX on the first n_rot dims.
+    select(i) -> the cache indices the query at sequence index i attends to (sparse attention);
+    default every index up to i (causal)."""
     if rope is None:
         def rope(x, pos):
             return rope_neox(x, pos, hp.n_rot, hp.rope_base)
@@ -259,12 +261,13 @@ def full_attention(w, prefix, hp: RefHParams, h, positions, k_cache, v_cache, ro
     out = np.zeros((T, nh, hd))
     for t in range(T):
         n_vis = n_past + t + 1  # causal: this position and everything before it
+        seen = np.arange(n_vis) if select is None else np.asarray(select(n_past + t))
         for hh in range(nh):
             kv = hh // group
-            s = K[:n_vis, kv, :] @ q[t, hh] * scale
+            s = K[seen, kv, :] @ q[t, hh] * scale
             p = np.exp(s - s.max())
             p /= p.sum()
-            out[t, hh] = p @ V[:n_vis, kv, :]
+            out[t, hh] = p @ V[seen, kv, :]
     out = out * sigmoid(gate)
     return out.reshape(T, nh * hd) @ w[prefix + "attn_output.weight"].T
 
@@ -309,9 +312,9 @@ def gated_delta_net_step(M, q, k, v, gdecay, beta):
     return o, M
 
 
-def gated_rmsnorm(o, z, weight, eps):
-    """rmsnorm(o) * weight * silu(z), per head over the last axis."""
-    return rmsnorm(o, eps) * weight * silu(z)
+def gated_rmsnorm(o, z, weight, eps, gate=silu):
+    """rmsnorm(o) * weight * gate(z), per head over the last axis (gate: SiLU, or sigmoid for qwen4exp)."""
+    return rmsnorm(o, eps) * weight * gate(z)
 
 
 def linear_attention(w, prefix, hp: RefHParams, h, state):
@@ -336,7 +339,7 @@ def linear_attention(w, prefix, hp: RefHParams, h, state):
     return outs.reshape(T, nv * S) @ w[prefix + "ssm_out.weight"].T
 
 
-def delta_net_scan(state, hp: RefHParams, qkv, z, beta, gdecay, conv_w, conv_b, norm_w):
+def delta_net_scan(state, hp: RefHParams, qkv, z, beta, gdecay, conv_w, conv_b, norm_w, gate=silu):
     """The gated delta net after its input projections, token by token: causal conv + SiLU, L2-norm
     of q and k, q/k heads broadcast to value heads grouped (value head hv uses key head hv // r, as
     HF's repeat_interleave), the delta rule, the gated RMSNorm. qkv (T, conv_dim), z (T, n_v, S),
@@ -355,7 +358,7 @@ def delta_net_scan(state, hp: RefHParams, qkv, z, beta, gdecay, conv_w, conv_b, 
         q = np.repeat(q, r, axis=0) / np.sqrt(S)  # v-head hv uses k-head hv // r
         k = np.repeat(k, r, axis=0)
         o, state["ssm"] = gated_delta_net_step(state["ssm"], q, k, v, gdecay[t], beta[t])
-        outs[t] = gated_rmsnorm(o, z[t], norm_w, hp.eps)
+        outs[t] = gated_rmsnorm(o, z[t], norm_w, hp.eps, gate)
         state["history"].append((state["conv"].copy(), state["ssm"].copy()))
     return outs
 

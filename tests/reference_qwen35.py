@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference import ReferenceState, RefHParams, delta_net_scan, full_attention, moe, rmsnorm, rotate_neox, sigmoid, softplus
+from reference import (ReferenceState, RefHParams, delta_net_scan, full_attention, moe, rmsnorm, rotate_neox, sigmoid,
+                       silu, softplus)
 
 __all__ = ["Qwen35Reference", "rope_imrope", "hparams_of"]
 
@@ -70,6 +71,9 @@ class Qwen35Reference(ReferenceState):
     """Float64 Qwen3.5 from HF weights. API as tests/reference.py's ReferenceModel: reset, forward,
     clone, hidden, mtp_forward, conv_state / ssm_state / history (HF head order), kv_cache."""
 
+    #: the gate of the delta net's output norm (Qwen3.5: SiLU; qwen4exp: its output_gate_type)
+    gated_norm_gate = staticmethod(silu)
+
     def __init__(self, cfg, hf: dict[str, np.ndarray], n_vocab: int | None = None):
         self.cfg = cfg
         self.hf = {k: np.asarray(v, dtype=np.float64) for k, v in hf.items()}
@@ -85,8 +89,10 @@ class Qwen35Reference(ReferenceState):
 
     def _block_view(self, p: str, recurrent: bool) -> dict[str, np.ndarray]:
         w = self.hf
-        v = {"attn_norm": _zc(w[p + "input_layernorm.weight"]),
-             "post_attention_norm": _zc(w[p + "post_attention_layernorm.weight"])}
+        v = {}
+        if p + "input_layernorm.weight" in w:   # qwen4exp's layers have none (hyper-connections)
+            v = {"attn_norm": _zc(w[p + "input_layernorm.weight"]),
+                 "post_attention_norm": _zc(w[p + "post_attention_layernorm.weight"])}
         if not recurrent:
             a = p + "self_attn."
             v.update({
@@ -150,7 +156,8 @@ class Qwen35Reference(ReferenceState):
         beta = sigmoid(h @ w[q + "in_proj_b.weight"].T)
         gdecay = -np.exp(w[q + "A_log"]) * softplus(h @ w[q + "in_proj_a.weight"].T + w[q + "dt_bias"])
         conv_w = w[q + "conv1d.weight"][:, 0, :]          # (conv_dim, 1, K) depthwise kernel
-        outs = delta_net_scan(state, hp, qkv, z, beta, gdecay, conv_w, None, w[q + "norm.weight"])
+        outs = delta_net_scan(state, hp, qkv, z, beta, gdecay, conv_w, None, w[q + "norm.weight"],
+                              self.gated_norm_gate)
         return outs.reshape(T, nv * S) @ w[q + "out_proj.weight"].T
 
     def _decoder_layer(self, view, x, mix):
