@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -51,8 +52,9 @@ def read_image_bytes(path: str | Path) -> bytes:
         raise ImageError(f"{p}: cannot read the image ({e.strerror or e})") from None
 
 
-def decode_image(data: bytes, name: str = "image") -> Image.Image:
-    """Decode PNG / JPEG / WebP / GIF bytes to an RGB image (GIF: the first frame)."""
+def decode_image(data: bytes, name: str = "image", check_size: Callable[[int, int], None] | None = None) -> Image.Image:
+    """Decode PNG / JPEG / WebP / GIF bytes to an RGB image (GIF: the first frame). `check_size(w, h)`
+    sees the size the header announces before the pixels are decoded (and may refuse it)."""
     if len(data) > MAX_FILE_BYTES:
         raise ImageError(f"{name}: {len(data) / 2**20:.0f} MiB is larger than the {MAX_FILE_BYTES >> 20} MiB an "
                          f"image may have")
@@ -70,6 +72,8 @@ def decode_image(data: bytes, name: str = "image") -> Image.Image:
         raise ImageError(f"{name}: the image is empty ({w} x {h})")
     if w * h > MAX_PIXELS:
         raise ImageError(f"{name}: {w} x {h} pixels is more than the {MAX_PIXELS:,} an image may have; scale it down")
+    if check_size is not None:
+        check_size(w, h)
     try:
         img.seek(0)
         img.load()
@@ -122,9 +126,23 @@ def prepare_image(img: Image.Image, hp: VisionHParams, min_pixels: int = MIN_PIX
     return PreparedImage(np.ascontiguousarray(x.transpose(2, 0, 1)), hp.patch_size, hp.n_merge)
 
 
+def image_tokens(width: int, height: int, hp: VisionHParams, min_pixels: int = MIN_PIXELS_DEFAULT,
+                 max_pixels: int = MAX_PIXELS_DEFAULT) -> int:
+    """Image tokens a width x height image becomes (the merged grid of its `smart_resize` size)."""
+    th, tw = smart_resize(height, width, hp.align, min_pixels, max_pixels)
+    return (th // hp.align) * (tw // hp.align)
+
+
 def load_image(source: str | Path | bytes, hp: VisionHParams, min_pixels: int = MIN_PIXELS_DEFAULT,
-               max_pixels: int = MAX_PIXELS_DEFAULT) -> PreparedImage:
-    """A file path (or the bytes of one) to a prepared image."""
-    if isinstance(source, bytes):
-        return prepare_image(decode_image(source), hp, min_pixels, max_pixels)
-    return prepare_image(decode_image(read_image_bytes(source), str(source)), hp, min_pixels, max_pixels)
+               max_pixels: int = MAX_PIXELS_DEFAULT, *, name: str | None = None,
+               max_tokens: int | None = None) -> PreparedImage:
+    """A file path (or the bytes of one) to a prepared image. `max_tokens`: an image that would
+    become more image tokens is refused from its header, before its pixels are decoded (a server
+    bounds the memory a request's images take by the context)."""
+    def check_size(w: int, h: int) -> None:
+        n = image_tokens(w, h, hp, min_pixels, max_pixels)
+        if max_tokens is not None and n > max_tokens:
+            raise ImageError(f"{label}: a {w} x {h} image is {n} image tokens; at most {max_tokens} fit")
+    data = source if isinstance(source, bytes) else read_image_bytes(source)
+    label = name or ("image" if isinstance(source, bytes) else str(source))
+    return prepare_image(decode_image(data, label, check_size), hp, min_pixels, max_pixels)

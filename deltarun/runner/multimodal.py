@@ -98,6 +98,21 @@ def place_images(tokens: Sequence[int], pad: int, images: Sequence[PreparedImage
     return out, placed
 
 
+def placed_position(q: int, placed: Sequence[PlacedImage]) -> int:
+    """Position `q` of a rendered prompt (one pad token per image) in the prompt `place_images`
+    made of it (each pad replaced by its image's tokens): a cut after a pad lands after its image."""
+    shift = 0
+    for img in sorted(placed, key=lambda p: p.start):
+        if img.start - shift < q:          # the image's pad stood before q
+            shift += img.image.n_tokens - 1
+    return q + shift
+
+
+def outside_images(q: int, placed: Sequence[PlacedImage]) -> int:
+    """Position `q`, or the end of the image it falls inside (a prompt chunk never ends inside one)."""
+    return next((img.end for img in placed if img.start < q < img.end), q)
+
+
 def prompt_steps(begin: int, end: int, placed: Sequence[PlacedImage],
                  split: Callable[[int], list[int]]) -> list[tuple[int, int, PlacedImage | None]]:
     """How to evaluate prompt positions begin..end: (from, to, image) steps, each image (or the

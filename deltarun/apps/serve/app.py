@@ -355,7 +355,7 @@ def create_app(state: ServerState) -> Starlette:
             "total_slots": state.n_parallel,
             "model_alias": state.model_name,
             "model_path": str(m.path) if state.expose_model_path else Path(m.path).name,
-            "modalities": {"vision": False, "audio": False, "video": False},
+            "modalities": {"vision": b.vision is not None, "audio": False, "video": False},
             "chat_template": b.template.source,
             "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",

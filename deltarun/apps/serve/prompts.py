@@ -31,7 +31,10 @@ from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_tu
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.base.chat_template import ChatTemplate
-from deltarun.base.errors import TokenizerError
+from deltarun.apps.serve.images import prepare_images
+from deltarun.base.errors import ImageError, TokenizerError
+from deltarun.base.vision import VisionHParams
+from deltarun.runner.multimodal import PlacedImage, outside_images, place_images, placed_position, vision_token_ids
 
 #: Message boundaries are looked for among the last this many messages only (each costs a render).
 BOUNDARY_MESSAGES = 8
@@ -40,8 +43,12 @@ RENDER_CACHE = 1024
 
 
 class PromptBuilder:
-    def __init__(self, model: Any, template: ChatTemplate, grammars: Any, checkpoint_every: int = 1024):
+    def __init__(self, model: Any, template: ChatTemplate, grammars: Any, checkpoint_every: int = 1024,
+                 vision: VisionHParams | None = None):
         self.tokenizer = model.tokenizer
+        #: the vision tower's hyper-parameters (serve --mmproj): images are prepared for it; None: refused
+        self.vision = vision
+        self._image_pad = vision_token_ids(model)[1] if vision is not None else -1
         self.n_ctx = model.n_ctx
         self.n_vocab = model.hp.n_vocab
         self.template = template
@@ -62,7 +69,7 @@ class PromptBuilder:
         kwargs = dict(req.template_kwargs)
         thinking = kwargs.pop("enable_thinking", None)
         return self.template.render(messages, add_generation_prompt=gen, enable_thinking=thinking, tools=tools,
-                                    **kwargs)
+                                    images=self.vision is not None, **kwargs)
 
     def _check_length(self, prompt: list[int], param: str) -> None:
         if len(prompt) >= self.n_ctx:
@@ -123,12 +130,24 @@ class PromptBuilder:
             return tokens_before(self.tokenize, text, k, prompt)
         return int(np.searchsorted(ends, len(text[:k].encode("utf-8")), side="right"))
 
-    def _checkpoints(self, n: int, boundaries: list[int]) -> list[int]:
+    def _checkpoints(self, n: int, boundaries: list[int], placed: list[PlacedImage] = ()) -> list[int]:
         every = list(range(self.checkpoint_every, n, self.checkpoint_every)) if self.checkpoint_every > 0 else []
-        return sorted({b for b in boundaries + every if 0 < b <= n} | {n})
+        return sorted({outside_images(b, placed) for b in boundaries + every if 0 < b <= n} | {n})
+
+    def _place_images(self, req: ChatRequest, tokens: list[int]) -> tuple[list[int], list[PlacedImage]]:
+        """The request's images prepared (a 400 for a bad one, or for any without --mmproj) and put in
+        place of the pad tokens the template wrote (`place_images`); tokens unchanged without images."""
+        images = prepare_images(req, self.vision, self.n_ctx - 1)
+        if not images:
+            return tokens, []
+        try:
+            return place_images(tokens, self._image_pad, images)
+        except ImageError as e:
+            raise ApiError(str(e), param="messages", code="invalid_image") from None
 
     def _prompt_text(self, req: ChatRequest) -> tuple[str, list | None]:
         """The rendered prompt of a chat request, and the tools rendered into it (None: none)."""
+        prepare_images(req, self.vision, self.n_ctx - 1)     # first: a 400 for an image without --mmproj
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         try:
             return self._render(req.messages, req, tools, True), tools
@@ -138,15 +157,16 @@ class PromptBuilder:
     def prompt_length(self, req: ChatRequest) -> int:
         """Tokens of the prompt `chat(req)` builds, with no limit (token counting endpoints answer
         for prompts longer than the context too)."""
-        return len(self.tokenize(self._prompt_text(req)[0]))
+        return len(self._place_images(req, self.tokenize(self._prompt_text(req)[0]))[0])
 
     def chat(self, req: ChatRequest) -> GenParams:
         text, tools = self._prompt_text(req)
         use_tools = tools is not None
-        prompt = self.tokenize(text)
+        rendered = self.tokenize(text)           # one pad token per image: the boundaries are found in it
+        prompt, placed = self._place_images(req, rendered)
         self._check_length(prompt, "messages")
         boundaries = []
-        ends = self._token_ends(text, prompt)
+        ends = self._token_ends(text, rendered)
         msgs = req.messages
         first = max(1, len(msgs) - BOUNDARY_MESSAGES)
         keys = self._prefix_keys(msgs, req, tools)
@@ -156,13 +176,16 @@ class PromptBuilder:
             # block, earlier ones none), so the two agree up to where message i's content starts
             try:
                 boundaries.append(self._boundary(text, self._stand_in_render(keys[i], msgs[:i], req, tools),
-                                                 prompt, ends))
+                                                 rendered, ends))
             except TokenizerError:
                 pass
         try:
-            answer_start = self._boundary(text, self._render(followed_by_a_turn(msgs), req, tools, False), prompt, ends)
+            answer_start = self._boundary(text, self._render(followed_by_a_turn(msgs), req, tools, False), rendered,
+                                          ends)
         except TokenizerError:
-            answer_start = len(prompt)
+            answer_start = len(rendered)
+        boundaries = [placed_position(b, placed) for b in boundaries]
+        answer_start = placed_position(answer_start, placed)
         grammar = None
         if req.response_format is not None:
             grammar = self.grammars.json_schema(req.response_format["schema"], "response_format")
@@ -172,8 +195,8 @@ class PromptBuilder:
             grammar = self.grammars.tool_call(chosen, self.xml_tools)
         return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens, len(prompt)), req=req,
                          grammar=grammar, reasoning=True, starts_thinking=opens_thinking(text), tools=use_tools,
-                         checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start]),
-                         answer_start=answer_start)
+                         checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start], placed),
+                         answer_start=answer_start, images=placed)
 
     def next_turn(self, req: ChatRequest, content: str) -> GenParams | None:
         """The start of this conversation's next prompt, when the client sends back `content` (the
@@ -190,11 +213,12 @@ class PromptBuilder:
             return None
         tokens = self.tokenize(text)
         n = self._boundary(text, text[:cut], tokens, self._token_ends(text, tokens))
+        prompt, placed = self._place_images(req, tokens[:n])
+        n = len(prompt)
         if not 0 < n < self.n_ctx:
             return None
-        prompt = tokens[:n]
-        return GenParams(prompt=prompt, max_tokens=0, req=req, checkpoints=self._checkpoints(n, []), answer_start=n,
-                         ahead=True)
+        return GenParams(prompt=prompt, max_tokens=0, req=req, checkpoints=self._checkpoints(n, [], placed),
+                         answer_start=n, ahead=True, images=placed)
 
     def completion(self, req: CompletionRequest) -> GenParams:
         if isinstance(req.prompt, str):

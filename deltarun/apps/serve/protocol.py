@@ -9,6 +9,8 @@ or range is an `ApiError` (HTTP 400 with OpenAI's `{"error": {"message", "type",
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -251,6 +253,8 @@ class ChatRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] = "auto"
     response_format: dict[str, Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the messages' images by digest, once prepared (`serve.images.prepare_images`)
+    images: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -318,7 +322,9 @@ def prompt_chars(req: SamplingRequest) -> int:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
     n = 0
     for m in getattr(req, "messages", ()):
-        n += len(m.get("content") or "") + len(m.get("reasoning_content") or "")
+        content = m.get("content") or ""
+        n += (len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)) \
+            + len(m.get("reasoning_content") or "")
         for call in m.get("tool_calls") or ():
             n += len(json.dumps(call["function"]["arguments"]))
     return n
@@ -333,13 +339,15 @@ def check_token_ids(req: SamplingRequest, n_vocab: int) -> None:
                        param="logit_bias", code="invalid_value")
 
 
-def _message_text(content: Any, where: str) -> str | None:
-    """Text content of a message: a string, or the text parts of a list; images are refused."""
+def _message_content(content: Any, where: str, images: bool) -> str | list[dict[str, Any]] | None:
+    """Content of a message: a string, the text parts of a list joined, or, when the list holds
+    images (`images`: a user message), its parts in order: text parts and image parts
+    `{"type": "image", "data": bytes, "param": where}` (`serve.images` prepares them)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _type_error(f"{where}.content", "a string or a list of content parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         p = f"{where}.content[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -348,14 +356,46 @@ def _message_text(content: Any, where: str) -> str | None:
         if kind in ("text", "input_text"):
             if not isinstance(part.get("text"), str):
                 raise _type_error(f"{p}.text", "a string")
-            texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image"):
-            raise ApiError(f"{p} is an image: this model reads text only (no vision encoder)", param=p,
-                           code="unsupported_content")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind in ("image_url", "input_image"):
+            if not images:
+                raise ApiError(f"{p} is an image: images are accepted in user messages only", param=p,
+                               code="unsupported_content")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            parts.append({"type": "image", "data": data_url_bytes(url, f"{p}.image_url"), "param": p})
         else:
-            raise ApiError(f"{p} has type {kind!r}; only text parts are supported", param=p,
+            raise ApiError(f"{p} has type {kind!r}; only text and image_url parts are supported", param=p,
                            code="unsupported_content")
-    return "".join(texts)
+    if any(q["type"] == "image" for q in parts):
+        return parts
+    return "".join(q["text"] for q in parts)
+
+
+#: media types a data: URL may name (Pillow decides from the bytes; the type is checked as a courtesy)
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
+
+
+def data_url_bytes(url: Any, where: str) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL; http(s) and other URLs are refused (the
+    server downloads nothing)."""
+    if not isinstance(url, str):
+        raise _type_error(where, "a data: URL string (or an object with 'url')")
+    head, comma, payload = url.partition(",")
+    if not head.lower().startswith("data:"):
+        raise ApiError(f"{where} is not a data: URL ({url[:40]!r}...): only data: URLs are accepted, the server "
+                       f"downloads nothing", param=where, code="invalid_image_url")
+    media, *options = head[5:].split(";")
+    if not comma or "base64" not in (o.lower() for o in options):
+        raise ApiError(f"{where}: a data: URL must be base64 ('data:image/png;base64,...')", param=where,
+                       code="invalid_image_url")
+    if media.lower() not in IMAGE_MEDIA_TYPES:
+        raise ApiError(f"{where}: media type {media[:40]!r} is not an image deltarun reads (PNG, JPEG, WebP, GIF)",
+                       param=where, code="invalid_image_url")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(f"{where}: the data: URL is not valid base64", param=where, code="invalid_image_url") from None
 
 
 def _messages(body: dict) -> list[dict[str, Any]]:
@@ -376,7 +416,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                            code="invalid_value")
         msg = dict(m)
         msg["role"] = "system" if role == "developer" else role
-        text = _message_text(m.get("content"), where)
+        text = _message_content(m.get("content"), where, images=role == "user")
         calls = m.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):

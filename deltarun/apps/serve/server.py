@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
@@ -30,6 +31,8 @@ from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.prompts import PromptBuilder
 from deltarun.apps.serve.worker import Worker, end_of_generation_ids
 from deltarun.base.chat_template import ChatTemplate
+from deltarun.base.gguf_file import GGUFFile
+from deltarun.base.registry import projector_for
 
 
 @dataclass
@@ -53,6 +56,7 @@ class ServeSettings:
     limits: ConnectionLimits = ConnectionLimits()    # header, body and keep-alive timeouts, connections
     #: opens the draft GGUF with one sequence per slot (n_seq_max = parallel), when draft is a path
     open_draft: Callable[[], Any] | None = None
+    mmproj: Path | None = None        # the model's vision tower (mmproj GGUF): chat requests may send images
 
 
 def _grammar_factory(m: Any) -> GrammarFactory:      # module level: it pickles (supervisor.py)
@@ -68,7 +72,10 @@ def build(open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.
     """
     kwargs = dict(n_parallel=s.parallel, max_queue=s.max_queue, cache_bytes=s.cache_ram_mib << 20,
                   chunk=s.chunk, checkpoint_every=s.checkpoint_every, grammar_factory=_grammar_factory,
-                  draft=s.draft, draft_max=s.draft_max, open_draft=s.open_draft)
+                  draft=s.draft, draft_max=s.draft_max, open_draft=s.open_draft, mmproj=s.mmproj)
+    # the tower's hyper-parameters, read here (the handlers prepare images for it): a file that is not
+    # an mmproj fails before the server starts
+    vision = projector_for(GGUFFile(s.mmproj)).hp if s.mmproj is not None else None
     if s.rpc or s.supervise:
         from deltarun.apps.serve.supervisor import SupervisedWorker
 
@@ -77,7 +84,7 @@ def build(open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.
         worker = Worker(open_model, metrics=Metrics(), **kwargs)
 
     def make_builder(w: Worker) -> PromptBuilder:
-        return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every)
+        return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every, vision)
 
     state = ServerState(worker, make_builder, model_name=s.model_name, api_key=s.api_key,
                         max_body=s.max_body_mib << 20, n_parallel=s.parallel, prefill_ahead=s.prefill_ahead,

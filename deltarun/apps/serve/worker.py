@@ -60,6 +60,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -70,9 +71,11 @@ from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
 from deltarun.runner.engine import Engine, Outcome, Running
+from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
 from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
 from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
                                          draft_limit)
+from deltarun.runner.vision import VisionEncoder
 
 _ids = itertools.count(1)
 MIN_CHUNK = 16
@@ -98,6 +101,7 @@ class GenParams:
     checkpoints: list[int] = field(default_factory=list)   # prompt positions to checkpoint at
     answer_start: int = 0               # where the next turn will diverge from this prompt
     ahead: bool = False                 # a prompt start evaluated ahead of its request (`Worker.prefill_ahead`)
+    images: list[PlacedImage] = field(default_factory=list)   # where the prompt's images lie (serve --mmproj)
 
 
 @dataclass
@@ -150,8 +154,13 @@ class Worker:
     def __init__(self, open_model: Callable[[], Any], n_parallel: int, *, max_queue: int = 64,
                  cache_bytes: int = 2 << 30, chunk: int = 512, checkpoint_every: int = 1024,
                  metrics: Metrics | None = None, grammar_factory: Callable[[Any], Any] | None = None,
-                 draft: str | None = None, draft_max: int = 8, open_draft: Callable[[], Any] | None = None):
+                 draft: str | None = None, draft_max: int = 8, open_draft: Callable[[], Any] | None = None,
+                 mmproj: str | Path | None = None):
         self._open_model = open_model
+        #: the vision tower's file (serve --mmproj), opened on the model's backend with the model
+        self.mmproj = mmproj
+        self.vision: VisionEncoder | None = None
+        self._image_pad = -1              # the <|image_pad|> id the image rows are evaluated as
         self.n_parallel = n_parallel
         self.max_queue = max_queue
         self.cache_bytes = cache_bytes
@@ -272,12 +281,15 @@ class Worker:
             self._warm_up()
             if self._grammar_factory is not None:
                 self.grammars = self._grammar_factory(self.model)
+            if self.mmproj is not None:
+                self._open_vision()
             if self.draft_spec is not None:
                 self._open_drafts()
         except BaseException as e:   # reported by /health and the CLI
             self.load_error = e
-            if self.draft_model is not None:
-                self.draft_model.close()
+            for opened in (self.draft_model, self.vision):
+                if opened is not None:
+                    opened.close()
             self.ready.set()
             return
         self.ready.set()
@@ -289,9 +301,9 @@ class Worker:
                 if not go_on:
                     break
         finally:
-            self.model.close()
-            if self.draft_model is not None:
-                self.draft_model.close()
+            for opened in (self.vision, self.model, self.draft_model):
+                if opened is not None:
+                    opened.close()
 
     def _warm_up(self) -> None:
         """Evaluate two tokens in seq 0 and forget them, and make one sampler, before the first
@@ -304,11 +316,21 @@ class Worker:
         m.memory.clear_seq(0)
         Sampler(SamplingParams(temperature=1.0))
 
+    def _open_vision(self) -> None:
+        """Open the vision tower on the model's backend, checked against the text model."""
+        self.vision = VisionEncoder(self.mmproj, backend=self.model.backend)
+        self.vision.check_text_model(self.model.hp.n_embd, self.model.family.arch)
+        self._image_pad = vision_token_ids(self.model)[1]
+
     def _open_drafts(self) -> None:
         """Check the model can verify drafts and open the draft model (one sequence per serving sequence)."""
         self.k_max = draft_limit(self.model, self.draft_max)
         if self.draft_spec == "mtp" and not self.model.memory.mtp_layers:
             raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
+        if self.draft_spec == "mtp" and self.vision is not None:
+            raise DeltarunError("--draft mtp cannot be combined with --mmproj: the MTP block's rows over an image "
+                                "would need the image rows' embeddings, which it does not take; use --draft ngram "
+                                "or a draft model")
         if self.draft_spec not in ("ngram", "mtp"):
             self.draft_model = self._open_draft()
             check_draft_vocab(self.draft_model.hp.n_vocab, self.model.hp.n_vocab)
@@ -531,17 +553,26 @@ class Worker:
         slots = self.model.memory.n_capture
         if len(inside) > slots:            # the chunk ends at the first checkpoint it cannot capture
             end, inside = inside[slots], inside[:slots]
+        image = next((img for img in p.images if img.start <= job.pos < img.end), None)
+        if image is None:                  # text chunks end where an image starts
+            end = min([end] + [img.start for img in p.images if img.start > job.pos])
+            inside = [c for c in inside if c < end]
         t0 = time.perf_counter()
         wants_hidden = job.draft is not None and job.draft.needs_hidden
-        logits = self.model.eval(p.prompt[job.pos:end], job.seq, all_hidden=wants_hidden,
-                                 captures=[c - job.pos for c in inside])
+        if image is not None:              # an image (or the rest of one) is one step, its rows from the tower
+            end, inside = image.end, []
+            logits = eval_step(self.model, p.prompt, (job.pos, end, image), job.seq, self.vision.encode,
+                               self._image_pad)
+        else:
+            logits = self.model.eval(p.prompt[job.pos:end], job.seq, all_hidden=wants_hidden,
+                                     captures=[c - job.pos for c in inside])
         for c in inside:
             self.cache.checkpoint(job.seq, state=self.model.last_captures[c])
         if wants_hidden:                   # the MTP block's KV rows follow the prompt chunk by chunk
             rows = self.model.last_hidden[0]
             self._feed_mtp(job, rows, job.pos)
             self.cache.note_hidden(job.seq, rows)
-        if others and self._decode_s > 0:
+        if others and self._decode_s > 0 and image is None:
             self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
         if self.trace is not None:
             self.trace.append(("ahead" if p.ahead else "prefill", job.id, end - job.pos))
@@ -694,10 +725,12 @@ class Worker:
 
     # --- speculative decoding ------------------------------------------------------------------------
     def _can_speculate(self, job: Job) -> bool:
-        """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
+        """Drafts are verified with the plain sampler: not for requests whose sampling adds more; a
+        draft model reads text only, so not for a prompt with images."""
         r = job.params.req
         return (self.draft_spec is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
-                and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
+                and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty
+                and not (job.params.images and self.draft_model is not None))
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
