@@ -26,7 +26,8 @@ from deltarun.base.chat_template import ChatTemplate
 from deltarun.cli.main import cli
 from deltarun.model_files import qwen35_vision as qv
 from deltarun.runner import images
-from deltarun.runner.model import Model
+from deltarun.runner.model import Model, image_token
+from deltarun.runner.speculative import NgramDraft
 from deltarun.runner.vision import VisionEncoder
 
 N_CTX = 512
@@ -50,9 +51,12 @@ def _user(text: str, *pictures: bytes) -> dict:
             + [{"type": "text", "text": text}]}
 
 
-def _open(text, mmproj=None, **settings) -> ServeHandle:
-    return ServeHandle(lambda: Model(text, n_ctx=N_CTX, n_seq_max=2, kv_type="f32", n_threads=1,
-                                     capture_slots=CAPTURE_SLOTS),
+def _opener(text, **kw):
+    return lambda: Model(text, n_ctx=N_CTX, n_seq_max=2, kv_type="f32", n_threads=1, **kw)
+
+
+def _open(text, mmproj=None, rs_slots: int = 1, mtp: bool = False, **settings) -> ServeHandle:
+    return ServeHandle(_opener(text, capture_slots=CAPTURE_SLOTS, rs_slots=rs_slots, mtp=mtp),
                        ServeSettings(parallel=2, mmproj=mmproj, prefill_ahead=False, **settings))
 
 
@@ -108,11 +112,22 @@ def _image_tokens(mmproj, picture: bytes) -> int:
         return images.load_image(picture, enc.hp).n_tokens
 
 
-def test_an_image_answer_equals_generate(files, client, encodes) -> None:
+@pytest.fixture(scope="module")
+def generated(files) -> str:
+    """generate --mmproj --image's greedy 6 tokens after [the first picture, "Say:"]."""
     text, mmproj, (picture, _), folder = files
-    messages = [_user("Say:", picture)]
-    r = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, extra_body=NO_THINKING)
-    assert r.choices[0].message.content == _generate(text, mmproj, folder, messages, picture, 6)
+    return _generate(text, mmproj, folder, [_user("Say:", picture)], picture, 6)
+
+
+def _ask(client, messages, n: int = 6):
+    return client.chat.completions.create(model="m", messages=messages, max_tokens=n, temperature=0,
+                                          extra_body=NO_THINKING)
+
+
+def test_an_image_answer_equals_generate(files, client, encodes, generated) -> None:
+    _, mmproj, (picture, _), _ = files
+    r = _ask(client, [_user("Say:", picture)])
+    assert r.choices[0].message.content == generated
     assert r.usage.prompt_tokens > _image_tokens(mmproj, picture) and len(encodes) == 1
 
 
@@ -209,3 +224,42 @@ def test_props_names_the_vision_modality(server) -> None:
     import httpx
 
     assert httpx.get(server.base_url + "/props").json()["modalities"]["vision"] is True
+
+
+def test_ngram_drafts_stop_at_an_image() -> None:
+    """An n-gram source never proposes an image's rows (negative ids): what followed a match is cut there."""
+    image = [image_token("ab" * 16)] * 3
+    assert NgramDraft().propose([5, 6, 7] + image + [8, 5, 6, 7], 4, None).tokens == []
+    assert NgramDraft().propose([5, 6, 7, 8] + image + [5, 6, 7], 4, None).tokens == [8]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_drafts_with_images_keep_the_greedy_answer(files, generated, draft: str) -> None:
+    """With --draft ngram a prompt with an image speculates (drafts stop at its rows); a draft model
+    reads text only, so a prompt with an image is not drafted for, and a text prompt still is."""
+    text, mmproj, (picture, _), _ = files
+    kw = {"draft": "ngram"} if draft == "ngram" else {"draft": str(text), "open_draft": _opener(text)}
+    with _open(text, mmproj, rs_slots=5, draft_max=4, **kw) as h:
+        client = openai.OpenAI(base_url=h.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = _ask(client, [_user("Say:", picture)])
+        assert r.choices[0].message.content == generated
+        if draft == "model":
+            assert "draft_n" not in r.model_extra["timings"]
+            assert _ask(client, [{"role": "user", "content": "Say:"}]).model_extra["timings"]["draft_n"] > 0
+
+
+def test_mtp_drafts_and_images_are_refused_at_load(files) -> None:
+    text, mmproj, _, _ = files
+    with pytest.raises(RuntimeError, match="--draft mtp cannot be combined with --mmproj"):
+        with _open(text, mmproj, rs_slots=5, mtp=True, draft="mtp", draft_max=4):
+            pass
+
+
+@pytest.mark.parametrize("case", ["missing", "text-model"])
+def test_serve_mmproj_errors_are_one_line(files, case: str) -> None:
+    text, _, _, folder = files
+    mmproj = folder / "nothing.gguf" if case == "missing" else text
+    r = CliRunner().invoke(cli, ["serve", str(text), "--mmproj", str(mmproj), "--port", "0"])
+    assert r.exit_code != 0
+    assert ("no such mmproj file" if case == "missing" else "not an mmproj file") in r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1

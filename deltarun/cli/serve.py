@@ -109,6 +109,9 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
 @click.option("--max-body", type=click.IntRange(min=1), default=8, show_default=True, metavar="MiB",
               help="Largest request body accepted.")
 @click.option("--alias", default=None, help="Model id reported by /v1/models [default: the file name].")
+@click.option("--mmproj", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The model's vision tower (mmproj-*.gguf): chat requests may then send images (image_url "
+                   "parts with data: URLs).")
 @draft_options
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True)
@@ -117,7 +120,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
           api_key_file: Path | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
           header_timeout: float, body_timeout: float, keep_alive: float, max_connections: int,
           expose_model_path: bool, max_queue: int, chunk: int | None, checkpoint_every: int, prefill_ahead: bool,
-          max_body: int, alias: str | None,
+          max_body: int, alias: str | None, mmproj: Path | None,
           draft: str | None, draft_max: int, log_level: str, **opts: object) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     api_key = _api_key(api_key, api_key_file)
@@ -136,6 +139,8 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
         click.secho(f"warning: listening on {host}: anyone who can reach this address can use the model"
                     + ("" if api_key else " (no --api-key set)"), fg="yellow", err=True)
     check_draft(path, draft)
+    if mmproj is not None and not mmproj.is_file():
+        raise DeltarunError(f"{mmproj}: no such mmproj file")
     open_draft = None
     if draft is not None:      # a rejected draft is rolled back within the recurrent-state slots
         opts["rs_slots"] = max(int(opts["rs_slots"]), draft_max + 1)
@@ -146,7 +151,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
                              chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
-                             rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft,
+                             rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft, mmproj=mmproj,
                              prefill_ahead=prefill_ahead, allowed_hosts=_names(allowed_hosts),
                              allowed_origins=_names(allowed_origins), expose_model_path=expose_model_path,
                              limits=ConnectionLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,

@@ -50,7 +50,8 @@ class DraftSource(Protocol):
 
 
 class NgramDraft:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed."""
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed
+    (up to an image: its rows are recorded as negative ids, `image_token`, which are no tokens)."""
 
     needs_hidden = False
 
@@ -69,7 +70,9 @@ class NgramDraft:
             # full n tokens after it wins
             windows = np.lib.stride_tricks.sliding_window_view(h[:-1], size)
             for start in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
-                follow = h[start + size:start + size + n].tolist()
+                follow = h[start + size:start + size + n]
+                image = np.flatnonzero(follow < 0)
+                follow = (follow[:image[0]] if image.size else follow).tolist()
                 if len(follow) > len(best):
                     best = follow
                 if len(best) == n:

@@ -324,13 +324,13 @@ class Worker:
 
     def _open_drafts(self) -> None:
         """Check the model can verify drafts and open the draft model (one sequence per serving sequence)."""
-        self.k_max = draft_limit(self.model, self.draft_max)
-        if self.draft_spec == "mtp" and not self.model.memory.mtp_layers:
-            raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
         if self.draft_spec == "mtp" and self.vision is not None:
             raise DeltarunError("--draft mtp cannot be combined with --mmproj: the MTP block's rows over an image "
                                 "would need the image rows' embeddings, which it does not take; use --draft ngram "
                                 "or a draft model")
+        self.k_max = draft_limit(self.model, self.draft_max)
+        if self.draft_spec == "mtp" and not self.model.memory.mtp_layers:
+            raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
         if self.draft_spec not in ("ngram", "mtp"):
             self.draft_model = self._open_draft()
             check_draft_vocab(self.draft_model.hp.n_vocab, self.model.hp.n_vocab)
