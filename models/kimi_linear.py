@@ -19,8 +19,9 @@ checkpoint holds (moonshotai's names, which llama.cpp's tensor_mapping.py maps: 
 
 Norm weights are stored as they are (Kimi's RMSNorm multiplies by w, not 1 + w). Types follow the
 converter's rule (1-D tensors, norms, the router and the conv kernels stay F32). The vocabulary is
-the packaged tiny cut of the Qwen2 BPE (the real model's is tiktoken's `kimi-k2`, which the graph
-does not depend on), the chat template the Qwen3 one.
+the packaged tiny cut of the Qwen2 BPE, or (`vocab="tiny-kimi-k2"`) a small one in the layout the
+converter writes from Kimi-K2's tiktoken ranks, with the `kimi-k2` pre-tokenizer (models/vocab.py);
+the chat template is the Qwen3 one.
 """
 
 from __future__ import annotations
@@ -89,7 +90,27 @@ class KimiLinearConfig:
 PRESETS: dict[str, KimiLinearConfig] = {
     # Unit-test model: KDA, MLA, KDA, MLA; layer 0 dense, the others MoE with a shared expert.
     "tiny-kimi-linear": KimiLinearConfig(),
+    # The same with Kimi-K2's tokenizer layout (a small `kimi-k2` vocabulary, models/vocab.py).
+    "tiny-kimi-linear-k2vocab": KimiLinearConfig(vocab="tiny-kimi-k2"),
+    # Speed runs: the layer shapes of moonshotai/Kimi-Linear-48B-A3B (docs/kimi-linear-gguf.md:
+    # hidden 2304, 32 heads, KDA head dim 128, conv 4, MLA kv_lora 512 / nope 128 / rope 64 / v 128,
+    # dense FFN 9216, experts of 1024 with one shared, top-8 sigmoid routing scaled by 2.446) and
+    # its first four layers (KDA dense, KDA MoE, KDA MoE, MLA MoE: the published pattern has MLA at
+    # every 4th layer and one leading dense layer). Two deviations, both for the memory the
+    # generator holds (F32 copies of every tensor): 32 routed experts instead of 256 (the 8 a token
+    # uses are the same size, so decoding costs what it costs in the real model; a prompt's ubatch
+    # reads 32 experts' weights, not up to 256), and the tiny kimi-k2 vocabulary instead of 163,840
+    # rows (bench-kimi-linear-vocab164k has that size).
+    "bench-kimi-linear": KimiLinearConfig(
+        vocab="tiny-kimi-k2", hidden_size=2304, num_hidden_layers=4, full_attn_layers=(4,),
+        num_attention_heads=32, kda_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, intermediate_size=9216, num_experts=32,
+        num_experts_per_token=8, moe_intermediate_size=1024, max_position_embeddings=1048576,
+    ),
 }
+# bench-kimi-linear with the published 163,840-row embedding and LM head (not tied), which a
+# decoding step reads in full: llama.cpp's Qwen2 vocabulary padded as the converter pads.
+PRESETS["bench-kimi-linear-vocab164k"] = dataclasses.replace(PRESETS["bench-kimi-linear"], vocab="qwen2-164k")
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +321,7 @@ def write_model(path: str | Path, config: KimiLinearConfig | str = "tiny-kimi-li
     w = gguf.GGUFWriter(str(tmp), ARCH)
     w.add_name(name or f"deltarun synthetic {ARCH} {wtype}")
     _add_metadata(w, cfg, vocab.n_vocab, wtype)
-    return finish_gguf(w, tmp, path, vocab, "qwen2", chat_template(), tensors, wtype)
+    return finish_gguf(w, tmp, path, vocab, vocab.pre, chat_template(), tensors, wtype)
 
 
 def config_with(preset: str = "tiny-kimi-linear", **changes: object) -> KimiLinearConfig:

@@ -130,8 +130,83 @@ def qwen2_vocab_qwen35_size() -> TinyVocab:
     return padded(qwen2_vocab(), QWEN35_VOCAB_SIZE)
 
 
+#: The vocabulary size of the published Kimi-Linear models (config.json `vocab_size`).
+KIMI_LINEAR_VOCAB_SIZE = 163_840
+
+
+@lru_cache(maxsize=1)
+def qwen2_vocab_kimi_linear_size() -> TinyVocab:
+    """llama.cpp's Qwen2 vocabulary padded to Kimi-Linear's 163,840 rows: the embedding and LM head
+    of the published model (whose tiktoken ranks are not available here) for benchmarks."""
+    return padded(qwen2_vocab(), KIMI_LINEAR_VOCAB_SIZE)
+
+
+#: Kimi-K2's named special tokens (tokenization_kimi.py / tokenizer_config.json
+#: `added_tokens_decoder`), as offsets from the first special id (163,584 in the real vocabulary);
+#: the rest of its 256 reserved ids are `<|reserved_token_{id}|>`.
+KIMI_K2_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+                    6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+                    11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>",
+                    13: "<|tool_call_begin|>", 14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>",
+                    17: "<|im_middle|>", 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>",
+                    21: "<|media_pad|>", 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]"}
+KIMI_K2_RESERVED = 256
+
+
+def tiktoken_bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """tiktoken's BPE of `token` with only the ranks below `max_rank` (llama.cpp's converter,
+    `QwenModel.bpe`): a token whose parts end as two is that pair's merge."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        pairs = [(ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(((r, i) for r, i in pairs if r is not None), default=(None, None))
+        if rank is None or rank >= max_rank:
+            return parts
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+def kimi_k2_vocab(ranks: dict[bytes, int]) -> TinyVocab:
+    """A `kimi-k2` vocabulary as llama.cpp's converter writes one (conversion/kimi_linear.py
+    `set_vocab`) from tiktoken ranks (bytes -> rank, ranks 0..n-1): token i is rank i's bytes in
+    the byte-level alphabet, a merge for every multi-byte token whose BPE below its own rank ends
+    in two parts (in rank order), then the 256 special ids as CONTROL tokens; bos [BOS], eos [EOS]
+    (the tiktoken eos the converter writes), padding [PAD]."""
+    from deltarun.base.tokenizer import BYTE_TO_UNICODE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL
+
+    def spell(b: bytes) -> str:
+        return "".join(BYTE_TO_UNICODE[x] for x in b)
+
+    by_rank = sorted(ranks.items(), key=lambda item: item[1])
+    if [r for _, r in by_rank] != list(range(len(by_rank))):
+        raise ValueError("tiktoken ranks must be 0..n-1")
+    merges = []
+    for token, rank in by_rank:
+        if len(token) > 1 and len(parts := tiktoken_bpe(ranks, token, rank)) == 2:
+            merges.append(" ".join(map(spell, parts)))
+    base = len(by_rank)
+    specials = [KIMI_K2_SPECIALS.get(i, f"<|reserved_token_{base + i}|>") for i in range(KIMI_K2_RESERVED)]
+    by_name = {name: base + i for i, name in enumerate(specials)}
+    return TinyVocab(tokens=tuple(spell(t) for t, _ in by_rank) + tuple(specials),
+                     token_types=(TOKEN_TYPE_NORMAL,) * base + (TOKEN_TYPE_CONTROL,) * KIMI_K2_RESERVED,
+                     merges=tuple(merges), bos_id=by_name["[BOS]"], eos_id=by_name["[EOS]"],
+                     pad_id=by_name["[PAD]"], pre="kimi-k2")
+
+
+@lru_cache(maxsize=1)
+def tiny_kimi_k2_vocab() -> TinyVocab:
+    """A small `kimi-k2` vocabulary in the converter's layout (`kimi_k2_vocab`): its tiktoken ranks
+    are the packaged tiny vocabulary's normal tokens (a consistent BPE cut, in merge order), so it
+    has 2,304 ordinary tokens and Kimi-K2's 256 special ids after them."""
+    from deltarun.base.tokenizer import TOKEN_TYPE_NORMAL, _from_byte_level
+
+    tiny = tiny_vocab()
+    return kimi_k2_vocab({_from_byte_level(t): i for i, (t, kind) in enumerate(zip(tiny.tokens, tiny.token_types))
+                          if kind == TOKEN_TYPE_NORMAL})
+
+
 #: Vocabularies a generator preset can name (ModelConfig.vocab, Qwen35Config.vocab).
-VOCABS = {"tiny": tiny_vocab, "qwen2": qwen2_vocab, "qwen2-248k": qwen2_vocab_qwen35_size}
+VOCABS = {"tiny": tiny_vocab, "qwen2": qwen2_vocab, "qwen2-248k": qwen2_vocab_qwen35_size,
+          "tiny-kimi-k2": tiny_kimi_k2_vocab, "qwen2-164k": qwen2_vocab_kimi_linear_size}
 
 
 def vocab_named(name: str) -> TinyVocab:

@@ -1,14 +1,15 @@
 """GPT-2 style byte-level BPE tokenizer built from GGUF tokenizer metadata.
 
 Qwen3-Next GGUF files carry a ``gpt2`` vocabulary with the ``qwen2`` pre-tokenizer, Qwen3.5 files
-one with the ``qwen35`` pre-tokenizer (up to 248,320 entries). This module
+one with the ``qwen35`` pre-tokenizer (up to 248,320 entries), Kimi-Linear files Kimi-K2's
+tiktoken ranks converted to merges with the ``kimi-k2`` pre-tokenizer. This module
 reproduces llama.cpp's tokenization of such a vocabulary in pure Python so that prompts encode to
 exactly the ids the model was trained on (checked against llama.cpp's own test vectors).
 
 Pipeline of :meth:`Tokenizer.encode`:
 
 1. split out special tokens (CONTROL / USER_DEFINED types) so they map to single ids;
-2. split the remaining text with the file's pre-tokenizer regex (qwen2 or qwen35) into "words";
+2. split the remaining text with the file's pre-tokenizer regex (qwen2, qwen35, kimi-k2) into "words";
 3. map each word's UTF-8 bytes to the printable byte-level alphabet and apply BPE merges by rank.
 """
 
@@ -37,6 +38,14 @@ SPECIAL_TOKEN_TYPES = frozenset({TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED})
 # Types whose vocabulary text is the literal text, not byte-level encoded bytes.
 LITERAL_TOKEN_TYPES = frozenset({TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED})
 
+# The code points llama.cpp's kimi-k2 splitter treats as Han (unicode.cpp, unicode_cpt_is_han):
+# CJK Unified Ideographs and Extensions A-F, the Compatibility Ideographs and their Supplement, as
+# whole blocks (unassigned code points included), a regex character-class body.
+KIMI_K2_HAN = (
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+    "\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+)
+
 # Pre-tokenizer regexes, copied from llama.cpp (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 / _QWEN35).
 PRE_TOKENIZER_PATTERNS: dict[str, str] = {
     "qwen2": (
@@ -59,10 +68,26 @@ PRE_TOKENIZER_PATTERNS: dict[str, str] = {
         r"|\s+(?!\S)"
         r"|\s+"
     ),
+    # LLAMA_VOCAB_PRE_TYPE_KIMI_K2 (Kimi-K2, Kimi-Linear): what llama.cpp's hand-written splitter
+    # (unicode.cpp, unicode_regex_split_custom_kimi_k2) does, which is not quite the tiktoken pattern
+    # it cites: Han runs (llama.cpp's own code point ranges, KIMI_K2_HAN) first; then any other
+    # letters as one run with one optional leading non-letter/non-digit and an optional contraction
+    # ('s 't 'm 'd 're 've 'll, either case) -- no split at a lower->upper case change and no \p{M}
+    # in the run, where the tiktoken regex has both; digits in threes; the rest as qwen2.
+    "kimi-k2": (
+        rf"[{KIMI_K2_HAN}]+"
+        rf"|[^\r\n\p{{L}}\p{{N}}]?[^\P{{L}}{KIMI_K2_HAN}]+(?:'[sStTmMdD]|'[rR][eE]|'[vV][eE]|'[lL][lL])?"
+        r"|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+"
+        r"|\s+(?!\S)"
+        r"|\s+"
+    ),
 }
 
-# Texts of end-of-generation tokens that Qwen chat models emit even when metadata omits them.
-EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>")
+# Texts of end-of-generation tokens that chat models emit even when metadata omits them, as
+# llama.cpp's vocabulary loader lists them (Qwen's, and Kimi-K2's [EOT] / [EOS]).
+EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "[EOT]", "[EOS]")
 
 # Cap on cached BPE results so pathological inputs (many unique words) cannot grow memory forever.
 _BPE_CACHE_LIMIT = 200_000
@@ -181,7 +206,9 @@ class Tokenizer:
                 f"unsupported tokenizer model {model!r}: only 'gpt2' (byte-level BPE) is supported"
             )
         tokens = _field_value(fields, "tokenizer.ggml.tokens", required=True)
-        merges = _field_value(fields, "tokenizer.ggml.merges", required=True)
+        pre = _field_value(fields, "tokenizer.ggml.pre") or "qwen2"
+        # llama.cpp loads a kimi-k2 vocabulary without merges (then BPE never merges: bytes only)
+        merges = _field_value(fields, "tokenizer.ggml.merges", required=pre != "kimi-k2") or []
         types = _field_value(fields, "tokenizer.ggml.token_type")
         if types is None:  # llama.cpp treats a missing type array as all-normal tokens
             types = [TOKEN_TYPE_NORMAL] * len(tokens)
@@ -194,7 +221,7 @@ class Tokenizer:
             eot_id=_field_value(fields, "tokenizer.ggml.eot_token_id"),
             pad_id=_field_value(fields, "tokenizer.ggml.padding_token_id"),
             add_bos=bool(_field_value(fields, "tokenizer.ggml.add_bos_token") or False),
-            pre=_field_value(fields, "tokenizer.ggml.pre") or "qwen2",
+            pre=pre,
         )
 
     def _check_id(self, token_id: int | None, what: str) -> int | None:
