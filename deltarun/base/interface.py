@@ -100,6 +100,12 @@ class HParams:
     n_mtp: int = 0
     n_vocab: int = 0
     rope_sections: tuple[int, ...] = ()   # rope.dimension_sections (IMRoPE); () for NEOX rope
+    #: per layer, floats each K-cache row carries after the attention heads' keys (qwen4exp: the
+    #: indexer's raw key, cached per position as K is); () when no layer has any
+    k_row_extra: tuple[int, ...] = ()
+    #: per layer, floats one conv-state snapshot carries after the delta net's windows (qwen4exp: the
+    #: PLE convolution's history, a second recurrent state rolled back with the first); () when none
+    conv_state_extra: tuple[int, ...] = ()
 
     @property
     def head_k_dim(self) -> int:
@@ -125,6 +131,14 @@ class HParams:
     def conv_state_size(self) -> int:
         """Floats of one conv-state snapshot of one layer and sequence."""
         return (self.ssm_d_conv - 1) * self.conv_dim
+
+    def k_row_width(self, il: int) -> int:
+        """Elements of one K-cache row of attention layer `il`."""
+        return self.head_dim * self.n_head_kv + (self.k_row_extra[il] if self.k_row_extra else 0)
+
+    def conv_state_size_of(self, il: int) -> int:
+        """Floats of one conv-state snapshot of linear layer `il` (with its extra state)."""
+        return self.conv_state_size + (self.conv_state_extra[il] if self.conv_state_extra else 0)
 
     @property
     def ssm_state_size(self) -> int:

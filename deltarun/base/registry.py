@@ -26,6 +26,7 @@ BUILTIN = {
     "qwen35": ("deltarun.graphs.qwen35", "Qwen35Family"),
     "qwen35moe": ("deltarun.graphs.qwen35moe", "Qwen35MoeFamily"),
     "kimi-linear": ("deltarun.graphs.kimi_linear", "KimiLinearFamily"),
+    "qwen4exp": ("deltarun.graphs.qwen4exp", "Qwen4ExpFamily"),
 }
 
 

@@ -4,12 +4,15 @@ Recurrent state, per linear-attention layer and sequence (one cell per sequence)
 K = rs_slots snapshots (`--rs-slots`) so that speculative tokens can be rolled back:
 
 - conv states: one row per cell of (d_conv-1) * K * channels floats, viewed as
-  [d_conv-1, K, channels]: slot r of channel c is the window r tokens back.
+  [d_conv-1, K, channels]: slot r of channel c is the window r tokens back; a layer with an extra
+  state (`HParams.conv_state_extra`: qwen4exp's PLE convolution) has K more snapshots of it after
+  those, slot-major (slot r is one contiguous run), so the row still holds the whole cell.
 - SSM states: [D, n_seq_max, K] with D = S_v * S_v * H_v; slot-major, so slot 0 of consecutive
   cells is contiguous (what the graph reads as the live state).
 
 Slot 0 is always the newest state. The KV cache holds n_ctx rows per sequence
-(row = seq * n_ctx + position), written with set_rows through an index input.
+(row = seq * n_ctx + position), written with set_rows through an index input; a layer's K rows can
+carry extra columns (`HParams.k_row_extra`: qwen4exp's indexer keys), kept and rolled back with K.
 
 Memory also owns the operations on that state (as mlx-lm's cache objects own trim and state):
 checkpoint / restore of a sequence's live recurrent state, rollback of the last tokens through the
@@ -117,20 +120,21 @@ class Memory:
         self.mtp_layers = list(range(hp.n_layer, hp.n_layer + hp.n_mtp)) if mtp else []
         width = hp.head_dim * hp.n_head_kv
         for il in hp.attention_layers + self.mtp_layers:
+            k_width = hp.k_row_width(il) if il < hp.n_layer else width
             # K: one row per cell. V: transposed, one row per (sequence, channel) across the cells
             # (llama.cpp's layout without flash attention), so attention multiplies the stored rows
             # as they are instead of transposing n_kv cells of V on every step.
-            self.k[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], width, kv_rows), f"cache_k_l{il}")
+            self.k[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], k_width, kv_rows), f"cache_k_l{il}")
             self.v[il] = set_name(ggml.ggml_new_tensor_2d(self.ctx, KV_TYPES[kv_type], n_ctx, width * n_seq_max),
                                   f"cache_v_l{il}")
         for il in hp.linear_layers:
             self.conv[il] = set_name(ggml.ggml_new_tensor_2d(
-                self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.rs_slots, n_seq_max), f"cache_r_l{il}")
+                self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size_of(il) * self.rs_slots, n_seq_max), f"cache_r_l{il}")
             self.ssm[il] = set_name(ggml.ggml_new_tensor_3d(
                 self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_seq_max, self.rs_slots), f"cache_s_l{il}")
             if n_capture:
                 self.capture_conv[il] = set_name(ggml.ggml_new_tensor_2d(
-                    self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size * self.rs_slots, n_capture), f"capture_r_l{il}")
+                    self.ctx, ggml.GGML_TYPE_F32, hp.conv_state_size_of(il) * self.rs_slots, n_capture), f"capture_r_l{il}")
                 self.capture_ssm[il] = set_name(ggml.ggml_new_tensor_2d(
                     self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_capture), f"capture_s_l{il}")
         self.buffers = self._allocate(backend, placement)
@@ -358,10 +362,12 @@ class Memory:
         """
         hp, K = self.hp, self.rs_slots
         for il in self.conv:
-            conv = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)
-            row = conv[seq].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
+            cell = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)[seq]
+            row = cell[:hp.conv_state_size * K].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
             row[:, 0, :] = row[:, r, :]
-            numpy_to_tensor(self.conv[il], row.reshape(-1), offset=seq * row.nbytes)
+            extra = cell[hp.conv_state_size * K:].reshape(K, -1)     # slot-major, see the module doc
+            extra[0] = extra[r]
+            numpy_to_tensor(self.conv[il], cell, offset=seq * cell.nbytes)
             ssm = self.ssm[il]
             slot_stride, cell_stride = ssm.contents.nb[2], ssm.contents.nb[1]
             self._copy_bytes(ssm, r * slot_stride + seq * cell_stride, seq * cell_stride, hp.ssm_state_size * 4)
@@ -389,8 +395,8 @@ class Memory:
     def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:
         """Conv state of one sequence as numpy (K, d_conv-1, channels): slot, then oldest column first."""
         hp = self.hp
-        row = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)[seq]   # [(d_conv-1)*K*channels]
-        arr = row.reshape(hp.conv_dim, self.rs_slots, hp.ssm_d_conv - 1)   # numpy of ne [dc1, K, ch]
+        row = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)[seq]   # [(d_conv-1)*K*channels (+ extra)]
+        arr = row[:hp.conv_state_size * self.rs_slots].reshape(hp.conv_dim, self.rs_slots, hp.ssm_d_conv - 1)
         return arr.transpose(1, 2, 0).copy()
 
     def ssm_slots(self, il: int, seq: int = 0) -> np.ndarray:
@@ -415,7 +421,9 @@ def memory_bytes(hp: HParams, n_ctx: int, n_seq_max: int, rs_slots: int, kv_type
                  mtp: bool = False, n_capture: int = 0) -> int:
     """Bytes the KV cache and recurrent state take (what `inspect` reports)."""
     kv_elem = 2 if kv_type == "f16" else 4
-    kv = 2 * (len(hp.attention_layers) + (hp.n_mtp if mtp else 0)) * hp.head_dim * hp.n_head_kv * n_ctx * n_seq_max * kv_elem
-    rs = len(hp.linear_layers) * (hp.conv_state_size + hp.ssm_state_size) * rs_slots * n_seq_max * 4
-    rs += len(hp.linear_layers) * (hp.conv_state_size * rs_slots + hp.ssm_state_size) * n_capture * 4
+    width = hp.head_dim * hp.n_head_kv
+    per_position = sum(hp.k_row_width(il) + width for il in hp.attention_layers) + (2 * width * hp.n_mtp if mtp else 0)
+    kv = per_position * n_ctx * n_seq_max * kv_elem
+    rs = sum(hp.conv_state_size_of(il) + hp.ssm_state_size for il in hp.linear_layers) * rs_slots * n_seq_max * 4
+    rs += sum(hp.conv_state_size_of(il) * rs_slots + hp.ssm_state_size for il in hp.linear_layers) * n_capture * 4
     return kv + rs

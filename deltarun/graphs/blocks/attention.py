@@ -50,9 +50,11 @@ def kv_input(g: GraphContext) -> AttentionKVInput:
     return g.input(AttentionKVInput, lambda: AttentionKVInput(g.ctx, g.ub, width, g.mem.n_ctx))
 
 
-def rope(g: GraphContext, x: Tensor) -> Tensor:
+def rope(g: GraphContext, x: Tensor, pos: Tensor | None = None) -> Tensor:
+    """The model's rope on x [dims, heads, n]: at the ubatch's token positions, or at `pos` (an
+    input laid out the same way: qwen4exp's indexer ropes its block keys at their first token)."""
     hp = g.hp
-    pos = positions(g).pos
+    pos = positions(g).pos if pos is None else pos
     if hp.rope_sections:
         sections = c_array(ctypes.c_int, list(hp.rope_sections))
         return ggml.ggml_rope_multi(g.ctx, x, pos, None, hp.n_rot, sections, ggml.GGML_ROPE_TYPE_IMROPE,
@@ -62,12 +64,19 @@ def rope(g: GraphContext, x: Tensor) -> Tensor:
 
 
 def full_attention(g: GraphContext, cur: Tensor, il: int) -> Tensor:
+    q, k, v, gate = project(g, cur, il)
+    hp, n_tokens = g.hp, g.ub.n_tokens
+    k_view, v_view, _ = store(g, ggml.ggml_reshape_2d(g.ctx, k, hp.head_dim * hp.n_head_kv, n_tokens), v, il)
+    return attend(g, q, k_view, v_view, kv_input(g).kq_mask, gate, il)
+
+
+def project(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Normed, roped q [hd, nh, n_tokens] and k [hd, nkv, n_tokens], v [hd * nkv, n_tokens] and the
+    gate (a view of the query projection: per head hd query rows, then hd gate rows)."""
     hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
     p = f"blk.{il}."
     hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
-    T, N = ub.n_seq_tokens, ub.n_seqs
     n_tokens = ub.n_tokens
-    kv = kv_input(g)
 
     qg = g.cb(g.mm(w[p + "attn_q.weight"], cur), "Qcur_full", il)
     qg = ggml.ggml_reshape_4d(c, qg, hd * 2, nh, n_tokens, 1)
@@ -81,13 +90,20 @@ def full_attention(g: GraphContext, cur: Tensor, il: int) -> Tensor:
     q = ggml.ggml_reshape_3d(c, q, hd, nh, n_tokens)
     q = g.cb(rope(g, q), "Qcur", il)
     k = g.cb(rope(g, k), "Kcur", il)
+    return q, k, v, gate
 
-    # store K rows and V elements of this ubatch into the cache (V transposed, see Memory);
-    # later reads go through views of the stored tensors
+
+def store(g: GraphContext, k_row: Tensor, v: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Write this ubatch's K rows [K-cache row width, n_tokens] and V elements into the cache (V
+    transposed, see Memory); returns views of the stored keys [hd, n_kv, nkv, N] and values
+    [n_kv, hd, nkv, N] (later reads go through them), and the stored K tensor itself."""
+    hp, ub, c = g.hp, g.ub, g.ctx
+    hd, nkv = hp.head_dim, hp.n_head_kv
+    N, n_tokens = ub.n_seqs, ub.n_tokens
+    kv = kv_input(g)
     k_cache, v_cache = g.mem.k[il], g.mem.v[il]
     width = hd * nkv
-    k2 = ggml.ggml_reshape_2d(c, k, width, n_tokens)
-    k_store = g.cb(ggml.ggml_set_rows(c, k_cache, k2, kv.kv_idxs), "k_cache_store", il)
+    k_store = g.cb(ggml.ggml_set_rows(c, k_cache, k_row, kv.kv_idxs), "k_cache_store", il)
     v_rows = ggml.ggml_reshape_2d(c, v_cache, 1, ggml.ggml_nelements(v_cache))
     v_store = g.cb(ggml.ggml_set_rows(c, v_rows, ggml.ggml_reshape_2d(c, v, 1, width * n_tokens), kv.v_idxs),
                    "v_cache_store", il)
@@ -99,14 +115,21 @@ def full_attention(g: GraphContext, cur: Tensor, il: int) -> Tensor:
                          ub.seq_head * n_ctx * row_k), "k_view", il)
     v_view = g.cb(g.view(v_store, (n_kv, hd, nkv, N), (row_v, hd * row_v, width * row_v),
                          ub.seq_head * width * row_v), "v_view", il)                # [n_kv, hd, nkv, N]
+    return k_view, v_view, k_store
 
+
+def attend(g: GraphContext, q: Tensor, k_view: Tensor, v_view: Tensor, mask: Tensor, gate: Tensor, il: int) -> Tensor:
+    """softmax(k q / sqrt(hd) + mask) v, times sigmoid(gate), through the output projection."""
+    hp, ub, c = g.hp, g.ub, g.ctx
+    hd, nh = hp.head_dim, hp.n_head
+    T, N, n_tokens = ub.n_seq_tokens, ub.n_seqs, ub.n_tokens
     q = ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, hd, nh, T, N), 0, 2, 1, 3)  # [hd, T, nh, N]
     kq = g.cb(ggml.ggml_mul_mat(c, k_view, q), "kq", il)                           # [n_kv, T, nh, N]
-    kq = g.cb(ggml.ggml_soft_max_ext(c, kq, kv.kq_mask, 1.0 / math.sqrt(hd), 0.0), "kq_soft_max", il)
+    kq = g.cb(ggml.ggml_soft_max_ext(c, kq, mask, 1.0 / math.sqrt(hd), 0.0), "kq_soft_max", il)
     kqv = g.cb(ggml.ggml_mul_mat(c, v_view, kq), "kqv", il)                        # [hd, T, nh, N]
     out = ggml.ggml_cont_2d(c, ggml.ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n_tokens)
     g.cb(out, "attn_pregate", il)
 
     gate = ggml.ggml_sigmoid(c, ggml.ggml_cont_2d(c, gate, hd * nh, n_tokens))
     out = g.cb(ggml.ggml_mul(c, out, gate), "attn_gated", il)
-    return g.cb(g.mm(w[p + "attn_output.weight"], out), "attn_output", il)
+    return g.cb(g.mm(g.w[f"blk.{il}.attn_output.weight"], out), "attn_output", il)

@@ -44,6 +44,7 @@ class DeltaNet:
     beta_alpha: str = "fused"     # "fused": ssm_ba (qwen3next); "split": ssm_beta + ssm_alpha (qwen35)
     broadcast: str = "grouped"    # value-head order: "grouped" (qwen3next) or "tiled" (qwen35)
     legacy_ssm_in: bool = True    # accept qwen3next's older grouped ssm_in projection
+    output_gate: str = "silu"     # the gated output norm's gate: "silu", or "sigmoid" (qwen4exp)
 
 
 def tensors(hp: HParams, p: str, kind: DeltaNet, present: "set[str] | dict") -> Spec:
@@ -136,7 +137,8 @@ def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> T
 
     z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
     normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
-    gated = ggml.ggml_mul(c, normed, ggml.ggml_silu(c, z4))
+    gate_of = ggml.ggml_sigmoid if kind.output_gate == "sigmoid" else ggml.ggml_silu
+    gated = ggml.ggml_mul(c, normed, gate_of(c, z4))
     final = g.cb(ggml.ggml_reshape_2d(c, gated, hp.value_dim, T * N), "final_output", il)
     return g.cb(g.mm(w[p + "ssm_out.weight"], final), "linear_attn_out", il)
 

@@ -49,18 +49,24 @@ def output(g: GraphContext, x: Tensor, norm: Tensor | None = None, lm_head: Tens
            prefix: str = "") -> None:
     """Final norm (kept as output `result_norm`: the hidden state MTP drafts from) and LM head;
     `prefix` names them apart when the MTP block shares the trunk's graph (`mtp_result_output`)."""
+    norm = g.w["output_norm.weight"] if norm is None else norm
+    logits(g, g.rms_norm(x, norm, prefix + "result_norm", -1), lm_head, prefix)
+
+
+def logits(g: GraphContext, x: Tensor, lm_head: Tensor | None = None, prefix: str = "") -> None:
+    """The final hidden state `x` kept as output `result_norm`, then the LM head (`result_output`);
+    for a family whose last block is its own output norm (qwen4exp's hyper-connection mixer)."""
     w = g.w
-    norm = w["output_norm.weight"] if norm is None else norm
     lm_head = w.get("output.weight", w["token_embd.weight"]) if lm_head is None else lm_head
-    x = g.output(g.rms_norm(x, norm, prefix + "result_norm", -1), prefix + "result_norm")
+    x = g.output(g.cb(x, prefix + "result_norm"), prefix + "result_norm")
     g.expand(x)
     if g.ub.logits_last and not prefix:      # the LM head for each sequence's last row only
         ub = g.ub
         last = ggml.ggml_view_2d(g.ctx, x, int(x.contents.ne[0]), ub.n_seqs, x.contents.nb[1] * ub.n_seq_tokens,
                                  x.contents.nb[1] * (ub.n_seq_tokens - 1))
         x = ggml.ggml_cont(g.ctx, last)
-    logits = g.output(g.cb(g.mm(lm_head, x), prefix + "result_output"), prefix + "result_output")
-    g.expand(logits)
+    out = g.output(g.cb(g.mm(lm_head, x), prefix + "result_output"), prefix + "result_output")
+    g.expand(out)
 
 
 def mtp_input(g: GraphContext, il: int, tokens: Tensor | None = None, hidden: Tensor | None = None) -> Tensor:
