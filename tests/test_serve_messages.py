@@ -434,7 +434,10 @@ def test_agent_loop_evaluates_only_new_tokens_as_chat_completions_does(template_
     ({"max_tokens": 5, "messages": [{"role": "tool", "content": "hi"}]}, "role"),
     ({"max_tokens": 5, "messages": [{"role": "user"}]}, "content"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text only"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "no vision tower (start it with --mmproj FILE)"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "only base64 sources are accepted"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "video"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [

@@ -338,7 +338,10 @@ def test_agent_loop_evaluates_only_new_tokens_as_chat_completions_does(template_
     ({"model": "t"}, "input"),
     ({"input": 5}, "input"),
     ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),                 # not a data: URL
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "input[0].content[0]"),                           # an image, and the server has no --mmproj
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),

@@ -263,3 +263,41 @@ def test_serve_mmproj_errors_are_one_line(files, case: str) -> None:
     assert r.exit_code != 0
     assert ("no such mmproj file" if case == "missing" else "not an mmproj file") in r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_anthropic_image_blocks(server, files, generated) -> None:
+    """/v1/messages: an image block with a base64 source is the same image part as chat's image_url."""
+    import anthropic
+
+    picture = files[2][0]
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(picture).decode()}}
+    r = client.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0}, thinking={"type": "disabled"},
+                               messages=[{"role": "user", "content": [image, {"type": "text", "text": "Say:"}]}])
+    assert "".join(b.text for b in r.content if b.type == "text") == generated
+    for source, expect in (({"type": "url", "url": "https://example.com/cat.png"}, "only base64 sources"),
+                           ({"type": "base64", "media_type": "image/png", "data": "@@"}, "not valid base64"),
+                           ({"type": "base64", "media_type": "image/bmp", "data": "AAAA"}, "media type 'image/bmp'")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model="m", max_tokens=1, messages=[
+                {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "hi"}]}])
+        assert expect in e.value.body["error"]["message"] and "messages.0.content.0" in e.value.body["error"]["message"]
+
+
+def test_responses_input_image(server, client, files, generated) -> None:
+    """/v1/responses: an input_image part with a data: URL, the same path again; previous_response_id
+    carries the image into the next turn, which evaluates only its new tokens."""
+    picture = files[2][0]
+    content = [{"type": "input_image", "image_url": _url(picture)}, {"type": "input_text", "text": "Say:"}]
+    r = client.responses.create(model="m", input=[{"role": "user", "content": content}], max_output_tokens=6,
+                                temperature=0, reasoning={"effort": "none"})
+    assert r.output_text == generated
+    again = client.responses.create(model="m", previous_response_id=r.id, input="And then?", max_output_tokens=2,
+                                    temperature=0, reasoning={"effort": "none"})
+    assert again.usage.input_tokens_details.cached_tokens > _image_tokens(files[1], picture)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://example.com/cat.png"}]}], max_output_tokens=1)
+    assert "only data: URLs are accepted" in e.value.body["message"]
+    assert e.value.body["param"] == "input[0].content[0].image_url"

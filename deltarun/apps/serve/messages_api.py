@@ -6,7 +6,9 @@ built by `PromptBuilder.chat`: the same template, prompt cache, grammars and too
 translation (the one llama-server's `/v1/messages` makes too):
 
 - `system` (a string or text blocks) -> a first system message;
-- `text` blocks -> text parts; `thinking` blocks -> the assistant message's `reasoning_content`
+- `text` blocks -> text parts; `image` blocks with a base64 source -> image parts (a url source is
+  refused: the server downloads nothing; images need `serve --mmproj`); `thinking` blocks -> the
+  assistant message's `reasoning_content`
   (so the template renders an agent loop's earlier thinking as it was generated, and the prompt
   cache finds it); `redacted_thinking` is dropped; `tool_use` -> an assistant tool call;
   `tool_result` (text or text blocks; `is_error` prefixes "Error: ") -> a tool message;
@@ -41,7 +43,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deltarun.apps.serve.answers import TEXT, THINKING, TOOL_CALL, Block, BlockSplitter, Ending, Step, submit_chat
-from deltarun.apps.serve.protocol import MAX_STOPS, ApiError, ChatRequest, parse_chat, register_error_shape
+from deltarun.apps.serve.protocol import (MAX_STOPS, ApiError, ChatRequest, base64_image, parse_chat,
+                                          register_error_shape)
 
 #: llama-server's sampling fields, passed through as they are (the anthropic SDK 2.x sends them as extra body)
 SAMPLING_EXTRAS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n",
@@ -138,13 +141,26 @@ def _user_message(content: Any, where: str) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": text})
                 text = []
             out.append(_tool_result(block, p))
-        elif kind in ("image", "document"):
+        elif kind == "image":
+            text.append(_image(block, p))
+        elif kind == "document":
             raise _bad(f"{p}: a block of type {kind!r}: this model reads text only")
         else:
             raise _bad(f"{p}: a block of type {kind!r} in a user message; expected text or tool_result")
     if text:
         out.append({"role": "user", "content": text})
     return out
+
+
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block -> the chat image part `parse_chat` takes decoded (`protocol._message_content`)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind != "base64":
+        raise _bad(f"{where}.source: an image source of type {kind!r}; only base64 sources are accepted (the "
+                   f"server downloads nothing)")
+    data = base64_image(source.get("media_type"), source.get("data"), f"{where}.source")
+    return {"type": "image", "data": data, "param": where}
 
 
 def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:

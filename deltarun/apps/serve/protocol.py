@@ -342,7 +342,8 @@ def check_token_ids(req: SamplingRequest, n_vocab: int) -> None:
 def _message_content(content: Any, where: str, images: bool) -> str | list[dict[str, Any]] | None:
     """Content of a message: a string, the text parts of a list joined, or, when the list holds
     images (`images`: a user message), its parts in order: text parts and image parts
-    `{"type": "image", "data": bytes, "param": where}` (`serve.images` prepares them)."""
+    `{"type": "image", "data": bytes, "param": where}` (`serve.images` prepares them). The other
+    APIs' translations hand their images over in that form (bytes: no JSON body can hold one)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -357,10 +358,13 @@ def _message_content(content: Any, where: str, images: bool) -> str | list[dict[
             if not isinstance(part.get("text"), str):
                 raise _type_error(f"{p}.text", "a string")
             parts.append({"type": "text", "text": part["text"]})
-        elif kind in ("image_url", "input_image"):
+        elif kind in ("image_url", "input_image") or (kind == "image" and isinstance(part.get("data"), bytes)):
             if not images:
                 raise ApiError(f"{p} is an image: images are accepted in user messages only", param=p,
                                code="unsupported_content")
+            if kind == "image":            # decoded already, by the Messages or Responses translation
+                parts.append({"type": "image", "data": part["data"], "param": part.get("param", p)})
+                continue
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             parts.append({"type": "image", "data": data_url_bytes(url, f"{p}.image_url"), "param": p})
@@ -389,13 +393,21 @@ def data_url_bytes(url: Any, where: str) -> bytes:
     if not comma or "base64" not in (o.lower() for o in options):
         raise ApiError(f"{where}: a data: URL must be base64 ('data:image/png;base64,...')", param=where,
                        code="invalid_image_url")
-    if media.lower() not in IMAGE_MEDIA_TYPES:
-        raise ApiError(f"{where}: media type {media[:40]!r} is not an image deltarun reads (PNG, JPEG, WebP, GIF)",
-                       param=where, code="invalid_image_url")
+    return base64_image(media, payload, where)
+
+
+def base64_image(media_type: Any, payload: Any, where: str) -> bytes:
+    """The bytes of a base64-encoded image of `media_type` (a data: URL's, or an Anthropic image
+    block's source), or one 400."""
+    if not isinstance(media_type, str) or media_type.lower() not in IMAGE_MEDIA_TYPES:
+        raise ApiError(f"{where}: media type {str(media_type)[:40]!r} is not an image deltarun reads (PNG, JPEG, "
+                       f"WebP, GIF)", param=where, code="invalid_image_url")
     try:
+        if not isinstance(payload, str):
+            raise ValueError("not a string")
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ApiError(f"{where}: the data: URL is not valid base64", param=where, code="invalid_image_url") from None
+        raise ApiError(f"{where}: the image data is not valid base64", param=where, code="invalid_image_url") from None
 
 
 def _messages(body: dict) -> list[dict[str, Any]]:

@@ -6,8 +6,9 @@ by `PromptBuilder.chat`: the same template, prompt cache, grammars and tool-call
 
 - `instructions` -> a first system message (not carried over to a follow-up, as OpenAI does);
 - `input` (a string, or items) -> messages: `message` items by role (`developer` as system; text
-  parts only), `function_call_output` -> a tool message, and each run of `reasoning`, assistant
-  `message` and `function_call` items -> one assistant message with `reasoning_content`, content
+  parts, and a user message's `input_image` parts with data: URLs, which need `serve --mmproj`),
+  `function_call_output` -> a tool message, and each run of `reasoning`, assistant `message` and
+  `function_call` items -> one assistant message with `reasoning_content`, content
   and tool calls: the order this server answers in, so an answer sent back renders as generated;
 - `previous_response_id` -> the stored conversation of that response, then the new input: the
   prompt extends the previous one, and the prompt cache evaluates only what is new;
@@ -37,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deltarun.apps.serve.answers import TEXT, THINKING, Block, BlockSplitter, Ending, Step, submit_chat
-from deltarun.apps.serve.protocol import ApiError, ChatRequest, parse_chat
+from deltarun.apps.serve.protocol import ApiError, ChatRequest, data_url_bytes, parse_chat
 from deltarun.apps.serve.response_store import ResponseStore, StoredResponse
 
 SAMPLING_EXTRAS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n",
@@ -52,13 +53,16 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_value") ->
 
 
 # --------------------------------------------------------------------------------------------- requests
-def _text(content: Any, where: str) -> str:
-    """A string, or the text parts of a list (input_text / output_text / refusal), as one string."""
+def _text(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A string, or the text parts of a list (input_text / output_text / refusal), as one string; with
+    `images` (a user message) and input_image parts, the chat parts in order, each image decoded
+    from its data: URL (`protocol.data_url_bytes`: no downloads)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(f"'{where}' must be a string or a list of content parts", where, "invalid_type")
-    texts = []
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         p = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
@@ -68,11 +72,22 @@ def _text(content: Any, where: str) -> str:
             texts.append(part["text"])
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"'{p}' is of type {kind!r}: this model reads text only", p, "unsupported_content")
+        elif kind == "input_image" and images:
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise _bad(f"'{p}.file_id': files are not kept here; send the image as an image_url data: URL", p,
+                           "unsupported_content")
+            parts += [{"type": "text", "text": "".join(texts)}] if texts else []
+            parts.append({"type": "image", "data": data_url_bytes(part.get("image_url"), f"{p}.image_url"), "param": p})
+            texts = []
+        elif kind == "input_image":
+            raise _bad(f"'{p}' is an image: images are accepted in user messages only", p, "unsupported_content")
+        elif kind in ("input_file", "input_audio"):
+            raise _bad(f"'{p}' is of type {kind!r}: this model reads text and images only", p, "unsupported_content")
         else:
             raise _bad(f"'{p}' has type {kind!r}; expected input_text or output_text", p, "unsupported_content")
-    return "".join(texts)
+    if not parts:
+        return "".join(texts)
+    return parts + ([{"type": "text", "text": "".join(texts)}] if texts else [])
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
@@ -101,7 +116,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"'{where}.role' is {role!r}; expected user, assistant, system or developer",
                            f"{where}.role")
-            text = _text(item.get("content"), f"{where}.content")
+            text = _text(item.get("content"), f"{where}.content", images=role == "user")
             if role == "assistant":
                 a = assistant(fresh=cur is not None and bool(cur["content"] or cur.get("tool_calls")))
                 a["content"] = text
