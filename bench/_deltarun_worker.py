@@ -2,7 +2,7 @@
 
 Same protocol as bench/_llamacpp_worker.py (bench/_worker_protocol.py: JSON lines; each pp/tg
 command = one warm-up run + one timed run). The model is opened exactly as `deltarun bench` opens it (deltarun.apps.bench:
-context = bench_context, ubatch = --batch, threads, f16 KV, fused delta-net) and timed by the
+context = bench_context, ubatch = --ubatch, threads, f16 KV, fused delta-net) and timed by the
 same functions (`_time_pp`, `_time_tg`; `_time_tg_parallel` and `_time_tg_depth` for the tgp and
 tgd commands, on models opened for them on first use) on the same tokens, so a round costs no
 process start or model load and the two engines can be interleaved closely. `profile` answers
@@ -28,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--kv-type", default="f16")
@@ -41,8 +41,8 @@ def main() -> None:
         B.CLOCK = time.process_time
 
     cfg = B.BenchConfig(model=args.model, n_prompt=[args.pp], n_gen=[args.tg], threads=[args.threads],
-                        batch=[args.batch], kv_type=args.kv_type)
-    m = Model(args.model, backend="cpu", n_ctx=B.bench_context(cfg), n_batch=args.batch, n_threads=args.threads,
+                        ubatch=[args.ubatch], kv_type=args.kv_type)
+    m = Model(args.model, backend="cpu", n_ctx=B.bench_context(cfg), n_ubatch=args.ubatch, n_threads=args.threads,
               kv_type=args.kv_type, delta_net=cfg.delta_net)
     rng = np.random.default_rng(B.TOKEN_SEED)
     tokens = rng.integers(0, m.hp.n_vocab, size=max(args.pp, B.TG_PROMPT), dtype=np.int64).tolist()
@@ -54,7 +54,7 @@ def main() -> None:
 
     def open_other(key: tuple, n_ctx: int, n_seq_max: int = 1) -> Model:
         if key not in others:
-            others[key] = Model(args.model, backend="cpu", n_ctx=n_ctx, n_batch=args.batch, n_threads=args.threads,
+            others[key] = Model(args.model, backend="cpu", n_ctx=n_ctx, n_ubatch=args.ubatch, n_threads=args.threads,
                                 kv_type=args.kv_type, delta_net=cfg.delta_net, n_seq_max=n_seq_max)
         return others[key]
 

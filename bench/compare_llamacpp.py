@@ -164,13 +164,13 @@ def LlamaWorker(python: Path, model: Path, threads: int, batch: int, ctx: int, k
 def DeltarunWorker(python: str, model: Path, threads: int, batch: int, pp: int, tg: int,
                    clock: str = "wall") -> Worker:
     return Worker([python, str(HERE / "_deltarun_worker.py"), str(model), "--threads", str(threads),
-                   "--batch", str(batch), "--pp", str(pp), "--tg", str(tg), "--clock", clock])
+                   "--ubatch", str(batch), "--pp", str(pp), "--tg", str(tg), "--clock", clock])
 
 
 def deltarun_bench(python: str, model: Path, threads: int, batch: int, pp: int, tg: int) -> dict[str, float]:
     """One `deltarun bench -r 1 -o json` run with the given interpreter; tokens/s by test name."""
     cmd = [python, "-m", "deltarun", "bench", str(model), "-p", str(pp), "-n", str(tg),
-           "-t", str(threads), "-b", str(batch), "-r", "1", "-o", "json"]
+           "-t", str(threads), "-ub", str(batch), "-r", "1", "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         raise RuntimeError(f"deltarun bench failed ({r.returncode}): {r.stderr[-2000:]}")

@@ -160,7 +160,7 @@ def traffic(model: Path, threads: int, opts: dict, proxies: list[Proxy], n_promp
     def total() -> np.ndarray:
         return np.array([p.totals() for p in proxies], dtype=np.int64).sum(axis=0) if proxies else np.zeros(4)
 
-    with Model(model, n_ctx=512, n_batch=512, n_threads=threads, **opts) as m:
+    with Model(model, n_ctx=512, n_ubatch=512, n_threads=threads, **opts) as m:
         rng = np.random.default_rng(0)
         toks = rng.integers(0, m.hp.n_vocab, n_prompt).tolist()
         m.eval(toks[:4])          # graphs of both shapes exist before counting
@@ -244,7 +244,7 @@ def backend_label_from(model: Path, threads: int, opts: dict) -> str:
     from deltarun.apps.bench import backend_label
     from deltarun.runner.model import Model
 
-    with Model(model, n_ctx=64, n_batch=64, n_threads=threads, **opts) as m:
+    with Model(model, n_ctx=64, n_ubatch=64, n_threads=threads, **opts) as m:
         return backend_label(m)
 
 

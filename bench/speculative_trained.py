@@ -46,7 +46,7 @@ def run(path: Path, prompt: str, n: int, threads: int, draft: str | None, draft_
     """Tokens, stats, and generated tokens per second of the calling thread's CPU time (after the
     first token: the prompt excluded; with --threads 1 ggml computes in this thread)."""
     with Model(path, n_ctx=1024, n_threads=threads, rs_slots=draft_max + 1 if draft else 1,
-               n_batch=512, mtp=draft in ("mtp", "mtp-separate")) as m:
+               n_ubatch=512, mtp=draft in ("mtp", "mtp-separate")) as m:
         toks = m.tokenizer.encode(prompt)
         if draft is None:
             stats = GenerationStats()

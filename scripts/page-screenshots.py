@@ -73,7 +73,7 @@ def chat_shot(driver, model: Path, out: Path) -> None:
     from deltarun.apps.serve.server import ServeHandle, ServeSettings
     from deltarun.runner.model import Model
 
-    with ServeHandle(lambda: Model(model, n_ctx=1024, n_seq_max=1, n_batch=64), ServeSettings(parallel=1)) as h:
+    with ServeHandle(lambda: Model(model, n_ctx=1024, n_seq_max=1, n_ubatch=64), ServeSettings(parallel=1)) as h:
         driver.get(h.base_url + "/")
         driver.execute_script("localStorage.clear()")
         driver.refresh()

@@ -16,7 +16,7 @@ from deltarun.base.errors import DeltarunError
 from deltarun.runner.model import Model
 
 PROMPT = 20      # tokens evaluated before the captured call
-N = 130          # tokens of the captured call: ubatches of 64, 64, 2 at --batch 64
+N = 130          # tokens of the captured call: ubatches of 64, 64, 2 at --ubatch 64
 #: inside a ubatch far from its end (a split), 2 before a ubatch's end (a rollback snapshot when
 #: K = 3, a split when K = 1), at a ubatch boundary (the live state then), in the second ubatch
 CAPTURES = [5, 17, 62, 64, 100]
@@ -38,7 +38,7 @@ def _tokens(n: int, seed: int = 1) -> list[int]:
 def test_captured_states_equal_those_of_a_split_evaluation(tiny_model_path, preset, delta_net, rs_slots):
     path = tiny_model_path(preset, "f32")
     toks = _tokens(PROMPT + N)
-    opts = dict(n_ctx=512, n_batch=64, n_threads=2, rs_slots=rs_slots, delta_net=delta_net)
+    opts = dict(n_ctx=512, n_ubatch=64, n_threads=2, rs_slots=rs_slots, delta_net=delta_net)
     with Model(path, capture_slots=4, **opts) as m, Model(path, **opts) as ref:
         m.eval(toks[:PROMPT])
         logits = m.eval(toks[PROMPT:], captures=CAPTURES, all_logits=True)
@@ -64,7 +64,7 @@ def test_captured_states_equal_those_of_a_split_evaluation(tiny_model_path, pres
 def test_a_restored_capture_continues_as_the_unbroken_sequence(tiny_model_path, delta_net):
     path = tiny_model_path("tiny", "f32")
     toks = _tokens(80, seed=2)
-    with Model(path, n_ctx=256, n_batch=64, n_threads=2, capture_slots=2, delta_net=delta_net, n_seq_max=2) as m:
+    with Model(path, n_ctx=256, n_ubatch=64, n_threads=2, capture_slots=2, delta_net=delta_net, n_seq_max=2) as m:
         m.eval(toks[:40], seq=0, captures=[13, 29])
         m.memory.write_recurrent(1, m.last_captures[29])      # a checkpoint restored into another cell
         m.memory.write_kv(1, m.memory.read_kv(0, 29), 29)
@@ -78,7 +78,7 @@ def test_a_restored_capture_continues_as_the_unbroken_sequence(tiny_model_path, 
 
 def test_capture_points_are_checked(tiny_model_path):
     path = tiny_model_path("tiny", "f32")
-    with Model(path, n_ctx=256, n_batch=32, n_threads=2, capture_slots=2) as m:
+    with Model(path, n_ctx=256, n_ubatch=32, n_threads=2, capture_slots=2) as m:
         with pytest.raises(DeltarunError, match="inside the 10 tokens"):
             m.eval(_tokens(10), captures=[10])
         with pytest.raises(DeltarunError, match="inside the 10 tokens"):
@@ -88,7 +88,7 @@ def test_capture_points_are_checked(tiny_model_path):
         assert m.n_past() == 0                                   # nothing was evaluated
         m.eval(_tokens(40), captures=[3, 6, 33, 36])             # two per ubatch of 32
         assert sorted(m.last_captures) == [3, 6, 33, 36]
-    with Model(path, n_ctx=256, n_batch=32, n_threads=2) as m:
+    with Model(path, n_ctx=256, n_ubatch=32, n_threads=2) as m:
         with pytest.raises(DeltarunError, match="the model has 0 capture slots"):
             m.eval(_tokens(10), captures=[4])
 
@@ -96,7 +96,7 @@ def test_capture_points_are_checked(tiny_model_path):
 def test_captures_are_part_of_the_graph_shape(tiny_model_path):
     """Graphs are reused per shape: the same capture points reuse one, others build their own."""
     path = tiny_model_path("tiny", "f32")
-    with Model(path, n_ctx=256, n_batch=64, n_threads=2, capture_slots=2) as m:
+    with Model(path, n_ctx=256, n_ubatch=64, n_threads=2, capture_slots=2) as m:
         m.eval(_tokens(20), captures=[7])
         builds = m.stats.n_graph_builds
         m.reset()

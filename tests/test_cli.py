@@ -71,7 +71,7 @@ def test_generate_options_reach_the_model_and_sampler(tiny_model):
     """Every model option is accepted; greedy output does not depend on ubatch size or kernel."""
     base = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", "--kv-type", "f32", *FAST)
     other = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--temp", "0", "--kv-type", "f32",
-               "--batch", "3", "--rs-slots", "2", "--delta-net", "primitive", "--backend", "cpu", *FAST)
+               "--ubatch", "3", "--rs-slots", "2", "--delta-net", "primitive", "--backend", "cpu", *FAST)
     assert other.stdout == base.stdout
     assert "delta-net primitive" in other.stderr and "delta-net fused" in base.stderr   # the option arrived
     penalized = ok("generate", tiny_model, "-p", PROMPT, "-n", "8", "--seed", "3", "--top-k", "5",
@@ -121,7 +121,7 @@ def test_a_missing_built_in_model_is_a_clear_error(tmp_path, monkeypatch):
     (["--min-p", "2"], "--min-p"),
     (["--threads", "0"], "--threads"),
     (["--ctx", "0"], "--ctx"),
-    (["--batch", "0"], "--batch"),
+    (["--ubatch", "0"], "--ubatch"),
     (["--rs-slots", "0"], "--rs-slots"),
     (["-n", "-2"], "--n-predict"),
     (["--top-k", "-2"], "--top-k"),
@@ -144,7 +144,7 @@ def test_generate_rejects_bad_options(tiny_model, args, fragment):
     (["-p", "hi", "-f", "x.txt"], "not both", 2),
     (["-f", "/nonexistent/prompt.txt"], "cannot read", 2),
     (["-p", "hi", "--backend", "quantum"], "unknown backend 'quantum'", 5),
-    (["-p", "hi", "--batch", "1", "--rs-slots", "3"], "--batch 1 must be at least --rs-slots 3", 1),
+    (["-p", "hi", "--ubatch", "1", "--rs-slots", "3"], "--ubatch 1 must be at least --rs-slots 3", 1),
     (["-p", PROMPT * 20, "--ctx", "16"], "context holds 16", 1),
 ])
 def test_generate_usage_and_run_errors_are_one_clean_line(tiny_model, args, fragment, code):

@@ -144,11 +144,11 @@ def test_quantized_weights(tiny_model_path, reference_of, wtype):
 def test_ubatch_splits_agree(tiny_model_path, delta_net):
     toks = prompt(150, seed=4)
     path = tiny_model_path("tiny")
-    with Model(path, n_ctx=256, kv_type="f32", delta_net=delta_net, n_batch=512) as m:
+    with Model(path, n_ctx=256, kv_type="f32", delta_net=delta_net, n_ubatch=512) as m:
         whole = m.logits_for(toks)
         cont_whole = greedy_continuation(m, toks, 8)
-    for n_batch in (7, 64, 100):
-        with Model(path, n_ctx=256, kv_type="f32", delta_net=delta_net, n_batch=n_batch) as m:
+    for n_ubatch in (7, 64, 100):
+        with Model(path, n_ctx=256, kv_type="f32", delta_net=delta_net, n_ubatch=n_ubatch) as m:
             assert rel_err(m.logits_for(toks), whole) < F32_TOL
             assert greedy_continuation(m, toks, 8) == cont_whole
     with Model(path, n_ctx=256, kv_type="f32", delta_net=delta_net) as m:

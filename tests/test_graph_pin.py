@@ -73,7 +73,7 @@ def dump_all(tmp: Path) -> dict[str, list[str]]:
     for name, preset, opts, ub in CASES:
         if preset not in files:
             files[preset] = gen.write_model(tmp / f"{preset}-f32.gguf", preset, "f32")
-        with Model(files[preset], n_ctx=512, n_batch=128, kv_type="f32", **opts) as model:
+        with Model(files[preset], n_ctx=512, n_ubatch=128, kv_type="f32", **opts) as model:
             out[name] = _dump_nodes(model, *ub)
     return out
 

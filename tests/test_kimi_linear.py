@@ -135,7 +135,7 @@ def test_the_file_has_llama_cpp_layout(kimi_path):
 def test_f32_logits_and_greedy_match_reference(kimi_path, reference, delta_net):
     toks = prompt(80, seed=1)
     expected = reference.forward(toks)
-    with Model(kimi_path, n_ctx=256, kv_type="f32", n_batch=32, delta_net=delta_net) as m:   # three ubatches
+    with Model(kimi_path, n_ctx=256, kv_type="f32", n_ubatch=32, delta_net=delta_net) as m:   # three ubatches
         got = m.logits_for(toks)
         print(f"kimi-linear {delta_net} f32: {rel_err(got, expected):.2e}")
         assert rel_err(got, expected) < F32_TOL
@@ -186,7 +186,7 @@ def test_rollback_equals_recomputation(kimi_path, n_block, n_back, delta_net):
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 def test_a_restored_capture_continues_as_the_unbroken_sequence(kimi_path, delta_net):
     toks = prompt(60, seed=2)
-    with Model(kimi_path, n_ctx=128, n_batch=64, kv_type="f32", capture_slots=2, n_seq_max=2,
+    with Model(kimi_path, n_ctx=128, n_ubatch=64, kv_type="f32", capture_slots=2, n_seq_max=2,
                delta_net=delta_net) as m:
         m.eval(toks[:40], seq=0, captures=[13, 29])
         m.memory.write_recurrent(1, m.last_captures[29])
@@ -215,7 +215,7 @@ def test_fused_equals_primitive(kimi_path):
     toks = prompt(2 * 16 + 5 + 40, seed=6)
     results = {}
     for mode in ("fused", "primitive"):
-        with Model(kimi_path, n_ctx=256, kv_type="f32", delta_net=mode, rs_slots=4, n_batch=37) as m:
+        with Model(kimi_path, n_ctx=256, kv_type="f32", delta_net=mode, rs_slots=4, n_ubatch=37) as m:
             results[mode] = (m.logits_for(toks), m.memory.ssm_slots(0), m.memory.conv_slots(0))
     print(f"kimi-linear primitive vs fused: {rel_err(results['primitive'][0], results['fused'][0]):.2e}")
     assert rel_err(results["primitive"][0], results["fused"][0]) < F32_TOL

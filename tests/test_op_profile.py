@@ -93,7 +93,7 @@ def test_profile_of_a_real_ubatch(model_path, decode):
 
 
 def test_bench_profile_depth_and_parallel_json(model_path):
-    r = CliRunner().invoke(cli, ["bench", str(model_path), "-p", "16", "-n", "4", "-r", "2", "-t", "1", "-b", "16",
+    r = CliRunner().invoke(cli, ["bench", str(model_path), "-p", "16", "-n", "4", "-r", "2", "-t", "1", "-ub", "16",
                                  "--depth", "40", "--parallel", "1,3", "--profile", "-o", "json"])
     assert r.exit_code == 0, (r.output, r.exception)
     doc = json.loads(r.stdout)
@@ -113,7 +113,7 @@ def test_bench_profile_depth_and_parallel_json(model_path):
 
 
 def test_bench_profile_markdown_and_errors(model_path):
-    r = CliRunner().invoke(cli, ["bench", str(model_path), "-p", "0", "-n", "0", "-r", "1", "-t", "1", "-b", "8",
+    r = CliRunner().invoke(cli, ["bench", str(model_path), "-p", "0", "-n", "0", "-r", "1", "-t", "1", "-ub", "8",
                                  "--profile"])
     assert r.exit_code == 0, (r.output, r.exception)
     out = r.stdout

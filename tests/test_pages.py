@@ -172,7 +172,7 @@ def server(tiny_model_path):
     from deltarun.runner.model import Model
 
     path = tiny_model_path("tiny", "f32")
-    with ServeHandle(lambda: Model(path, n_ctx=SERVE_CTX, n_seq_max=2, n_batch=64, rs_slots=2),
+    with ServeHandle(lambda: Model(path, n_ctx=SERVE_CTX, n_seq_max=2, n_ubatch=64, rs_slots=2),
                      ServeSettings(parallel=2, chunk=32)) as h:
         yield h
 

@@ -94,7 +94,7 @@ def test_graph_count_does_not_grow_with_decode_length(tiny_model_path):
 
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 def test_compute_buffers_are_reserved_once_for_the_largest_ubatch(tiny_model_path, delta_net):
-    with Model(tiny_model_path("tiny", "f32"), n_ctx=96, n_batch=32, n_threads=1, delta_net=delta_net) as m:
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=96, n_ubatch=32, n_threads=1, delta_net=delta_net) as m:
         reserved = m.sched.compute_buffer_size()
         assert reserved > 0 and m.stats.n_graph_builds == 0       # the worst-case graph is not kept
         logits = m.eval(prompt(70), all_logits=True)[-1]          # two full ubatches and a short one

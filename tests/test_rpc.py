@@ -112,7 +112,7 @@ def _run(path: Path, **kw) -> tuple[np.ndarray, list[int], list[np.ndarray], str
     """Prompt logits (two ubatches), then STEPS greedy decode steps."""
     from deltarun.runner.model import Model
 
-    with Model(path, n_ctx=64, n_batch=12, n_threads=1, **kw) as m:
+    with Model(path, n_ctx=64, n_ubatch=12, n_threads=1, **kw) as m:
         logits = m.eval(PROMPT, all_logits=True)
         toks, steps = [], []
         last = logits[-1]
@@ -162,7 +162,7 @@ def test_remote_state_rolls_back(servers, model8):
     from deltarun.runner.model import Model
 
     def steps(**kw):
-        with Model(model8, n_ctx=64, n_batch=16, n_threads=1, rs_slots=4, **kw) as m:
+        with Model(model8, n_ctx=64, n_ubatch=16, n_threads=1, rs_slots=4, **kw) as m:
             out = [m.eval(PROMPT[:10])]
             out.append(m.eval([7, 8, 9], all_logits=True))
             m.rollback(2)                       # keep 7; drop 8, 9

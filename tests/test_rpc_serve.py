@@ -97,7 +97,7 @@ def model_path(tiny_model_path):
 
 
 def test_supervised_worker_matches_in_process_and_recovers(model_path):
-    opener = functools.partial(Model, model_path, n_ctx=8192, n_seq_max=2, n_batch=64, rs_slots=4, n_threads=1)
+    opener = functools.partial(Model, model_path, n_ctx=8192, n_seq_max=2, n_ubatch=64, rs_slots=4, n_threads=1)
     with ServeHandle(opener, ServeSettings(parallel=2)) as h:
         expected = _text(httpx.post(h.base_url + "/v1/chat/completions", json=ASK, timeout=60))
     with ServeHandle(opener, ServeSettings(parallel=2, supervise=True)) as h:
@@ -147,7 +147,7 @@ def test_supervised_worker_matches_in_process_and_recovers(model_path):
 def test_supervised_worker_prefills_ahead_in_the_child(model_path):
     """Prefill ahead crosses the process boundary: the child evaluates the next turn's start while
     idle (its counter reaches the parent's /metrics) and the next turn reuses it as in-process."""
-    opener = functools.partial(Model, model_path, n_ctx=2048, n_seq_max=1, n_batch=64, rs_slots=4, n_threads=1)
+    opener = functools.partial(Model, model_path, n_ctx=2048, n_seq_max=1, n_ubatch=64, rs_slots=4, n_threads=1)
     nxt = {**ASK, "chat_template_kwargs": {"enable_thinking": False}}
 
     def two_turns(h: ServeHandle, settle) -> tuple[str, int]:

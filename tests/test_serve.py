@@ -42,7 +42,7 @@ def _server(path, parallel: int = 4, capture_slots: int = CAPTURE_SLOTS, **setti
     settings.setdefault("prefill_ahead", False)
     ctx = settings.pop("n_ctx", N_CTX)
     rs = max(RS_SLOTS, settings.get("draft_max", 0) + 1)
-    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_batch=64, rs_slots=rs,
+    return ServeHandle(lambda: Model(path, n_ctx=ctx, n_seq_max=parallel, n_ubatch=64, rs_slots=rs,
                                        n_threads=1, capture_slots=capture_slots),
                        ServeSettings(parallel=parallel, **settings))
 
@@ -228,7 +228,7 @@ def test_presence_and_frequency_penalties_by_openais_formula(client, model_path)
     "c" far ahead of the rest so the penalties decide among them; the greedy answer is worked out
     here in numpy from the model's raw logits, and differs from what no penalty, the two penalties
     swapped or a count that includes the prompt would give."""
-    with Model(model_path, n_ctx=N_CTX, n_batch=64, n_threads=1) as m:
+    with Model(model_path, n_ctx=N_CTX, n_ubatch=64, n_threads=1) as m:
         a, b, c = (m.tokenizer.token_id(ch) for ch in "abc")
         prompt = m.tokenizer.encode("Once upon a time a cat") + [a]
         bias = {a: 100.0, b: 99.0, c: 98.0}

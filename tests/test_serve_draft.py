@@ -30,11 +30,11 @@ PROMPTS = [f"say {' '.join(['one two three four'] * (i + 1))} {i} one two" for i
 def _server(target, draft=None, draft_path=None, parallel=4, **settings) -> ServeHandle:
     settings.setdefault("prefill_ahead", False)    # as in test_serve: requests' own evaluations are counted
     def target_model():
-        return Model(target, n_ctx=N_CTX, n_seq_max=parallel, n_batch=64, rs_slots=DRAFT_MAX + 1, n_threads=1,
+        return Model(target, n_ctx=N_CTX, n_seq_max=parallel, n_ubatch=64, rs_slots=DRAFT_MAX + 1, n_threads=1,
                      kv_type="f32", mtp=draft == "mtp")
 
     def draft_model():
-        return Model(draft_path, n_ctx=N_CTX, n_seq_max=parallel, n_batch=64, n_threads=1, kv_type="f32")
+        return Model(draft_path, n_ctx=N_CTX, n_seq_max=parallel, n_ubatch=64, n_threads=1, kv_type="f32")
 
     return ServeHandle(target_model, ServeSettings(parallel=parallel, draft=draft, draft_max=DRAFT_MAX,
                                                    open_draft=draft_model if draft_path else None, **settings))
@@ -279,7 +279,7 @@ def test_mtp_rows_after_a_resume_from_host_ram(tiny_model_path):
 def test_supervised_server_drafts_and_counts(tiny_model_path, plain_answers):
     """The model in the supervised child process (serve --rpc runs it there) speculates the same
     way; /props's draft counts come back through the replayed metric calls."""
-    open_model = functools.partial(Model, tiny_model_path("tiny-echo"), n_ctx=N_CTX, n_seq_max=2, n_batch=64,
+    open_model = functools.partial(Model, tiny_model_path("tiny-echo"), n_ctx=N_CTX, n_seq_max=2, n_ubatch=64,
                                    rs_slots=DRAFT_MAX + 1, n_threads=1, kv_type="f32", mtp=True)
     with ServeHandle(open_model, ServeSettings(parallel=2, draft="mtp", draft_max=DRAFT_MAX, supervise=True)) as h:
         r = _ask(_client(h), PROMPTS[0])

@@ -69,7 +69,7 @@ def _alternating_run(path, keep: bool) -> tuple[np.ndarray, int]:
     """Decode 3 sequences greedily, sometimes as two ubatches, with prompt chunks in between;
     returns every step's logits and how many allocations the schedulers did."""
     allocations = 0
-    with Model(path, n_ctx=128, n_seq_max=4, n_batch=16, n_threads=1) as m:
+    with Model(path, n_ctx=128, n_seq_max=4, n_ubatch=16, n_threads=1) as m:
         if keep:
             m.keep_step_graphs(3)
         real = scheduler.Scheduler.allocate

@@ -448,7 +448,7 @@ def test_props_has_no_absolute_path(srv):
 
 def _handle(tiny_model_path, **settings) -> ServeHandle:
     path = tiny_model_path("tiny", "f32")
-    return ServeHandle(lambda: Model(path, n_ctx=N_CTX, n_seq_max=1, n_batch=64, rs_slots=4, n_threads=1,
+    return ServeHandle(lambda: Model(path, n_ctx=N_CTX, n_seq_max=1, n_ubatch=64, rs_slots=4, n_threads=1,
                                      capture_slots=CAPTURE_SLOTS), ServeSettings(parallel=1, prefill_ahead=False,
                                                                                  **settings))
 

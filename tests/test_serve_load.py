@@ -73,7 +73,7 @@ def run_workloads(url: str) -> dict[str, list[dict]]:
 
 
 def test_workloads_read_deltarun_accounting():
-    with ServeHandle(lambda: Model(SHIPPED, n_ctx=1024, n_seq_max=1, n_batch=64, n_threads=1),
+    with ServeHandle(lambda: Model(SHIPPED, n_ctx=1024, n_seq_max=1, n_ubatch=64, n_threads=1),
                      ServeSettings(parallel=1)) as h:
         run_workloads(h.base_url)
 

@@ -144,7 +144,7 @@ def test_loopback_detection():
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_batch=32, n_threads=1) as m:
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=256, n_seq_max=3, n_ubatch=32, n_threads=1) as m:
         yield m
 
 
@@ -505,7 +505,7 @@ def test_a_lookup_after_a_rollback_plans_none_beyond_the_slots_left(tiny_model_p
     K-1 = 3 tokens its slots reached, 1 is left. A prompt that leaves the seq one token back rolls
     back; one that leaves it two back resumes from the checkpoint (a rollback there is one Memory
     refuses). Both go on as a fresh evaluation does."""
-    with Model(tiny_model_path("tiny", "f32"), n_ctx=128, n_seq_max=2, n_batch=32, rs_slots=4, n_threads=1,
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=128, n_seq_max=2, n_ubatch=32, rs_slots=4, n_threads=1,
                kv_type="f32") as m:
         cache = PromptCache(m, 2, budget_bytes=1 << 30)
         prompt = list(range(100, 120))

@@ -235,8 +235,8 @@ def test_mtp_rows_of_several_sequences_in_one_ubatch_match_reference(tiny_model_
         assert np.abs(got_after[i][0] - exp2[-1]).max() / np.abs(exp2).max() < 1e-5
 
 
-@pytest.mark.parametrize("n_batch", [32, 8])
-def test_all_hidden_gives_every_rows_hidden_state_and_the_last_logits(tiny_model_path, n_batch):
+@pytest.mark.parametrize("n_ubatch", [32, 8])
+def test_all_hidden_gives_every_rows_hidden_state_and_the_last_logits(tiny_model_path, n_ubatch):
     """`Model.eval(..., all_hidden=True)` (a prompt whose rows the MTP block reads): every token's
     hidden state after the final norm and the last token's logits, equal to the float64
     reference's, in one ubatch and across three."""
@@ -247,7 +247,7 @@ def test_all_hidden_gives_every_rows_hidden_state_and_the_last_logits(tiny_model
     ref = ReferenceModel.from_gguf(path)
     want = ref.forward(toks)[-1]
     hidden = rmsnorm(ref.hidden(), ref.hp.eps) * ref.w["output_norm.weight"]
-    with Model(path, n_ctx=64, kv_type="f32", mtp=True, rs_slots=4, n_batch=n_batch) as m:
+    with Model(path, n_ctx=64, kv_type="f32", mtp=True, rs_slots=4, n_ubatch=n_ubatch) as m:
         got = m.eval(toks, all_hidden=True)
         rows = m.last_hidden[0]
     assert got.shape == want.shape and rows.shape == hidden.shape

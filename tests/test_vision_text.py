@@ -56,7 +56,7 @@ def _prompt(tok, n_image: int) -> tuple[list[int], list[int], int]:
 def test_logits_and_greedy_tokens_after_an_image(vlm) -> None:
     text, mmproj, cfg, vcfg, hf_text, hf_vision, folder = vlm
     MIN = 64 * 64   # small bounds keep the tiny test fast; the resize path still runs (96 x 40 -> 96 x 64)
-    with Model(text, n_ctx=256, n_batch=16, kv_type="f32") as model, \
+    with Model(text, n_ctx=256, n_ubatch=16, kv_type="f32") as model, \
             VisionEncoder(mmproj, backend=model.backend) as enc:
         enc.check_text_model(model.hp.n_embd, model.family.arch)
         prep = images.load_image(_image_file(folder), enc.hp, min_pixels=MIN, max_pixels=64 * 128)
@@ -105,7 +105,7 @@ def test_logits_and_greedy_tokens_after_an_image(vlm) -> None:
 def test_image_rows_split_over_ubatches_and_rollback(vlm) -> None:
     """An image longer than a ubatch; after rolling back into the image, its shift is gone."""
     text, mmproj, cfg, vcfg, hf_text, hf_vision, folder = vlm
-    with Model(text, n_ctx=256, n_batch=4, kv_type="f32", rs_slots=4) as model, \
+    with Model(text, n_ctx=256, n_ubatch=4, kv_type="f32", rs_slots=4) as model, \
             VisionEncoder(mmproj, backend=model.backend) as enc:
         prep = images.load_image(_image_file(folder), enc.hp, min_pixels=64 * 64, max_pixels=64 * 128)
         emb = enc.encode(prep)

@@ -115,7 +115,7 @@ def test_graphs_coming_back_give_the_same_logits(tiny_model_path):
         "import sys, numpy as np\n"
         "from deltarun.runner.model import Model\n"
         "toks = list(range(5, 21))\n"
-        "with Model(sys.argv[1], backend='vulkan', n_ctx=64, n_batch=16, n_threads=1, kv_type='f32') as m:\n"
+        "with Model(sys.argv[1], backend='vulkan', n_ctx=64, n_ubatch=16, n_threads=1, kv_type='f32') as m:\n"
         "    a = m.logits_for(toks); m.eval([7]); b = m.logits_for(toks); m.eval([7]); c = m.logits_for(toks)\n"
         "    print(float(np.abs(a - b).max()), float(np.abs(a - c).max()))\n")
     p = _run_script(script, tiny_model_path("tiny", "f32"))

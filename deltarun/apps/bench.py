@@ -1,11 +1,11 @@
 """llama-bench style throughput measurements: prompt processing (pp) and token generation (tg).
 
-    results = run_bench(BenchConfig(model=path, n_prompt=[512], n_gen=[128], threads=[8], batch=[512]))
+    results = run_bench(BenchConfig(model=path, n_prompt=[512], n_gen=[128], threads=[8], ubatch=[512]))
     print(format_markdown(results))
 
 Tests
 -----
-- ``pp<P>``: P random tokens evaluated from an empty state, in ubatches of ``batch`` tokens
+- ``pp<P>``: P random tokens evaluated from an empty state, in ubatches of ``ubatch`` tokens
   (`Model.eval`); tokens/s = P / seconds.
 - ``tg<N>``: after a short prompt of TG_PROMPT tokens (not timed), N single-token evaluations,
   each feeding the argmax of the previous logits; tokens/s = N / seconds.
@@ -35,7 +35,7 @@ JSON schema (`to_json`, `deltarun bench --output json`), version 1::
                    "n_ctx": int},
       "results": [
         {"test": "pp512" | "tg128", "kind": "pp" | "tg", "n_prompt": int, "n_gen": int,
-         "backend": str, "gpu_layers": int | null, "threads": int, "batch": int, "repetitions": int,
+         "backend": str, "gpu_layers": int | null, "threads": int, "ubatch": int, "repetitions": int,
          "samples_s": [float], "samples_tps": [float],
          "avg_s": float, "avg_tps": float, "stddev_tps": float,
          "ubatch_cost": float | null}
@@ -44,16 +44,16 @@ JSON schema (`to_json`, `deltarun bench --output json`), version 1::
 
 ``n_depth`` and ``n_parallel`` (0 and 1 for plain pp/tg rows) are in each result row.
 ``ubatch_cost`` (pp rows, when the grid measures pp1 too, e.g. ``-p 1,2,4,8``): the row's seconds
-over pp1's at the same backend, ngl, batch and threads (the markdown table's "x pp1" column);
+over pp1's at the same backend, ngl, ubatch and threads (the markdown table's "x pp1" column);
 null elsewhere. pp1 is measured first whatever the order of -p. With
-``profile`` the report also has ``"profiles": [...]``, one per backend/ngl/batch/threads for a pp
-ubatch (min(first -p, batch) tokens) and a tg ubatch (one token after TG_PROMPT): the objects of
+``profile`` the report also has ``"profiles": [...]``, one per backend/ngl/ubatch/threads for a pp
+ubatch (min(first -p, ubatch) tokens) and a tg ubatch (one token after TG_PROMPT): the objects of
 `deltarun.apps.op_profile.OpProfile.as_dict` (seconds per ggml op and per node group, the
 profiling overhead; see that module for how node times are taken).
 
 ``size_bytes`` and ``n_params`` count every tensor in the file (llama-bench's model size and
 parameter count). ``gpu_layers`` is the --gpu-layers value (null: everything on the backend's
-device; with --rpc the backend is "rpc:HOST:PORT+...+cpu (a/b/c layers)"). Rows come in grid order: backend, gpu_layers, batch, threads, then the pp tests, then
+device; with --rpc the backend is "rpc:HOST:PORT+...+cpu (a/b/c layers)"). Rows come in grid order: backend, gpu_layers, ubatch, threads, then the pp tests, then
 the tg tests.
 """
 
@@ -125,7 +125,7 @@ class BenchConfig:
     n_prompt: Sequence[int] = (512,)
     n_gen: Sequence[int] = (128,)
     threads: Sequence[int] = ()          # empty: the physical-core default
-    batch: Sequence[int] = (512,)
+    ubatch: Sequence[int] = (512,)
     backends: Sequence[str] = ("cpu",)
     gpu_layers: Sequence[int] = ()       # empty: everything on the backend's device
     repetitions: int = 5
@@ -150,13 +150,13 @@ class BenchResult:
     backend: str
     gpu_layers: int | None
     threads: int
-    batch: int
+    ubatch: int
     repetitions: int
     samples_s: list[float] = field(default_factory=list)
     samples_tps: list[float] = field(default_factory=list)
     n_depth: int = 0
     n_parallel: int = 1
-    #: pp tests when the grid has pp1: this ubatch's seconds over pp1's (same backend, ngl, batch,
+    #: pp tests when the grid has pp1: this ubatch's seconds over pp1's (same backend, ngl, ubatch,
     #: threads). Decoding is weight-bound, so verifying N draft tokens pays off only while this
     #: stays near 1 (issue 28's targets: pp2 <= 1.15, pp4 <= 1.3, pp8 <= 1.6).
     ubatch_cost: float | None = None
@@ -279,35 +279,35 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
         if parallel:
             settings_out["parallel"] = parallel
     gpu_layers: list[int | None] = list(cfg.gpu_layers) or [None]
-    grid = [(b, ngl, batch) for b in cfg.backends for ngl in gpu_layers for batch in cfg.batch]
+    grid = [(b, ngl, ubatch) for b in cfg.backends for ngl in gpu_layers for ubatch in cfg.ubatch]
 
-    def open_model(backend: str, ngl: int | None, batch: int, ctx: int, n_seq_max: int = 1) -> Any:
-        return Model(cfg.model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads[0],
+    def open_model(backend: str, ngl: int | None, ubatch: int, ctx: int, n_seq_max: int = 1) -> Any:
+        return Model(cfg.model, backend=backend, n_ctx=ctx, n_ubatch=ubatch, n_threads=threads[0],
                      kv_type=cfg.kv_type, delta_net=cfg.delta_net, gpu_layers=ngl, n_seq_max=n_seq_max,
                      rpc=cfg.rpc, tensor_split=cfg.tensor_split, repack=cfg.repack, pin_threads=cfg.pin_threads)
 
-    def measure(m: Model, ngl: int | None, batch: int, t: int, kind: str, p: int, n: int,
+    def measure(m: Model, ngl: int | None, ubatch: int, t: int, kind: str, p: int, n: int,
                 run: Callable[[], float], test: str, depth: int = 0, n_par: int = 1) -> BenchResult:
         run()  # warm-up: builds every graph shape the test uses
         r = BenchResult(test=test, kind=kind, n_prompt=p, n_gen=n, backend=backend_label(m), gpu_layers=ngl,
-                        threads=t, batch=batch, repetitions=cfg.repetitions, n_depth=depth, n_parallel=n_par)
+                        threads=t, ubatch=ubatch, repetitions=cfg.repetitions, n_depth=depth, n_parallel=n_par)
         for _ in range(cfg.repetitions):
             sec = run()
             r.samples_s.append(sec)
             r.samples_tps.append((p or n) * n_par / sec if sec > 0 else float("inf"))
         if kind == "pp" and p == 1:
-            one_token[(backend, ngl, batch, t)] = r.avg_s
-        elif kind == "pp" and (backend, ngl, batch, t) in one_token:
-            r.ubatch_cost = r.avg_s / one_token[(backend, ngl, batch, t)]
+            one_token[(backend, ngl, ubatch, t)] = r.avg_s
+        elif kind == "pp" and (backend, ngl, ubatch, t) in one_token:
+            r.ubatch_cost = r.avg_s / one_token[(backend, ngl, ubatch, t)]
         return r
 
     one_token: dict[tuple[Any, ...], float] = {}   # pp1 seconds per grid point, for ubatch_cost
 
-    for backend, ngl, batch in grid:
-        n_pp_profile = min(pps[0] if pps else 512, batch)
+    for backend, ngl, ubatch in grid:
+        n_pp_profile = min(pps[0] if pps else 512, ubatch)
         ctx = max(n_ctx, n_pp_profile if cfg.profile else 0,
                   TG_PROMPT + 2 + 2 * cfg.profile_repetitions if cfg.profile else 0)   # decode runs
-        with open_model(backend, ngl, batch, ctx) as m:
+        with open_model(backend, ngl, ubatch, ctx) as m:
             if info_out is not None and not info_out:
                 info_out.update(model_info(m))
             rng = np.random.default_rng(TOKEN_SEED)
@@ -316,15 +316,15 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
             for t in threads:
                 m.backend.set_threads(t)
                 for p in pps:
-                    yield measure(m, ngl, batch, t, "pp", p, 0, lambda p=p: _time_pp(m, tokens[:p]), f"pp{p}")
+                    yield measure(m, ngl, ubatch, t, "pp", p, 0, lambda p=p: _time_pp(m, tokens[:p]), f"pp{p}")
                 for n in tgs:
-                    yield measure(m, ngl, batch, t, "tg", 0, n, lambda n=n: _time_tg(m, tokens[:TG_PROMPT], n),
+                    yield measure(m, ngl, ubatch, t, "tg", 0, n, lambda n=n: _time_tg(m, tokens[:TG_PROMPT], n),
                                   f"tg{n}")
                 if cfg.profile and profiles_out is not None:
                     profiles_out.extend(_profiles(m, tokens, n_pp_profile, t, cfg.profile_repetitions))
             m.reset()
         if depths:
-            with open_model(backend, ngl, batch, max(depths) + max(tgs)) as m:
+            with open_model(backend, ngl, ubatch, max(depths) + max(tgs)) as m:
                 for t in threads:
                     m.backend.set_threads(t)
                     for d in depths:
@@ -332,17 +332,17 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
                         first = m.eval(tokens[:d])
                         start = m.checkpoint()
                         for n in tgs:
-                            yield measure(m, ngl, batch, t, "tg", 0, n,
+                            yield measure(m, ngl, ubatch, t, "tg", 0, n,
                                           lambda n=n, start=start, first=first: _time_tg_depth(m, start, first, n),
                                           f"tg{n}@d{d}", depth=d)
         if parallel:
-            with open_model(backend, ngl, batch, TG_PROMPT + max(tgs), n_seq_max=max(parallel)) as m:
+            with open_model(backend, ngl, ubatch, TG_PROMPT + max(tgs), n_seq_max=max(parallel)) as m:
                 for t in threads:
                     m.backend.set_threads(t)
                     for n_par in parallel:
                         prompts = parallel_prompts(tokens, n_par)
                         for n in tgs:
-                            yield measure(m, ngl, batch, t, "tg", 0, n,
+                            yield measure(m, ngl, ubatch, t, "tg", 0, n,
                                           lambda n=n, prompts=prompts: _time_tg_parallel(m, prompts, n),
                                           f"tg{n}x{n_par}", n_par=n_par)
 
@@ -377,7 +377,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 
 
 # --------------------------------------------------------------------------------------------- output
-MD_COLUMNS = ("model", "size", "params", "backend", "ngl", "threads", "n_batch", "test", "t/s")
+MD_COLUMNS = ("model", "size", "params", "backend", "ngl", "threads", "n_ubatch", "test", "t/s")
 COST_COLUMN = "x pp1"   # with ubatch costs: seconds of the ubatch relative to one token's
 
 
@@ -396,7 +396,7 @@ def markdown_header(cost: bool = False) -> str:
 def markdown_row(model: dict[str, Any], r: BenchResult, cost: bool = False) -> str:
     name = model.get("name") or Path(model.get("path", "?")).name
     cells = (str(name), format_bytes(model.get("size_bytes", 0)), format_count(model.get("n_params", 0)),
-             r.backend, "all" if r.gpu_layers is None else str(r.gpu_layers), str(r.threads), str(r.batch),
+             r.backend, "all" if r.gpu_layers is None else str(r.gpu_layers), str(r.threads), str(r.ubatch),
              r.test, f"{r.avg_tps:.2f} ± {r.stddev_tps:.2f}")
     if cost:
         cells += ("1.00" if r.kind == "pp" and r.n_prompt == 1
@@ -413,7 +413,7 @@ def to_json(report: BenchReport) -> str:
     return json.dumps(report.as_dict(), indent=2)
 
 
-CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "batch", "test", "kind",
+CSV_FIELDS = ("model", "size_bytes", "n_params", "backend", "gpu_layers", "threads", "ubatch", "test", "kind",
               "n_prompt", "n_gen", "repetitions", "avg_s", "avg_tps", "stddev_tps", "n_depth", "n_parallel",
               "ubatch_cost")
 

@@ -261,7 +261,7 @@ def run_side(side: Side, tokens: list[int], steps: int, *, decode_token: int | N
     ctx = n_ctx or (len(tokens) + steps + 1)
     if len(tokens) + max(steps, 1) > ctx:
         raise DeltarunError(f"--ctx {ctx} is too small for {len(tokens)} prompt tokens and {steps} decode steps")
-    with Model(side.model, backend=side.backend, n_ctx=ctx, n_batch=max(len(tokens), 1), n_threads=n_threads,
+    with Model(side.model, backend=side.backend, n_ctx=ctx, n_ubatch=max(len(tokens), 1), n_threads=n_threads,
                kv_type=kv_type, delta_net=side.delta_net, gpu_layers=side.gpu_layers) as m:
         bad = [t for t in tokens if not 0 <= t < m.hp.n_vocab]
         if bad:

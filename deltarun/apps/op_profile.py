@@ -290,7 +290,7 @@ def _graph_nodes(gf: Any) -> list[tuple[int, str, str]]:
 def profile_ubatch(model: Model, tokens: Sequence[int], *, n_past_tokens: Sequence[int] = (), n_seqs: int = 1,
                    repetitions: int = 3, test: str | None = None, threads: int = 0,
                    cpu_clock: bool = False) -> OpProfile:
-    """Profile one ubatch of `tokens` (per sequence; at most n_batch of them) after `n_past_tokens`
+    """Profile one ubatch of `tokens` (per sequence; at most n_ubatch of them) after `n_past_tokens`
     of context, for `n_seqs` sequences (the model must have been opened with n_seq_max >= n_seqs).
 
     The model is reset, the context evaluated (untimed), then the ubatch is evaluated once to build
@@ -307,8 +307,8 @@ def profile_ubatch(model: Model, tokens: Sequence[int], *, n_past_tokens: Sequen
     past = [int(t) for t in n_past_tokens]
     if not toks:
         raise ValueError("no tokens to profile")
-    if len(toks) > model.n_batch:
-        raise ValueError(f"a ubatch holds at most {model.n_batch} tokens (--batch)")
+    if len(toks) > model.n_ubatch:
+        raise ValueError(f"a ubatch holds at most {model.n_ubatch} tokens (--ubatch)")
     decode = len(toks) == 1
     need = len(past) + (2 + 2 * repetitions if decode else len(toks))
     if need > model.n_ctx:

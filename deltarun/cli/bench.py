@@ -16,7 +16,7 @@ from deltarun.runner.memory import KV_TYPES
 def _int_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[int]:
     """-p 128 -p 256,512 -> [128, 256, 512]; each value a non-negative integer (positive for -t/-b)."""
     out: list[int] = []
-    minimum = 1 if param.name in ("threads", "batch", "parallel") else 0   # -p/-n 0 skip; -ngl 0 is all on the CPU
+    minimum = 1 if param.name in ("threads", "ubatch", "parallel") else 0   # -p/-n 0 skip; -ngl 0 is all on the CPU
     for value in values:
         for part in value.split(","):
             part = part.strip()
@@ -50,7 +50,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
               help="Measured runs per test (after one warm-up run).")
 @click.option("--threads", "-t", multiple=True, callback=_int_list, metavar="N[,N...]",
               help="CPU thread counts [default: physical cores].")
-@click.option("--batch", "-b", multiple=True, callback=_int_list, metavar="N[,N...]",
+@click.option("--ubatch", "-ub", multiple=True, callback=_int_list, metavar="N[,N...]",
               help="Ubatch sizes (tokens per graph) [default: 512].")
 @click.option("--backend", multiple=True, callback=_str_list, metavar="NAME[,NAME...]",
               help="ggml backends: cpu, cpu-ref, vulkan[:N], cuda[:N], auto (`deltarun devices` lists them) "
@@ -77,13 +77,13 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
 @click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
               help="Report format (json schema: see deltarun.apps.bench).")
 def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, threads: list[int],
-          batch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
+          ubatch: list[int], backend: list[str], gpu_layers: list[int], kv_type: str, delta_net: str,
           depth: list[int], parallel: list[int], profile: bool, repack: bool, output: str, rpc: str | None = None,
           tensor_split: str | None = None, pin_threads: bool | None = None) -> None:
     """Measure prompt processing (pp) and generation (tg) speed of MODEL.gguf, like llama-bench.
 
-    -p, -n, -t, -b and --backend take several values (repeated or comma-separated) and run as a
-    grid. pp<P>: P tokens evaluated from an empty state in ubatches of -b tokens; with pp1 in the
+    -p, -n, -t, -ub and --backend take several values (repeated or comma-separated) and run as a
+    grid. pp<P>: P tokens evaluated from an empty state in ubatches of -ub tokens; with pp1 in the
     grid (-p 1,2,4,8) the column "x pp1" gives each ubatch's seconds relative to one token's. tg<N>: N
     single-token evaluations after a 16-token prompt. Each test runs once as a warm-up, then -r
     times; t/s is the mean ± standard deviation over those runs. tg<N>@d<D>: tg after D tokens of
@@ -96,7 +96,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     from deltarun.runner.devices import llamafile_note
 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
-                      batch=batch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
+                      ubatch=ubatch or [512], backends=backend or ["cpu"], gpu_layers=gpu_layers,
                       repetitions=repetitions,
                       kv_type=kv_type, delta_net=delta_net, depth=depth, parallel=parallel, profile=profile,
                       rpc=rpc, tensor_split=tensor_split, repack=repack, pin_threads=pin_threads)
@@ -119,7 +119,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     if profiles and output == "md":
         from deltarun.apps.op_profile import format_profiles
 
-        for i in range(0, len(profiles), 2):   # pp and tg of one backend / batch / threads
+        for i in range(0, len(profiles), 2):   # pp and tg of one backend / ubatch / threads
             p = profiles[i]
             click.echo(f"\nprofile ({p.threads} threads): seconds per ggml op and node group "
                        "(eval callback, node by node)")

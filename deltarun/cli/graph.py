@@ -99,7 +99,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
     m = None
     try:
         if values:
-            m = Model(model, backend=backend, n_ctx=ctx, n_batch=ctx, n_threads=threads, rs_slots=rs_slots,
+            m = Model(model, backend=backend, n_ctx=ctx, n_ubatch=ctx, n_threads=threads, rs_slots=rs_slots,
                       n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers,
                       rpc=rpc, tensor_split=tensor_split)
             ids = m.tokenizer.encode(prompt or "")
@@ -113,7 +113,7 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
                 click.echo(f"wrote {len(arrays)} tensors and {manifest}", err=True)
         else:
             batch = max(n_tok * seqs, rs_slots)
-            m = Model(model, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
+            m = Model(model, backend=backend, n_ctx=ctx, n_ubatch=batch, n_threads=threads, rs_slots=rs_slots,
                       n_seq_max=seqs, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers,
                       rpc=rpc, tensor_split=tensor_split)
             shape = gd.ubatch_shape(m, n_tok, seqs, n_past, all_outputs)

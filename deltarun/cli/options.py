@@ -35,7 +35,7 @@ _DEFAULTS = SamplingParams()
 
 #: Defaults of the model options, for callers that open a model without click.
 MODEL_DEFAULTS: dict[str, Any] = {
-    "ctx": 4096, "batch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
+    "ctx": 4096, "ubatch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
     "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None, "repack": True, "pin_threads": None,
 }
 
@@ -53,12 +53,12 @@ def model_argument(required: bool = False) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """--ctx --batch --threads --pin-threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack
+    """--ctx --ubatch --threads --pin-threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack
     --rpc --tensor-split."""
     return _apply(f, [
         click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
-        click.option("--batch", "-b", type=click.IntRange(min=1), default=MODEL_DEFAULTS["batch"],
+        click.option("--ubatch", "-ub", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ubatch"],
                      show_default=True, help="Ubatch size: most tokens evaluated by one graph."),
         click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                      help=f"CPU threads [default: physical cores, here {physical_cores()}]."),
@@ -183,7 +183,7 @@ def note_gpu_layers(backends: list[str], gpu_layers: Any) -> None:
 
 
 def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ctx"],
-               batch: int = MODEL_DEFAULTS["batch"], threads: int | None = None,
+               ubatch: int = MODEL_DEFAULTS["ubatch"], threads: int | None = None,
                rs_slots: int = MODEL_DEFAULTS["rs_slots"], delta_net: str = MODEL_DEFAULTS["delta_net"],
                kv_type: str = MODEL_DEFAULTS["kv_type"], backend: str = MODEL_DEFAULTS["backend"],
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
@@ -197,7 +197,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
     check_backends([backend])
     if not quiet:
         note_gpu_layers([backend], gpu_layers)
-    return Model(path, backend=backend, n_ctx=ctx, n_batch=batch, n_threads=threads, rs_slots=rs_slots,
+    return Model(path, backend=backend, n_ctx=ctx, n_ubatch=ubatch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp,
                  rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots, repack=repack,
                  pin_threads=pin_threads)
@@ -266,7 +266,7 @@ def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int,
     check_draft(resolve_model(model, quiet=True), draft)
     opts = dict(opts)
     opts["rs_slots"] = max(int(opts.get("rs_slots") or 1), draft_max + 1)
-    opts["batch"] = max(int(opts.get("batch") or MODEL_DEFAULTS["batch"]), draft_max + 1)
+    opts["ubatch"] = max(int(opts.get("ubatch") or MODEL_DEFAULTS["ubatch"]), draft_max + 1)
     target = open_model(model, mtp=draft == "mtp", **opts)
     try:
         if draft == "ngram":

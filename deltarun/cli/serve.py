@@ -99,7 +99,7 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a sequence; beyond that the answer is 503 with Retry-After.")
 @click.option("--chunk", type=click.IntRange(min=1), default=None,
-              help="Most prompt tokens evaluated between two decode steps [default: --batch].")
+              help="Most prompt tokens evaluated between two decode steps [default: --ubatch].")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=1024, show_default=True,
               help="Also checkpoint the recurrent state every N prompt tokens (0: only at message boundaries "
                    "and prompt ends).")
@@ -144,12 +144,12 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     open_draft = None
     if draft is not None:      # a rejected draft is rolled back within the recurrent-state slots
         opts["rs_slots"] = max(int(opts["rs_slots"]), draft_max + 1)
-        opts["batch"] = max(int(opts["batch"]), draft_max + 1)
+        opts["ubatch"] = max(int(opts["ubatch"]), draft_max + 1)
         if draft not in ("ngram", "mtp"):      # a draft GGUF: one sequence per request sequence (a partial: it pickles)
             open_draft = functools.partial(open_model, Path(draft), n_seq_max=parallel, quiet=True,
                                            **draft_model_options(opts))
     settings = ServeSettings(parallel=parallel, cache_ram_mib=cache_ram, api_key=api_key, max_queue=max_queue,
-                             chunk=chunk or int(opts["batch"]), checkpoint_every=checkpoint_every,
+                             chunk=chunk or int(opts["ubatch"]), checkpoint_every=checkpoint_every,
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
                              rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft, mmproj=mmproj,
                              prefill_ahead=prefill_ahead, allowed_hosts=_names(allowed_hosts),

@@ -176,24 +176,24 @@ class EvalStats:
 class Model:
     """A Qwen3-Next (or other registered architecture) GGUF, ready to evaluate tokens."""
 
-    def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_batch: int = 512,
+    def __init__(self, path: str | Path, *, backend: str = "cpu", n_ctx: int = 4096, n_ubatch: int = 512,
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
                  rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
                  capture_slots: int = 0, repack: bool = True, pin_threads: bool | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
-        if n_ctx <= 0 or n_batch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
-            raise DeltarunError("n_ctx, n_batch, rs_slots and n_seq_max must be positive")
-        if n_batch < rs_slots:
-            raise DeltarunError(f"--batch {n_batch} must be at least --rs-slots {rs_slots}")
+        if n_ctx <= 0 or n_ubatch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
+            raise DeltarunError("n_ctx, n_ubatch, rs_slots and n_seq_max must be positive")
+        if n_ubatch < rs_slots:
+            raise DeltarunError(f"--ubatch {n_ubatch} must be at least --rs-slots {rs_slots}")
         self.path = Path(path)
         self.file = GGUFFile(path)
         self.family: GraphFamily = graph_family_for(self.file)
         self.hp = self.family.hp
         self.tokenizer = self.file.tokenizer()
         self.n_ctx = n_ctx
-        self.n_batch = n_batch
+        self.n_ubatch = n_ubatch
         self.delta_net = delta_net
         local, endpoints, split = layer_split.resolve(backend, rpc, tensor_split)   # --rpc, --tensor-split
         self.backend: Backend = init_backend(local, n_threads, pin=pin_threads)
@@ -212,7 +212,7 @@ class Model:
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
                              placement=self.placement, n_capture=capture_slots)
         self.placement.on_loaded()
-        n_ub = min(n_batch, n_ctx)
+        n_ub = min(n_ubatch, n_ctx)
         spread = tuple(sorted({max(1, n_ub * (i + 1) // (capture_slots + 1)) for i in range(capture_slots)}
                               - {n_ub})) if self.hp.linear_layers else ()
         largest = UbatchShape(n_seq_tokens=n_ub, n_seqs=1, n_outputs=n_ub, n_kv=n_ctx, delta_net=delta_net,
@@ -292,7 +292,7 @@ class Model:
         if mtp_argmax:
             if not self.memory.mtp_layers:
                 raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
-            if not all_logits or len(toks) > self.n_batch:
+            if not all_logits or len(toks) > self.n_ubatch:
                 raise DeltarunError("mtp_argmax evaluates one ubatch with every row's logits (all_logits)")
             return self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
         outs, hiddens = [], []
@@ -365,7 +365,6 @@ class Model:
 
     def images(self, seq: int = 0) -> list[ImageSpan]:
         """The images placed in sequence `seq` that it still holds whole."""
-        st = self.memory.seqs[seq]
         return list(self._images_now(seq)[1])
 
     def _images_now(self, seq: int) -> tuple[int, list[ImageSpan]]:
@@ -385,7 +384,7 @@ class Model:
 
     def split_ubatches(self, n: int) -> list[int]:
         """Sizes of the ubatches for n tokens of one sequence."""
-        return self._split(n, self.n_batch)
+        return self._split(n, self.n_ubatch)
 
     def _split(self, n: int, limit: int) -> list[int]:
         """At most `limit` tokens per ubatch, with the last K tokens of the sequence together.
@@ -620,7 +619,7 @@ class Model:
         n = lengths.pop()
         for s in seqs:
             self._check_tokens(batch[s], s)
-        per_ubatch = max(self.memory.rs_slots, self.n_batch // len(seqs))
+        per_ubatch = max(self.memory.rs_slots, self.n_ubatch // len(seqs))
         outs: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
         done = 0
         for size in self._split(n, per_ubatch):

@@ -216,7 +216,7 @@ class Scheduler:
         self._allocated = None   # reserving resets the scheduler: the next graph is allocated anew
         if not ggml.ggml_backend_sched_reserve(self.handle, gf):
             raise BackendError("the backend could not reserve compute buffers for the largest ubatch "
-                               "(lower --batch or --ctx)")
+                               "(lower --ubatch or --ctx)")
 
     def allocate(self, gf: Any, ctx: Any) -> None:
         """Allocate `gf` (whose tensors live in `ctx`) unless it is the graph allocated last.

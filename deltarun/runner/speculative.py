@@ -225,7 +225,7 @@ class MtpDraft:
             self._keep_aside(next_tokens[done:], np.array(hiddens[done:]), start + done)
             return
         while done < len(next_tokens):
-            step = min(m.n_batch, len(next_tokens) - done)
+            step = min(m.n_ubatch, len(next_tokens) - done)
             logits, out = m.mtp_eval(next_tokens[done:done + step], hiddens[done:done + step], start + done,
                                      self.seq)
             done += step
@@ -249,8 +249,8 @@ class MtpDraft:
         runs, self.deferred = self.deferred, []
         for toks, parts, first in runs:
             rows = np.concatenate(parts)
-            for at in range(0, len(toks), m.n_batch):
-                logits, out = m.mtp_eval(toks[at:at + m.n_batch], rows[at:at + m.n_batch], first + at, self.seq,
+            for at in range(0, len(toks), m.n_ubatch):
+                logits, out = m.mtp_eval(toks[at:at + m.n_ubatch], rows[at:at + m.n_ubatch], first + at, self.seq,
                                          n_outputs=1)
         self.first = (logits[-1], out[-1:])
 

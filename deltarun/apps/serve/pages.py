@@ -71,8 +71,8 @@ def page_routes(state: Any) -> list[Route]:
         n_tokens = 1 if decode else _int_param(request, "tokens", DEFAULT_TOKENS, 1)
         n_past = _int_param(request, "past", DEFAULT_DECODE_PAST if decode else 0, 0)
         model = state.worker.model
-        if n_tokens > model.n_batch:
-            raise ApiError(f"tokens must be at most the batch size {model.n_batch}", param="tokens",
+        if n_tokens > model.n_ubatch:
+            raise ApiError(f"tokens must be at most the ubatch size (--ubatch) {model.n_ubatch}", param="tokens",
                            code="invalid_value")
         key = (n_tokens, n_past)
         html = pages.get(key)

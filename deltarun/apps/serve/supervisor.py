@@ -28,7 +28,7 @@ worker step one message with that step's `Event`s, the `Metrics` calls the worke
 on the parent's `Metrics`, so counters survive a restart) and the worker's counts; `Worker.call(fn)`
 sends `fn` (it must pickle: a module-level function or a `functools.partial` of one) and its
 result back. The parent keeps what the handlers read: the tokenizer and chat template (from the
-GGUF's metadata, read in the parent), the grammar factory, and `ModelInfo` (n_ctx, n_batch,
+GGUF's metadata, read in the parent), the grammar factory, and `ModelInfo` (n_ctx, n_ubatch,
 rs_slots, hp, path) reported by the first child. Cancellation (a client gone) is forwarded.
 
 Why only with `--rpc`. Without RPC nothing the child could lose is expected to come back (a local
@@ -68,11 +68,11 @@ STOP_WAIT_S = 30.0
 class ModelInfo:
     """What the HTTP side reads of the model, in the parent: sizes from the child, tokenizer from the GGUF."""
 
-    def __init__(self, path: str | Path, n_ctx: int, n_batch: int, rs_slots: int, hp: Any):
+    def __init__(self, path: str | Path, n_ctx: int, n_ubatch: int, rs_slots: int, hp: Any):
         from deltarun.base.gguf_file import GGUFFile
 
         self.path = Path(path)
-        self.n_ctx, self.n_batch, self.rs_slots, self.hp = n_ctx, n_batch, rs_slots, hp
+        self.n_ctx, self.n_ubatch, self.rs_slots, self.hp = n_ctx, n_ubatch, rs_slots, hp
         self.file = GGUFFile(self.path)
         self.tokenizer = self.file.tokenizer()
 
@@ -182,7 +182,7 @@ def _child_main(conn: Any, open_model: Callable[[], Any], worker_kwargs: dict[st
         outbox.send(("load_error", _portable_error(worker.load_error)))
         return
     m = worker.model
-    outbox.send(("ready", {"path": str(m.path), "n_ctx": m.n_ctx, "n_batch": m.n_batch, "rs_slots": m.rs_slots,
+    outbox.send(("ready", {"path": str(m.path), "n_ctx": m.n_ctx, "n_ubatch": m.n_ubatch, "rs_slots": m.rs_slots,
                            "hp": m.hp}))
     stop = threading.Event()
     threading.Thread(target=_watch_rpc, args=(stop,), name="deltarun-rpc-watch", daemon=True).start()
@@ -462,7 +462,7 @@ class SupervisedWorker:
 
     def _on_ready(self, info: dict[str, Any], conn: Any) -> None:
         if self.model is None:           # the tokenizer and grammars do not change across restarts
-            self.model = ModelInfo(info["path"], info["n_ctx"], info["n_batch"], info["rs_slots"], info["hp"])
+            self.model = ModelInfo(info["path"], info["n_ctx"], info["n_ubatch"], info["rs_slots"], info["hp"])
             factory = self._kwargs.get("grammar_factory")
             self.grammars = factory(self.model) if factory is not None else None
         with self._lock:
