@@ -125,7 +125,7 @@ PRESETS: dict[str, Qwen4ExpConfig] = {
         mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, hc_count=4, hc_lowrank=16, ple_layer_ids=(2,), ngram_size=3,
-        heads_per_ngram=2, ngram_vocab_size_base=1000, indexer_n_heads=2, indexer_head_dim=16,
+        heads_per_ngram=2, ngram_vocab_size_base=1000, indexer_n_heads=4, indexer_head_dim=16,
         indexer_budget=8, indexer_compress_ratio=4,
     ),
 }
