@@ -11,6 +11,7 @@ where its layer is: CPU layers stay mapped, device layers are uploaded, one buff
 from __future__ import annotations
 
 import contextlib
+import mmap
 from typing import Any
 
 from deltarun.base.errors import BackendError, ModelFileError
@@ -65,6 +66,7 @@ class Weights:
                 on_cpu = [i for i in on_cpu if i.name not in chosen]
         if on_cpu:
             self._map_into_cpu_buffer(on_cpu)
+            self._advise_random([i for i in on_cpu if i.name in gathered])
         for group in on_dev.values():
             self.buffer = self._upload(group, where[group[0].name])
 
@@ -90,6 +92,20 @@ class Weights:
                                                     ctypes.c_void_p(base + info.offset))
             if status != 0:
                 raise BackendError(f"ggml could not place tensor {info.name!r} in the mapped buffer")
+
+    def _advise_random(self, infos: list[TensorInfo]) -> None:
+        """Advise the mapped pages of weights read by rows (token embeddings, qwen4exp's n-gram
+        table) MADV_RANDOM: no readahead and no fault-around, so reading a row maps little more
+        than its own page, and a table of tens of GB stays on disk but for the rows prompts touch
+        (measured in tests/test_qwen4exp.py). Without it a cold row read maps 16 pages around it."""
+        mapping = getattr(self.file.reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_RANDOM"):
+            return
+        page = mmap.PAGESIZE
+        for info in infos:
+            start = info.offset // page * page
+            with contextlib.suppress(OSError, ValueError):   # advice only: never fatal
+                mapping.madvise(mmap.MADV_RANDOM, start, info.offset + info.nbytes - start)
 
     def _upload(self, infos: list[TensorInfo], backend: Backend, buft: Any = None) -> Any:
         """Allocate `infos`' tensors in one buffer of `backend` (or of `buft`) and copy their bytes;
