@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
 import pytest
 
@@ -422,3 +423,32 @@ def test_the_ngram_table_stays_on_disk_but_for_the_rows_a_prompt_reads(tmp_path)
     pages = size // os.sysconf("SC_PAGE_SIZE")
     print(f"n-gram table: {touched} of {pages} pages resident after {rows.size} row reads")
     assert 0 < touched <= 4 * rows.size and touched < pages // 20
+
+
+GV = gguf.GGUFValueType
+BAD_FILES = [
+    ({"drop_keys": ("qwen4exp.hyper_connection.count",)}, "hyper_connection.count' is missing"),
+    ({"set_kv": {"qwen4exp.hyper_connection.count": (1, GV.UINT32)}}, "at least 2 streams"),
+    ({"set_kv": {"qwen4exp.attention.compress_ratios": ([0, 0, 0], GV.ARRAY, GV.INT32)}}, "must list 4"),
+    ({"set_kv": {"qwen4exp.attention.compress_ratios": ([4, 0, 0, 4], GV.ARRAY, GV.INT32)}}, "linear-attention layer"),
+    ({"set_kv": {"qwen4exp.attention.indexer.top_k": (6, GV.UINT32)}}, "not a multiple of the block length"),
+    ({"set_kv": {"qwen4exp.ple.layers": ([1, 2], GV.ARRAY, GV.INT32)}}, "one PLE layer is supported"),
+    ({"set_kv": {"qwen4exp.ple.layers": ([3], GV.ARRAY, GV.INT32)}}, "must be a linear-attention layer"),
+    ({"set_kv": {"qwen4exp.ple.head_vocab_sizes": ([1009, 1013], GV.ARRAY, GV.UINT64)}}, "must list 4"),
+    ({"set_kv": {"qwen4exp.ple.head_offsets": ([0, 1009, 2022, 4000], GV.ARRAY, GV.UINT64)}}, "fewer than the n-gram"),
+    ({"set_kv": {"qwen4exp.ple.eos_token_id": (99999, GV.UINT32)}}, "outside the vocabulary"),
+    ({"set_kv": {"qwen4exp.nextn_predict_layers": (1, GV.UINT32)}}, "no MTP block"),
+    ({"tensors": {"blk.3.indexer.k_proj.weight": None}}, "'blk.3.indexer.k_proj.weight' is missing"),
+    ({"tensors": {"per_layer_token_embd.weight": None}}, "'per_layer_token_embd.weight' is missing"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_FILES)
+def test_a_bad_file_is_one_clear_error(q4_path, tmp_path, edit, message):
+    from deltarun.base.errors import ModelFileError
+    from test_loader_errors import rewrite
+
+    bad = tmp_path / "bad.gguf"
+    rewrite(q4_path, bad, **edit)
+    with pytest.raises(ModelFileError, match=message):
+        Model(bad, n_ctx=64)
