@@ -29,16 +29,13 @@ from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.speculative import DraftLength, NgramDraft
 from reference_qwen4exp import Qwen4ExpReference, ngram_rows, shift_right_ignore_eos
 from test_qwen35_files import np_f32, read
+from test_qwen35_forward import greedy, prompt, rel_err
 
 F32_TOL = 1e-5
 PRESET = "tiny-qwen4exp"
 CFG = q4.PRESETS[PRESET]
 VOCAB = vocab_named(CFG.vocab)
 EOS = VOCAB.eos_id
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 2300, n)]
 
 
 @pytest.fixture(scope="module")
@@ -220,18 +217,6 @@ def test_every_part_changes_the_logits(hf, part):
 
 
 # ---- the graph ----------------------------------------------------------------------------------
-
-
-def rel_err(a, b) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def greedy(step, first_logits, n: int) -> list[int]:
-    out, logits = [], first_logits
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = step(out[-1])
-    return out
 
 
 def long_prompt(n: int = 60, seed: int = 1) -> list[int]:
