@@ -37,10 +37,13 @@ def cpu_repack_buffer_type() -> Any | None:
 
 
 def repack_supports(weight: Tensor, buft: Any) -> bool:
-    """Whether ggml's CPU backend computes the product that reads `weight` (MUL_MAT for a matrix,
-    MUL_MAT_ID for stacked experts, F32 activations) with `weight` stored in `buft`: asked of ggml,
-    as llama.cpp does, with a probe node whose weight lies in an empty buffer of that type. A
-    weight that a graph also reads otherwise (get_rows) must not be repacked: the caller knows."""
+    """Whether ggml's CPU backend computes the product that reads `weight` (F32 activations) with
+    `weight` stored in `buft`: asked of ggml, as llama.cpp does, with a probe node of the op the
+    graphs use, whose weight lies in an empty buffer of that type. Stacked experts (`*_exps`) are
+    read by MUL_MAT_ID; every other matrix by MUL_MAT, a 3-D one (MLA's per-head `attn_k_b` /
+    `attn_v_b`) batched over its heads, which the repack kernels do not take: repacking it left the
+    node without a backend (ggml aborted at the first graph). A weight that a graph also reads
+    otherwise (get_rows) must not be repacked: the caller knows."""
     dims = int(ggml.ggml_n_dims(weight))
     if dims not in (2, 3):
         return False
@@ -51,12 +54,12 @@ def repack_supports(weight: Tensor, buft: Any) -> bool:
         ne = weight.contents.ne
         w = ggml.ggml_new_tensor(ctx, weight.contents.type, dims, ne)
         w.contents.buffer = probe_buffer
-        if dims == 3:
+        if dims == 3 and b"_exps" in ggml.ggml_get_name(weight):
             x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, ne[0], 1, 1)
             ids = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, 1, 1)
             op = ggml.ggml_mul_mat_id(ctx, w, x, ids)
         else:
-            op = ggml.ggml_mul_mat(ctx, w, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, ne[0], 1))
+            op = ggml.ggml_mul_mat(ctx, w, ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, ne[0], 1, ne[2]))
         return bool(ggml.ggml_backend_dev_supports_op(dev, op))
     finally:
         ggml.ggml_free(ctx)
