@@ -124,6 +124,9 @@ class _Grammar:
     def accept(self, token):
         self.accepted.append(token)
 
+    def verifiable(self, draft):
+        return 0
+
 
 def test_logits_processors_penalties_bias_ban_and_grammar():
     """OpenAI's penalties over the accepted tokens (logit -= count * frequency + (count > 0) *
@@ -133,14 +136,14 @@ def test_logits_processors_penalties_bias_ban_and_grammar():
     grammar = _Grammar([0, 1, 2, 3])
     proc = LogitsProcessors(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={1: 2.0, 9: 5.0, -1: 1.0},
                             banned=[3], grammar=grammar)
-    assert not proc.verifies_drafts
+    assert proc.verifiable([1, 2]) == 0 and proc.verifiable([]) == 0
     np.testing.assert_array_equal(proc(x), [1.0, 4.0, 3.0, -np.inf, -np.inf])     # nothing accepted yet
     for t in (0, 0, 2):
         proc.accept(t)
     np.testing.assert_array_equal(proc(x), [1.0 - 2 * 0.25 - 0.5, 4.0, 3.0 - 0.25 - 0.5, -np.inf, -np.inf])
     np.testing.assert_array_equal(x, [1.0, 2.0, 3.0, 4.0, 5.0])
     assert grammar.accepted == [0, 0, 2]
-    assert LogitsProcessors()(x) is x and LogitsProcessors(logit_bias={2: 1.0}).verifies_drafts
+    assert LogitsProcessors()(x) is x and LogitsProcessors(logit_bias={2: 1.0}).verifiable([1, 2]) == 2
     assert Sampler(GREEDY).sample(x, [], proc) == 1
     rows = np.stack([x, x[::-1].copy()])
     assert sample_rows([Sampler(GREEDY), Sampler(GREEDY)], rows, [[], []], processors=[proc, None]) == [1, 0]

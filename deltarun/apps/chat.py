@@ -55,6 +55,7 @@ from deltarun.base.errors import ContextFullError, DeltarunError, ImageError
 from deltarun.base.tokenizer import StreamDecoder
 from deltarun.runner.files import write_atomically
 from deltarun.runner.generation import GenerationStats, decode_tokens
+from deltarun.runner.reasoning import THINK_CLOSE, THINK_OPEN
 from deltarun.runner.resume import Held, Saved, common_prefix_length, plan_resume
 from deltarun.runner.sampling import GREEDY, Sampler
 
@@ -64,7 +65,6 @@ if TYPE_CHECKING:  # annotations only: the applications open models lazily
 FILE_FORMAT = "deltarun-chat"
 FILE_VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 #: Stands for a message's text not known yet when probing how the template renders a conversation
 #: (`followed_by_a_message`, `followed_by_a_turn`): a character no prompt has, and not whitespace,
 #: which templates trim away.

@@ -112,6 +112,19 @@ class ChatTemplate:
     def is_builtin(self) -> bool:
         return self.name == BUILTIN_NAME
 
+    def reasoning_separator(self) -> str | None:
+        """What the template writes between an answer's reasoning and its content (Qwen3 and
+        Qwen3.5: "\n</think>\n\n"), found by rendering one; None when it renders no reasoning."""
+        reasoning, content = "\u0001", "\u0002"
+        try:
+            text = self.render([{"role": "user", "content": "?"},
+                                {"role": "assistant", "content": content, "reasoning_content": reasoning}],
+                               add_generation_prompt=False)
+        except TokenizerError:
+            return None
+        start, end = text.find(reasoning), text.find(content)
+        return text[start + 1:end] if 0 <= start < end else None
+
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                enable_thinking: bool | None = None, tools: Sequence[Any] | None = None, images: bool = False,
                **extra: Any) -> str:

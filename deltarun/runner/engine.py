@@ -10,7 +10,9 @@
 case; the server's worker calls `step` with every generating request's sequence and keeps only
 the scheduling (admission, prompt chunks, work ahead, cancellation, the prompt cache).
 
-One step: each sequence that drafts (`Running.length` set) gets its drafts (`speculative.propose`);
+One step: each sequence that drafts (`Running.length` set) gets its drafts (`speculative.propose`),
+cut to what its logits processors can verify as they stand (`LogitsProcessors.verifiable`: a lazy
+grammar up to its trigger, a thinking budget short of its end);
 the sequences are evaluated in runs of consecutive memory sequences, one ubatch per run whose rows
 all hold the same number of tokens: the last token plus the most drafts any of them has, a
 sequence with fewer drafts padded with filler. Then per sequence: drafts accepted or not
@@ -124,9 +126,12 @@ class Engine:
                 outcomes[id(s)].full = True
                 continue
             try:
-                proposals[id(s)] = propose(s.draft, s.length, s.history, s.budget, min(room, cap if cap is not None
-                                                                                     else room), s.sampler) \
-                    if s.length is not None and s.draft is not None else Draft([], [])
+                d = propose(s.draft, s.length, s.history, s.budget, min(room, cap if cap is not None else room),
+                            s.sampler) if s.length is not None and s.draft is not None else Draft([], [])
+                if d.tokens and s.processors is not None:     # what the processors' state lets verify
+                    n = s.processors.verifiable(d.tokens)
+                    d = Draft(d.tokens[:n], d.probs[:n])
+                proposals[id(s)] = d
             except Exception as e:  # noqa: BLE001 - a failing draft source ends its sequence's step
                 outcomes[id(s)].error = e
         live = sorted((s for s in running if id(s) in proposals), key=lambda s: s.seq)

@@ -5,13 +5,14 @@ OpenAI fields; the command line has none), then the sampler's chain (`Sampler`, 
 default order):
 
     presence and frequency penalties -> logit bias -> banned tokens (ignore_eos: the
-    end-of-generation ids) -> grammar mask  |  repetition penalty -> top-k -> top-p -> min-p
-    -> temperature -> draw
+    end-of-generation ids) -> grammar mask -> thinking budget  |  repetition penalty -> top-k
+    -> top-p -> min-p -> temperature -> draw
 
 Temperature <= 0 is greedy (argmax after the processors and the repetition penalty). Top-k takes
 the k best by partition where that pays (k < vocab / 8), with the tokens and order a full sort
 gives. The processors that keep state (the counts of the presence and frequency penalties, the
-grammar) advance with `LogitsProcessors.accept`, once per token kept. `sample_rows` samples the
+grammar, the thinking budget of `runner.reasoning`) advance with `LogitsProcessors.accept`, once
+per token kept. `sample_rows` samples the
 rows of a batched step together (`runner.engine`), drawing what each row's sampler draws alone.
 
 Speculative decoding's acceptance rule (`accept_draft`: min(1, p/q), a rejection resampled from
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
+
+from deltarun.runner.reasoning import ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ class Grammar(Protocol):
     def accept(self, token: int) -> None:
         """The grammar's state moves past `token`."""
 
+    def verifiable(self, draft: Sequence[int]) -> int:
+        """How many of `draft`'s leading tokens can be verified with the mask as it stands (the mask
+        of each of their rows would not depend on the drafted tokens before it)."""
+
 
 @dataclass
 class LogitsProcessors:
@@ -68,8 +75,9 @@ class LogitsProcessors:
 
     Presence and frequency penalties follow OpenAI's formula, over the tokens generated so far
     (`accept`): logit[j] -= count[j] * frequency + (count[j] > 0) * presence. `banned` tokens are
-    never drawn (ignore_eos bans the end-of-generation ids). One object per generation: the counts
-    and the grammar are its state.
+    never drawn (ignore_eos bans the end-of-generation ids). `budget` ends a think block after its
+    tokens (`runner.reasoning.ThinkingBudget`). One object per generation: the counts, the grammar
+    and the budget are its state.
     """
 
     presence_penalty: float = 0.0
@@ -77,13 +85,22 @@ class LogitsProcessors:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     banned: Sequence[int] = ()
     grammar: Grammar | None = None
+    budget: ThinkingBudget | None = None
     counts: collections.Counter[int] = field(default_factory=collections.Counter)
 
-    @property
-    def verifies_drafts(self) -> bool:
-        """Whether drafted tokens can be verified under these processors: only when none of them
-        depends on the tokens before (counts, grammar), which a drafted token would change."""
-        return not self.presence_penalty and not self.frequency_penalty and self.grammar is None
+    def verifiable(self, draft: Sequence[int]) -> int:
+        """How many of `draft`'s leading tokens can be verified under these processors as they
+        stand: those whose rows the processors would treat the same whichever drafted tokens came
+        before (none under the penalties, whose counts every token changes; the grammar and the
+        budget say how many for their state)."""
+        n = len(draft)
+        if n and (self.presence_penalty or self.frequency_penalty):
+            return 0
+        if n and self.grammar is not None:
+            n = min(n, self.grammar.verifiable(draft))
+        if n and self.budget is not None:
+            n = min(n, self.budget.verifiable(n))
+        return n
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """The logits after the processors: a float32 copy where any applies, else the row itself."""
@@ -102,13 +119,18 @@ class LogitsProcessors:
                 x[np.asarray(self.banned, dtype=np.int64)] = -np.inf
         if self.grammar is not None:
             x = self.grammar.mask(x)
+        if self.budget is not None:
+            x = self.budget.force(x)
         return x
 
     def accept(self, token: int) -> None:
-        """A token was kept: it counts for the penalties from now on, and the grammar moves past it."""
+        """A token was kept: it counts for the penalties from now on, the grammar and the budget
+        move past it."""
         self.counts[token] += 1
         if self.grammar is not None:
             self.grammar.accept(token)
+        if self.budget is not None:
+            self.budget.accept(token)
 
 
 class Proposal(Protocol):
@@ -276,8 +298,8 @@ def accept_draft(sampler: Sampler, logits: np.ndarray, draft: Proposal, history:
     the output distributed exactly as the target's sampling (a point-mass q when the draft is
     deterministic).
     """
-    if draft.tokens and processors is not None and not processors.verifies_drafts:
-        raise ValueError("drafts cannot be verified under presence or frequency penalties or a grammar")
+    if processors is not None and processors.verifiable(draft.tokens) < len(draft.tokens):
+        raise ValueError("these drafts cannot be verified under the request's penalties, grammar or thinking budget")
     local = list(history)
     for i, d in enumerate(draft.tokens):
         if sampler.params.greedy:
