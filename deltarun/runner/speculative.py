@@ -112,6 +112,11 @@ def check_draft_vocab(draft_vocab: int, target_vocab: int) -> None:
                             f"target's ({target_vocab}): drafts must share the vocabulary")
 
 
+def text_tokens(tokens: list[int]) -> list[int]:
+    """`tokens` without the rows of images (negative ids, `image_token`): what a text model can read."""
+    return [t for t in tokens if t >= 0] if tokens and min(tokens) < 0 else tokens
+
+
 class ModelDraft:
     """A second, smaller model with the same vocabulary drafts greedily (or by sampling).
 
@@ -119,7 +124,8 @@ class ModelDraft:
     target has yet to verify). Each round drafts on in that sequence from a host checkpoint of its
     recurrent state and returns to the checkpoint afterwards (the KV rows past it are overwritten
     later), so rejected guesses never need undoing and no sequence is copied. A server gives each
-    slot its own sequence of one draft model.
+    slot its own sequence of one draft model. The draft model reads text only: it is given the
+    history without the rows of its images (`text_tokens`), and drafts from the text around them.
     """
 
     needs_hidden = False
@@ -135,6 +141,7 @@ class ModelDraft:
 
     def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
         m, seq = self.model, self.seq
+        history = text_tokens(history)
         held = m.tokens(seq)
         if len(held) >= len(history) or held != history[:len(held)]:
             m.memory.clear_seq(seq)        # another conversation, or one that changed: evaluate it again

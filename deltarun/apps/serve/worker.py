@@ -74,7 +74,7 @@ from deltarun.runner.engine import Engine, Outcome, Running
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
 from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
 from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
-                                         draft_limit)
+                                         draft_limit, text_tokens)
 from deltarun.runner.vision import VisionEncoder
 
 _ids = itertools.count(1)
@@ -505,9 +505,11 @@ class Worker:
             taken = {j.draft.seq for j in self._active if isinstance(j.draft, ModelDraft)}
             free = [s for s in range(self.n_parallel) if s not in taken]
 
+            text = text_tokens(job.params.prompt)     # what the draft model reads (no image rows)
+
             def reuse(s: int) -> int:
                 held = m.tokens(s)
-                return len(held) if held == job.params.prompt[:len(held)] else -1
+                return len(held) if held == text[:len(held)] else -1
             job.draft = ModelDraft(m, self.model.hp.n_vocab, seq=max(free, key=reuse))
         job.running.draft = job.draft
         if speculates:
@@ -725,12 +727,10 @@ class Worker:
 
     # --- speculative decoding ------------------------------------------------------------------------
     def _can_speculate(self, job: Job) -> bool:
-        """Drafts are verified with the plain sampler: not for requests whose sampling adds more; a
-        draft model reads text only, so not for a prompt with images."""
+        """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
         r = job.params.req
         return (self.draft_spec is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
-                and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty
-                and not (job.params.images and self.draft_model is not None))
+                and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
