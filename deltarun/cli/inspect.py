@@ -2,7 +2,8 @@
 
 Works on any GGUF, including files deltarun cannot run: each part that can be worked out is shown,
 and why the file cannot be run is said instead of failing. Only input that is not a readable
-GGUF at all is an error.
+GGUF at all is an error. An mmproj file (`general.architecture = clip`) is shown as the vision
+tower it is: its projector, layers and the text model it fits, and what images cost in tokens.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Report:
     parameters: dict[str, int]
     memory: dict[str, Any]
     hparams: dict[str, Any] | None = field(default=None)
+    vision: dict[str, Any] | None = field(default=None)     # an mmproj's tower (`_vision_report`)
 
 
 def _layers_from_hparams(hp: Any) -> Layers:
@@ -105,7 +107,11 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
 
     hp = None
     runnable = False
-    if arch is not None:
+    vision = None
+    if arch == "clip":
+        vision = _vision_report(f, problems)
+        runnable = vision is not None
+    elif arch is not None:
         try:
             from deltarun.base.registry import graph_family_for
 
@@ -114,7 +120,7 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
         except Exception as e:  # noqa: BLE001 - inspect reports whatever stops a run
             problems.append(_clean(e, f.path))
             hp = _try_hparams(f, arch)
-    if runnable:
+    if runnable and vision is None:
         try:
             from deltarun.base.tokenizer import Tokenizer
 
@@ -139,7 +145,7 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
 
     memory: dict[str, Any] = {"n_ctx": n_ctx, "rs_slots": rs_slots, "kv_type": kv_type, "n_seq": 1,
                               "weights": sum(t.nbytes for t in f.tensors.values())}
-    if hp is not None:
+    if hp is not None and vision is None:
         try:
             rs = memory_bytes(hp, 0, 1, rs_slots, kv_type)
             both = memory_bytes(hp, n_ctx, 1, rs_slots, kv_type)
@@ -159,8 +165,30 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
         layers=None if layers is None else {
             "pattern": layers.pattern, "source": layers.source, "linear_attention": layers.of("linear"),
             "full_attention": layers.of("attention"), "mtp": layers.of("mtp"), "unknown": layers.of("unknown")},
-        parameters=params, memory=memory, hparams=hparams,
+        parameters=params, memory=memory, hparams=hparams, vision=vision,
     )
+
+
+#: image sizes (width, height) whose token counts an mmproj's report shows
+SAMPLE_IMAGES = ((640, 480), (1024, 1024), (1920, 1080))
+
+
+def _vision_report(f: GGUFFile, problems: list[str]) -> dict[str, Any] | None:
+    """An mmproj's tower as `--mmproj` would run it (its keys and tensors validated by the projector
+    family), with the image tokens of a few image sizes under the processor's pixel bounds; None,
+    with the problem said, when deltarun cannot run it."""
+    from deltarun.base.registry import projector_for
+    from deltarun.runner.images import MAX_PIXELS_DEFAULT, MIN_PIXELS_DEFAULT, image_tokens
+
+    try:
+        hp = projector_for(f).hp
+    except Exception as e:  # noqa: BLE001 - inspect reports whatever stops a run
+        problems.append(_clean(e, f.path))
+        return None
+    out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(hp).items()}
+    out["pixel_bounds"] = [MIN_PIXELS_DEFAULT, MAX_PIXELS_DEFAULT]
+    out["image_tokens"] = {f"{w}x{h}": image_tokens(w, h, hp) for w, h in SAMPLE_IMAGES}
+    return out
 
 
 def _try_hparams(f: GGUFFile, arch: str) -> Any:
@@ -233,6 +261,9 @@ def print_report(r: Report) -> None:
     echo("  by type: " + ", ".join(f"{k} {count[k]} tensors {format_bytes(v)}" for k, v in by_type.most_common()))
 
     echo("")
+    if r.vision is not None:
+        _print_vision(r.vision, r.parameters["total"], r.memory["weights"])
+        return
     if r.layers is None:
         echo("layers        none found")
     else:
@@ -265,6 +296,25 @@ def print_report(r: Report) -> None:
         echo(f"  total              {format_bytes(m['total']):>12}   (compute buffers not included)")
     else:
         echo("  KV cache and recurrent state: unknown (hyper-parameters unreadable)")
+
+
+def _print_vision(v: dict[str, Any], n_params: int, weights: int) -> None:
+    echo = click.echo
+    echo(f"vision tower  {v['projector']}: {v['n_layer']} ViT blocks, width {v['n_embd']}, {v['n_head']} heads, "
+         f"feed-forward {v['n_ff']}")
+    echo(f"  patches            {v['patch_size']} x {v['patch_size']} pixels, merged {v['n_merge']} x {v['n_merge']} "
+         f"into one image token (image sides are multiples of {v['patch_size'] * v['n_merge']})")
+    echo(f"  position grid      {v['n_pos_side']} x {v['n_pos_side']} learned positions (interpolated)")
+    deep = v["deepstack_layers"]
+    echo(f"  deepstack taps     {_ids(deep) if deep else 'none'}")
+    echo(f"  projects to        {v['proj_dim']} (the text model's hidden size must be this)")
+    echo(f"  normalisation      mean {_short(tuple(round(x, 4) for x in v['image_mean']))}, "
+         f"std {_short(tuple(round(x, 4) for x in v['image_std']))}")
+    lo, hi = v["pixel_bounds"]
+    echo(f"image tokens  resized within {lo:,} .. {hi:,} pixels: "
+         + ", ".join(f"{k} -> {n}" for k, n in v["image_tokens"].items()))
+    echo(f"parameters    {format_count(n_params)} ({n_params:,}), weights {format_bytes(weights)}")
+    echo("use           --mmproj FILE with the text model it was published with (generate, chat, serve)")
 
 
 def _ids(ids: list[int]) -> str:
