@@ -314,7 +314,7 @@ FAULTS: list[Fault] = [
           M, ("'blk.0.attn_qkv.weight' row length 250", "Q8_0 block size 32"), base="q8_0"),
     # -- architecture --
     Fault("unknown-architecture", lambda s, p, d: rewrite(s, d, arch="llama"), U,
-          ("no graph for architecture 'llama'", "deltarun runs: kimi-linear, qwen35, qwen35moe, qwen3next")),
+          ("no graph for architecture 'llama'", "deltarun runs: kimi-linear, qwen35, qwen35moe, qwen3next, qwen4exp")),
     Fault("architecture-not-string", kv_set("general.architecture", 7, GV.UINT32), M,
           ("general.architecture is not a string",)),
     Fault("architecture-missing", _rename_key("general.architecture", "general.architecturX"), M,
