@@ -32,16 +32,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_path(tiny_model_dir: Path) -> TinyModelPath:
     """Factory: (preset="tiny", wtype="f32", seed=0, **config changes) -> path of the written GGUF."""
     from deltarun.model_files import generate as gen
-    from deltarun.model_files import kimi_linear, qwen35
+    from deltarun.model_files import kimi_linear, qwen35, qwen4exp
 
     cache: dict[tuple, Path] = {}
 
     def get(preset: str = "tiny", wtype: str = "f32", seed: int = 0, **changes: object) -> Path:
-        # Qwen3.5 presets: models/qwen35.py; Kimi-Linear: models/kimi_linear.py
-        family = qwen35 if preset in qwen35.PRESETS else kimi_linear if preset in kimi_linear.PRESETS else gen
+        # Qwen3.5 presets: models/qwen35.py; Kimi-Linear: models/kimi_linear.py; Qwen3.8-Flash-Next:
+        # models/qwen4exp.py
+        family = next((f for f in (qwen35, kimi_linear, qwen4exp) if preset in f.PRESETS), gen)
         if preset not in family.PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose from "
-                             f"{', '.join([*gen.PRESETS, *qwen35.PRESETS, *kimi_linear.PRESETS])}")
+                             f"{', '.join([*gen.PRESETS, *qwen35.PRESETS, *kimi_linear.PRESETS, *qwen4exp.PRESETS])}")
         if wtype not in gen.WEIGHT_TYPES:
             raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(gen.WEIGHT_TYPES)}")
         key = (preset, wtype, seed, tuple(sorted(changes.items())))

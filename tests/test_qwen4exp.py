@@ -558,3 +558,25 @@ def test_f16_kv_cache(q4_path, hf):
     print(f"qwen4exp f16 KV: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
     assert np.median(per_pos) < 4e-5 and per_pos.max() < 1e-4
     assert (got.argmax(1) == expected.argmax(1)).all()
+
+
+def test_make_tiny_and_the_fixture_write_the_family(tmp_path, tiny_model_path):
+    """`make-tiny --preset tiny-qwen4exp` writes the generator's file (the same tensors as the tests'
+    fixture, same seed), and `generate` greedy on it gives the engine's tokens."""
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+    from deltarun.runner.generation import generate_tokens
+
+    out = tmp_path / "q.gguf"
+    r = CliRunner().invoke(cli, ["make-tiny", str(out), "--preset", PRESET])
+    assert r.exit_code == 0, r.output
+    fixture = tiny_model_path(PRESET)
+    a, b = gguf.GGUFReader(str(out)), gguf.GGUFReader(str(fixture))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    assert all(np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(a.tensors, b.tensors))
+    r = CliRunner().invoke(cli, ["generate", str(out), "-p", "one two three", "-n", "6", "--temp", "0"])
+    assert r.exit_code == 0, r.output
+    with Model(fixture, n_ctx=64) as m:
+        want = m.tokenizer.decode(list(generate_tokens(m, m.tokenizer.encode("one two three"), 6, Sampler(GREEDY))))
+    assert r.stdout.startswith(want)
