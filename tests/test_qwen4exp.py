@@ -580,3 +580,16 @@ def test_make_tiny_and_the_fixture_write_the_family(tmp_path, tiny_model_path):
     with Model(fixture, n_ctx=64) as m:
         want = m.tokenizer.decode(list(generate_tokens(m, m.tokenizer.encode("one two three"), 6, Sampler(GREEDY))))
     assert r.stdout.startswith(want)
+
+
+def test_an_image_is_one_clear_error_and_the_model_goes_on(q4_path):
+    """An image (rows given as embeddings) has no token ids to hash: refused, the sequence intact."""
+    from deltarun.base.errors import UnsupportedModelError
+
+    with Model(q4_path, n_ctx=64, kv_type="f32") as m:
+        before = m.eval(prompt(5))
+        with pytest.raises(UnsupportedModelError, match="need token ids"):
+            m.eval_image(np.zeros((4, CFG.hidden_size), np.float32), (2, 2), 5)
+        assert m.tokens(0) == prompt(5)
+        m.reset()
+        np.testing.assert_array_equal(m.eval(prompt(5)), before)

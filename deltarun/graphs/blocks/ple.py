@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from deltarun.base.errors import UnsupportedModelError
 from deltarun.base.ggml_util import Tensor, ggml, nb, ne
 from deltarun.base.interface import UbatchData, UbatchShape
 from deltarun.graphs.blocks.base import GraphContext
@@ -120,7 +121,8 @@ class PleRowsInput(GraphInput):
 def embeddings(g: GraphContext, s: PleShape) -> Tensor:
     """The concatenated n-gram rows [P, n_tokens], gathered from the mapped table."""
     if g.ub.embeddings:
-        raise ValueError("qwen4exp's n-gram embeddings need token ids; rows given as embeddings have none")
+        raise UnsupportedModelError("qwen4exp's n-gram embeddings need token ids: images (rows given as "
+                                    "embeddings) are not supported with a PLE layer")
     rows = g.input(PleRowsInput, lambda: PleRowsInput(g.ctx, g.ub, g.mem, s)).rows
     gathered = ggml.ggml_get_rows(g.ctx, g.w[TABLE], rows)                # [d, n_heads * n_tokens]
     return g.cb(ggml.ggml_reshape_2d(g.ctx, gathered, s.width, g.ub.n_tokens), "ple_embd")
