@@ -127,12 +127,9 @@ class Qwen4ExpFamily(HybridFamily):
         self.extras = self.read_hparams_and_extras(gguf_file)[1]
         super().__init__(gguf_file)
         p = self.extras.ple
-        if p is not None:
-            rows = gguf_file.tensors.get(ple.TABLE)
-            need = max(o + s for o, s in zip(p.offsets, p.sizes))
-            if rows is not None and len(rows.ne) == 2 and rows.ne[1] < need:
-                raise ModelFileError(f"{gguf_file.path}: {ple.TABLE} has {rows.ne[1]} rows, fewer than the n-gram "
-                                     f"heads address ({need}); {spec.REDO}")
+        if p is not None and self.file.tensors[ple.TABLE].ne[1] < p.rows_addressed:
+            raise ModelFileError(f"{gguf_file.path}: {ple.TABLE} has {self.file.tensors[ple.TABLE].ne[1]} rows, fewer "
+                                 f"than the n-gram heads address ({p.rows_addressed}); {spec.REDO}")
 
     # --- spec ---------------------------------------------------------------------------------
     @classmethod
@@ -170,7 +167,8 @@ class Qwen4ExpFamily(HybridFamily):
             t.update(ffn.moe_tensors(hp, p, self.file.tensors))
             if x.ple is not None and il == x.ple.layer:
                 t.update(ple.tensors(E, H, x.ple, p))
-                n_rows = self.file.tensors[ple.TABLE].ne[1] if ple.TABLE in self.file.tensors else 0
+                found = self.file.tensors.get(ple.TABLE)     # padded by the converter: any row count
+                n_rows = found.ne[1] if found is not None and len(found.ne) == 2 else x.ple.rows_addressed
                 t[ple.TABLE] = ((x.ple.row_dim, n_rows), True)
         return t
 

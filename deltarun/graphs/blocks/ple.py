@@ -59,6 +59,11 @@ class PleShape:
         return self.n_heads * self.row_dim
 
     @property
+    def rows_addressed(self) -> int:
+        """Rows the heads' ranges reach: the table needs at least these."""
+        return max(o + n for o, n in zip(self.offsets, self.sizes))
+
+    @property
     def history(self) -> int:
         """Rows of the convolution's state."""
         return (self.conv_kernel - 1) * self.ngram_size
