@@ -279,7 +279,15 @@ def _check_messages(data: Any, where: str) -> list[dict[str, Any]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ChatFileError(f"{where}: message {i} has role {role!r} (expected one of {', '.join(ROLES)})")
-        if not isinstance(content, str):
+        if isinstance(content, list):        # a message with images, as `ChatSession.save` writes it
+            for part in content:
+                if not (isinstance(part, dict) and (
+                        (part.get("type") == "text" and isinstance(part.get("text"), str))
+                        or (part.get("type") == "image" and isinstance(part.get("image"), str)
+                            and isinstance(part.get("digest"), str)))):
+                    raise ChatFileError(f"{where}: message {i} has a content part that is neither text nor an "
+                                        f"image with its file and digest")
+        elif not isinstance(content, str):
             raise ChatFileError(f"{where}: message {i} has no text 'content'")
         out.append(dict(m))
     return out
@@ -400,7 +408,9 @@ class ChatSession:
         except json.JSONDecodeError as e:
             raise ChatFileError(f"cannot load {path}: not valid JSON ({e.msg} at line {e.lineno} "
                                 f"column {e.colno})") from e
-        self.messages = _check_messages(data, str(path))
+        messages = _check_messages(data, str(path))
+        self._reattach_images(messages, Path(path))
+        self.messages = messages
 
     # --- prompts -----------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
@@ -434,6 +444,34 @@ class ChatSession:
         self._images[image_token(image.digest)] = image   # messages name it by its digest
         self._image_files[image.digest] = str(path)
         return image
+
+    def _reattach_images(self, messages: list[dict[str, Any]], saved: Path) -> None:
+        """Read again the images a loaded conversation names (each part holds its file and digest):
+        a file that is gone or whose pixels changed since the conversation was saved is an error, as
+        is a conversation with images in a chat without the vision tower. A relative file is looked
+        for where chat ran, then beside the conversation file."""
+        from deltarun.runner.images import load_image
+        from deltarun.runner.model import image_token
+
+        parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+        if parts and self.vision is None:
+            raise ChatFileError(f"cannot load {saved}: the conversation has images; start chat with --mmproj FILE")
+        found: dict[str, tuple[Any, str]] = {}
+        for part in parts:
+            name = Path(part["image"]).expanduser()
+            if not name.is_absolute() and not name.exists() and (saved.parent / name).exists():
+                name = saved.parent / name
+            try:
+                image = load_image(name, self.vision.hp)
+            except ImageError as e:
+                raise ChatFileError(f"cannot load {saved}: {e}") from None
+            if image.digest != part["digest"]:
+                raise ChatFileError(f"cannot load {saved}: the image {name} has changed since the conversation "
+                                    f"was saved")
+            found[image.digest] = (image, part["image"])
+        for digest, (image, name) in found.items():
+            self._images[image_token(digest)] = image
+            self._image_files[digest] = name
 
     def _message_images(self) -> list[Any]:
         """The images of the conversation's messages in the order the template renders them."""
