@@ -1,14 +1,16 @@
-"""ggml's CPU Q8_0 matrix products with 1-9 columns (decode and verification steps) against numpy.
+"""ggml's CPU Q8_0 matrix products with 1-700 columns (decode, verification steps, prompt chunks)
+against numpy.
 
 scripts/ggml-patches/q8_0-read-ahead.patch rewrites the x86 loop of ggml_vec_dot_q8_0_q8_0 (two
 blocks per iteration on two accumulators, rows read ahead): one token (a vector) takes that path.
-scripts/ggml-patches/q8_0-few-columns.patch gives 2-8 columns a kernel of their own on AVX-512
-VNNI CPUs (llamafile's tinyBLAS otherwise, and from 9 columns on): tiles of 4 rows (2 from 5
-columns), block pairs with a one-block tail, each thread one contiguous range of rows, the next
-tile read ahead. These shapes cover an odd block count (the tail), a single block, row counts
-that leave a partial tile and rows that end where the read-ahead runs past the matrix, column
-counts of every tile shape, and thread counts that split the rows unevenly. They hold for the
-stock kernels as well.
+scripts/ggml-patches/q8_0-few-columns.patch gives Q8_0 products a kernel of their own on AVX-512
+VNNI CPUs (llamafile's tinyBLAS otherwise): tiles of 4 rows (2 from 5 columns), block pairs with a
+one-block tail, each thread one contiguous range of rows, the next tile read ahead; past 8
+columns, blocks of 8 columns (the last one shorter) within chunks of columns sized for L2. These
+shapes cover an odd block count (the tail), a single block, row counts that leave a partial tile
+and rows that end where the read-ahead runs past the matrix, column counts of every tile shape,
+several blocks with a short last one, more columns than one chunk holds (2,048 x 200: chunks of
+168), and thread counts that split the rows unevenly. They hold for the stock kernels as well.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from gguf.quants import dequantize, quantize
 import ggml
 
 Q8_0 = GGMLQuantizationType.Q8_0
+
+
+def _on_q8_0_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
+    """Activations that Q8_0 quantizes exactly: per block of 32, integers in [-127, 127] (one of
+    them +-127) times a power of two. Random normals can sit on a rounding tie, which ggml's
+    quantizer (its SIMD rounding, from about 32 columns on also its threading) and gguf's
+    numpy quantizer break differently: one value off by a step in 0.3-1 % of the outputs."""
+    q = rng.integers(-127, 128, (n_tok, k // 32, 32))
+    q[:, :, 0] = rng.choice([-127, 127], (n_tok, k // 32))
+    scale = 2.0 ** rng.integers(-8, -2, (n_tok, k // 32, 1))
+    return (q * scale).reshape(n_tok, k).astype(np.float32)
 
 
 def _matvec(w_q: np.ndarray, k: int, n_rows: int, x: np.ndarray, threads: int) -> np.ndarray:
@@ -47,15 +60,19 @@ def _matvec(w_q: np.ndarray, k: int, n_rows: int, x: np.ndarray, threads: int) -
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("k,n_rows,n_tok", [(32, 5, 1), (64, 33, 1), (96, 17, 1), (1024, 129, 1), (3200, 7, 1),
                                             (160, 40, 2), (32, 3, 2), (96, 37, 3), (1024, 130, 4), (64, 9, 5),
-                                            (3200, 11, 6), (224, 66, 7), (1056, 45, 8), (96, 21, 9)])
+                                            (3200, 11, 6), (224, 66, 7), (1056, 45, 8), (96, 21, 9),
+                                            (64, 10, 16), (1056, 45, 13), (3200, 11, 37), (2048, 6, 200),
+                                            (32, 3, 700)])
 def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows + threads)
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
-    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    x = _on_q8_0_grid(rng, n_tok, k)
     w_q = quantize(w, Q8_0)
     got = _matvec(w_q, k, n_rows, x, threads)
-    # ggml quantizes the activations to Q8_0 too: the product of the two dequantized operands,
-    # in float64; float32 accumulation of k/32 scaled integer block sums differs by ~1e-6
+    # ggml quantizes the activations to Q8_0 too (exactly, on this grid): the product of the two
+    # dequantized operands, in float64; float32 accumulation of k/32 scaled integer block sums
+    # differs by ~1e-6
     x_q = dequantize(quantize(x, Q8_0), Q8_0).astype(np.float64)
+    assert np.array_equal(x_q, x)
     want = x_q @ dequantize(w_q, Q8_0).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
