@@ -6,32 +6,13 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-import pytest
-from PIL import Image
-from test_pages import js_text, normal, post_json, send_message, set_setting
+from test_pages import driver, js_text, normal, post_json, send_message, set_setting  # noqa: F401
 from test_serve_vision import _image_tokens, _url
+from test_vision_drafts import files  # noqa: F401 - the tiny VL pair and a picture
 
-from browser import console_errors, screenshot, start_browser, wait_for
+from browser import console_errors, screenshot, wait_for
 from deltarun.apps.serve.server import ServeHandle, ServeSettings
-from deltarun.model_files import qwen35_vision as qv
 from deltarun.runner.model import Model
-
-
-@pytest.fixture(scope="module")
-def driver():
-    d = start_browser()
-    yield d
-    d.quit()
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("vlm-page")
-    text, mmproj = qv.write_vlm(folder, "tiny-qwen35")
-    arr = (np.random.default_rng(7).uniform(0, 1, (50, 90, 3)) * 255).astype(np.uint8)
-    Image.fromarray(arr).save(folder / "picture.png")
-    return text, mmproj, folder / "picture.png"
 
 
 def _server(text, mmproj=None) -> ServeHandle:
