@@ -11,6 +11,7 @@ same text with another image resumes before the image. Bad image input is one 40
 from __future__ import annotations
 
 import base64
+import functools
 import io
 
 import numpy as np
@@ -280,6 +281,9 @@ def test_anthropic_image_blocks(server, files, generated) -> None:
     r = client.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0}, thinking={"type": "disabled"},
                                messages=[{"role": "user", "content": [image, {"type": "text", "text": "Say:"}]}])
     assert "".join(b.text for b in r.content if b.type == "text") == generated
+    n = client.messages.count_tokens(model="m", thinking={"type": "disabled"}, messages=[
+        {"role": "user", "content": [image, {"type": "text", "text": "Say:"}]}]).input_tokens
+    assert n == r.usage.input_tokens + r.usage.cache_read_input_tokens > _image_tokens(files[1], picture)
     for source, expect in (({"type": "url", "url": "https://example.com/cat.png"}, "only base64 sources"),
                            ({"type": "base64", "media_type": "image/png", "data": "@@"}, "not valid base64"),
                            ({"type": "base64", "media_type": "image/bmp", "data": "AAAA"}, "media type 'image/bmp'")):
@@ -305,3 +309,13 @@ def test_responses_input_image(server, client, files, generated) -> None:
             {"type": "input_image", "image_url": "http://example.com/cat.png"}]}], max_output_tokens=1)
     assert "only data: URLs are accepted" in e.value.body["message"]
     assert e.value.body["param"] == "input[0].content[0].image_url"
+
+
+def test_a_supervised_worker_takes_images(files, generated) -> None:
+    """The worker in a child process (`serve --rpc`'s supervisor): the images cross the pipe in GenParams."""
+    text, mmproj, (picture, _), _ = files
+    opener = functools.partial(Model, text, n_ctx=N_CTX, n_seq_max=2, kv_type="f32", n_threads=1,
+                               capture_slots=CAPTURE_SLOTS)
+    with ServeHandle(opener, ServeSettings(parallel=2, mmproj=mmproj, prefill_ahead=False, supervise=True)) as h:
+        client = openai.OpenAI(base_url=h.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+        assert _ask(client, [_user("Say:", picture)]).choices[0].message.content == generated
