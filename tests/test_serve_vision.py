@@ -57,8 +57,9 @@ def _opener(text, **kw):
 
 
 def _open(text, mmproj=None, rs_slots: int = 1, mtp: bool = False, **settings) -> ServeHandle:
+    settings.setdefault("prefill_ahead", False)
     return ServeHandle(_opener(text, capture_slots=CAPTURE_SLOTS, rs_slots=rs_slots, mtp=mtp),
-                       ServeSettings(parallel=2, mmproj=mmproj, prefill_ahead=False, **settings))
+                       ServeSettings(parallel=2, mmproj=mmproj, **settings))
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +320,27 @@ def test_a_supervised_worker_takes_images(files, generated) -> None:
     with ServeHandle(opener, ServeSettings(parallel=2, mmproj=mmproj, prefill_ahead=False, supervise=True)) as h:
         client = openai.OpenAI(base_url=h.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
         assert _ask(client, [_user("Say:", picture)]).choices[0].message.content == generated
+
+
+def test_prefill_ahead_over_a_conversation_with_an_image(files, server, client) -> None:
+    """With prefill ahead the worker evaluates the answer as the next turn renders it while idle: the
+    next turn then resumes further than without it (past the answer, not at its start), its answer
+    the same, the image still not encoded again."""
+    text, mmproj, (picture, _), _ = files
+    first = [_user("Describe it.", picture)]
+    answer = _ask(client, first, 4).choices[0].message.content
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    plain = _ask(client, second, 4)
+    with _open(text, mmproj, prefill_ahead=True) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+        assert _ask(c, first, 4).choices[0].message.content == answer
+        h.wait_settled()
+        seen: list[str] = []
+        vision = h.worker.vision
+        original = vision.encode
+        vision.encode = lambda image: (seen.append(image.digest), original(image))[1]
+        ahead = _ask(c, second, 4)
+        assert ahead.choices[0].message.content == plain.choices[0].message.content and seen == []
+        cached = ahead.usage.prompt_tokens_details.cached_tokens
+        assert cached > common_prefix_length(*(_tokens(h.worker.model, m, _image_tokens(mmproj, picture))
+                                               for m in (first, second)))
