@@ -271,9 +271,9 @@ def test_errors_bad_requests(server):
     assert _error(_post(server, url, {"messages": [{"role": "wizard", "content": "x"}]}), 400)["param"] == \
         "messages[0].role"
     img = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
-                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
-    err = _error(_post(server, url, img), 400)
-    assert err["param"] == "messages[0].content[1]" and "image" in err["message"]
+                                                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    err = _error(_post(server, url, img), 400)     # an image, and this server has no vision tower (--mmproj)
+    assert err["param"] == "messages[0].content[1]" and "no vision tower" in err["message"]
     err = _error(_post(server, url, {"messages": [{"role": "user", "content": "x"}],
                                      "response_format": {"type": "xml"}}), 400)
     assert err["param"] == "response_format.type"
