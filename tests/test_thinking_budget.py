@@ -167,7 +167,8 @@ class _Oracle:
 
 
 def _decode(m: Model, prompt: list[int], n: int, processors: LogitsProcessors | None,
-            draft: _Oracle | None) -> list[int]:
+            draft: _Oracle | None, stats: dict | None = None) -> list[int]:
+    """n greedy tokens after `prompt` by the engine (drafted by `draft`); `stats` gets n_drafted."""
     m.memory.clear_seq(0)
     engine = Engine(m, max_rows=64)
     s = Running(0, Sampler(GREEDY), list(prompt), processors, draft=draft,
@@ -176,6 +177,8 @@ def _decode(m: Model, prompt: list[int], n: int, processors: LogitsProcessors | 
     while len(s.history) - len(prompt) < n:
         s.budget = n - (len(s.history) - len(prompt))
         engine.step([s])
+    if stats is not None:
+        stats["n_drafted"] = s.n_drafted
     return s.history[len(prompt):len(prompt) + n]
 
 

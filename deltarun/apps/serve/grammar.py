@@ -1,24 +1,37 @@
-"""Constrained decoding with llguidance: JSON schemas (and forced tool calls) to token masks.
+"""Constrained decoding with llguidance: JSON schemas and tool calls to token masks.
 
 llguidance compiles a JSON schema or a Lark grammar against the model's vocabulary and, at each
 step, gives the set of tokens that keep the output valid; the sampler only ever sees those. The
 vocabulary is handed over as the bytes of every token, special tokens marked with a 0xff prefix
 (as llguidance's own llama.cpp bridge does), so grammars can name them (`<tool_call>`).
+
+A forced tool call (`tool_choice` required or a function) constrains the answer from its first
+token (`Constraint`). With `tool_choice: auto` the same grammar waits for its trigger, the
+`<tool_call>` token, as llama.cpp's lazy grammars do (`LazyConstraint`): the text before it is the
+model's own, and from the trigger to the call's closing tag every token follows the grammar of the
+offered tools' calls; then the text is free again (another call, or the end). A `<tool_call>`
+inside the think block is reasoning, not a call: it does not trigger.
 """
 
 from __future__ import annotations
 
+import collections
 import json
-from typing import Any
+import threading
+from typing import Any, Sequence
 
 import llguidance
 import numpy as np
 
 from deltarun.apps.serve.protocol import ApiError
+from deltarun.runner.reasoning import ThinkingState, ThinkingTags
 
 #: Compact JSON: a model with random weights could otherwise emit whitespace forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 TOKEN_TYPE_NORMAL = 1
+TOOL_CALL_TRIGGER = "<tool_call>"
+#: tool-call grammars kept, by their tools (an agent sends the same tools on every turn)
+TOOL_GRAMMARS = 64
 
 
 class _Vocabulary:
@@ -51,6 +64,21 @@ class GrammarFactory:
     def __init__(self, tokenizer: Any, n_vocab: int, eog_ids: list[int]):
         self._tokenizer, self.n_vocab, self._eog = tokenizer, n_vocab, eog_ids
         self._ll: Any = None
+        self._tool_grammars: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._lock = threading.Lock()          # tool_call runs in the handlers' thread pool
+
+    def lazy_tool_call(self, tools: list[dict[str, Any]], xml: bool) -> tuple[str, int] | None:
+        """The grammar of a call of one of `tools` and the `<tool_call>` token it starts at, for
+        `tool_choice: auto` (see the module). None, and the calls unconstrained as before, when the
+        vocabulary has no single `<tool_call>` special token or a tool's schema has no grammar
+        (an agent's request is not refused for what `tool_choice: required` would refuse)."""
+        ids = self._tokenizer.encode(TOOL_CALL_TRIGGER, add_special=False, parse_special=True)
+        if len(ids) != 1 or self._tokenizer.token_type(ids[0]) == TOKEN_TYPE_NORMAL:
+            return None
+        try:
+            return self.tool_call(tools, xml, "tools"), ids[0]
+        except ApiError:
+            return None
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -74,7 +102,22 @@ class GrammarFactory:
         JSON form: the arguments follow the function's parameter schema. XML form: the parameters
         in the schema's order, the required ones always, each at most once; a value is one of a string `enum`, else text without `<` (at most
         `maxLength` characters when the schema says so), since XML values carry no JSON types.
+        The grammars of the last TOOL_GRAMMARS tool lists are kept.
         """
+        key = json.dumps([tools, xml], sort_keys=True)
+        with self._lock:
+            grammar = self._tool_grammars.get(key)
+            if grammar is not None:
+                self._tool_grammars.move_to_end(key)
+                return grammar
+        grammar = self._tool_call(tools, xml, param)
+        with self._lock:
+            self._tool_grammars[key] = grammar
+            while len(self._tool_grammars) > TOOL_GRAMMARS:
+                self._tool_grammars.popitem(last=False)
+        return grammar
+
+    def _tool_call(self, tools: list[dict[str, Any]], xml: bool, param: str) -> str:
         alternatives = []
         for i, tool in enumerate(tools):
             fn = tool["function"]
@@ -100,8 +143,14 @@ class GrammarFactory:
             raise ApiError(f"cannot build a grammar: {messages[0] if messages else 'invalid'}", param=param)
         return grammar
 
-    def matcher(self, grammar: str) -> "Constraint":
-        return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self.n_vocab)
+    def matcher(self, grammar: str, trigger: int | None = None, thinking: ThinkingTags | None = None,
+                starts_thinking: bool = False) -> "Constraint | LazyConstraint":
+        """One request's grammar state; with a `trigger`, a lazy one (see the module) that follows
+        the think block with `thinking` (the prompt opened it: `starts_thinking`)."""
+        if trigger is None:
+            return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self.n_vocab)
+        return LazyConstraint(lambda: self.matcher(grammar), trigger,
+                              ThinkingState(thinking, starts_thinking) if thinking is not None else None)
 
 
 def _xml_value(schema: Any) -> str:
@@ -119,6 +168,8 @@ def _xml_value(schema: Any) -> str:
 class Constraint:
     """One request's grammar state: masks logits before sampling, advances on each token."""
 
+    lazy = False
+
     def __init__(self, matcher: Any, n_vocab: int):
         self.matcher, self.n_vocab = matcher, n_vocab
 
@@ -131,6 +182,10 @@ class Constraint:
     def accept(self, token: int) -> None:
         self.matcher.consume_token(int(token))
 
+    def verifiable(self, draft: Sequence[int]) -> int:
+        """Drafted tokens are not verified under a grammar (each row's mask follows the tokens before)."""
+        return 0
+
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing more may follow."""
@@ -139,3 +194,42 @@ class Constraint:
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class LazyConstraint:
+    """A tool-call grammar that waits for its trigger token (see the module): no mask before it,
+    the grammar's from the trigger to the end of the call."""
+
+    lazy = True
+    done = False                  # the answer goes on after a call: the model ends it
+
+    def __init__(self, new: Any, trigger: int, thinking: ThinkingState | None):
+        self._new, self.trigger, self.thinking = new, trigger, thinking
+        self.active: Constraint | None = None     # the grammar of the call being written
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        return logits if self.active is None else self.active.mask(logits)
+
+    def accept(self, token: int) -> None:
+        if self.active is not None:
+            self.active.accept(token)
+            if self.active.done:              # the call's closing tag: free text again
+                self.active = None
+            return
+        thinking = self.thinking is not None and self.thinking.inside
+        if self.thinking is not None:
+            self.thinking.accept(token)
+        if token == self.trigger and not thinking:
+            self.active = self._new()
+            self.active.accept(token)
+
+    def verifiable(self, draft: Sequence[int]) -> int:
+        """Drafted tokens before the first trigger token: the rows that verify them and the one after
+        are drawn unmasked, as they would be without drafts (none inside a call)."""
+        if self.active is not None:
+            return 0
+        return draft.index(self.trigger) if self.trigger in draft else len(draft)
+
+    @property
+    def error(self) -> str | None:
+        return self.active.error if self.active is not None else None

@@ -16,7 +16,9 @@ translation (the one llama-server's `/v1/messages` makes too):
   auto / required / that function / none (a forced call's arguments follow its schema through
   llguidance); `output_config.format` (a JSON schema) -> `response_format`;
 - `thinking` enabled / adaptive / disabled -> the template's `enable_thinking` (absent: the
-  template's default); `budget_tokens` is checked, not enforced;
+  template's default); enabled's `budget_tokens` -> `reasoning_budget_tokens` (the answer's
+  thinking ends with the template's end-of-thinking marker after that many tokens,
+  `runner.reasoning.ThinkingBudget`);
 - `stop_sequences` -> `stop`; `temperature`, `top_p`, `top_k`, and llama-server's sampling
   extras (`min_p`, `seed`, ...) as they are: SDKs that no longer have sampling arguments send them
   as extra body fields, else the server's defaults apply.
@@ -130,7 +132,7 @@ def _user_message(content: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(content, list) or not content:
         raise _bad(f"{where}.content: expected a string or a non-empty list of content blocks")
     out: list[dict[str, Any]] = []
-    text: list[dict[str, str]] = []
+    text: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         p = f"{where}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -269,20 +271,21 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
     return out, {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
-def _thinking(body: dict[str, Any]) -> bool | None:
-    """The template's thinking switch from `thinking` (None: not given)."""
+def _thinking(body: dict[str, Any]) -> tuple[bool | None, int | None]:
+    """The template's thinking switch from `thinking` (None: not given) and its token budget
+    (None: none)."""
     th = body.get("thinking")
     if th is None:
-        return None
+        return None, None
     kind = th.get("type") if isinstance(th, dict) else None
     if kind == "disabled":
-        return False
+        return False, None
     if kind not in THINKING_ON:
         raise _bad(f"thinking.type: expected one of enabled, disabled, {', '.join(THINKING_ON[1:])}")
     budget = th.get("budget_tokens")
     if kind == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise _bad("thinking.budget_tokens: expected a positive integer")
-    return True
+    return True, budget if kind == "enabled" else None
 
 
 def _output_format(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -329,9 +332,11 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs: expected an object")
-    thinking = _thinking(body)
+    thinking, budget = _thinking(body)
     if thinking is not None:
         kwargs = {**kwargs, "enable_thinking": thinking}
+    if budget is not None:
+        out["reasoning_budget_tokens"] = budget
     out["chat_template_kwargs"] = kwargs
     rf = _output_format(body)
     if rf is not None:

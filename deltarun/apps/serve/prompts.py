@@ -31,6 +31,7 @@ from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_tu
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.base.chat_template import ChatTemplate
+from deltarun.runner.reasoning import ThinkingTags
 from deltarun.apps.serve.images import prepare_images
 from deltarun.base.errors import ImageError, TokenizerError
 from deltarun.base.vision import VisionHParams
@@ -55,6 +56,9 @@ class PromptBuilder:
         self.grammars = grammars
         self.checkpoint_every = checkpoint_every
         self.xml_tools = "<function=" in template.source and "<parameter=" in template.source
+        #: the think block's tags and the end-of-thinking marker a reasoning budget forces
+        self.thinking_tags = ThinkingTags.of(lambda s: self.tokenizer.encode(s, add_special=False, parse_special=True),
+                                             template.reasoning_separator())
         self._byte_lengths: dict[int, int] = {}     # token id -> bytes (see _token_ends)
         self._renders: collections.OrderedDict[bytes, str] = collections.OrderedDict()   # _stand_in_render
         self._lock = threading.Lock()               # chat() runs in the handlers' thread pool
@@ -186,15 +190,19 @@ class PromptBuilder:
             answer_start = len(rendered)
         boundaries = [placed_position(b, placed) for b in boundaries]
         answer_start = placed_position(answer_start, placed)
-        grammar = None
+        grammar, trigger = None, None
         if req.response_format is not None:
             grammar = self.grammars.json_schema(req.response_format["schema"], "response_format")
         elif use_tools and req.tool_choice != "auto":
             chosen = req.tools if req.tool_choice == "required" else \
                 [t for t in req.tools if t["function"]["name"] == req.tool_choice["function"]["name"]]
             grammar = self.grammars.tool_call(chosen, self.xml_tools)
+        elif use_tools:                    # auto: a lazy grammar, from the <tool_call> token on
+            grammar, trigger = self.grammars.lazy_tool_call(req.tools, self.xml_tools) or (None, None)
         return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens, len(prompt)), req=req,
-                         grammar=grammar, reasoning=True, starts_thinking=opens_thinking(text), tools=use_tools,
+                         grammar=grammar, trigger=trigger, thinking_tags=self.thinking_tags,
+                         thinking_budget=req.reasoning_budget, reasoning=True,
+                         starts_thinking=opens_thinking(text), tools=use_tools,
                          checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start], placed),
                          answer_start=answer_start, images=placed)
 

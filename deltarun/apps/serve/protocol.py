@@ -253,6 +253,9 @@ class ChatRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] = "auto"
     response_format: dict[str, Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: tokens the answer may think for before the template's end-of-thinking marker is forced
+    #: (llama-server's `reasoning_budget_tokens`; None: no limit)
+    reasoning_budget: int | None = None
     #: the messages' images by digest, once prepared (`serve.images.prepare_images`)
     images: dict[str, Any] = field(default_factory=dict)
 
@@ -527,6 +530,8 @@ def parse_chat(body: Any) -> ChatRequest:
         raise ApiError(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}",
                        param="chat_template_kwargs", code="invalid_value")
     req.template_kwargs = dict(kwargs)
+    budget = _integer(body, "reasoning_budget_tokens", -1, lo=-1)      # llama-server's field; -1: no limit
+    req.reasoning_budget = budget if budget >= 0 else None
     return req
 
 

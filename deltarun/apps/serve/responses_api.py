@@ -15,7 +15,8 @@ by `PromptBuilder.chat`: the same template, prompt cache, grammars and tool-call
 - function `tools` (flat: `name`, `parameters`) -> chat tools; `tool_choice` as in chat
   (`{"type": "function", "name"}` names one); `text.format` json_schema / json_object ->
   `response_format` (llguidance); `reasoning.effort` none / minimal -> thinking off, low and up
-  -> on (absent: the template's default); `max_output_tokens` -> `max_tokens`; `temperature`,
+  -> on (absent: the template's default; the API has no token budget, llama-server's
+  `reasoning_budget_tokens` extra is one); `max_output_tokens` -> `max_tokens`; `temperature`,
   `top_p` and llama-server's sampling extras as they are; `parallel_tool_calls: false` keeps the
   first call of an answer.
 
@@ -42,7 +43,7 @@ from deltarun.apps.serve.protocol import ApiError, ChatRequest, data_url_bytes, 
 from deltarun.apps.serve.response_store import ResponseStore, StoredResponse
 
 SAMPLING_EXTRAS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n",
-                   "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias")
+                   "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias", "reasoning_budget_tokens")
 EFFORT_OFF = ("none", "minimal")
 EFFORT_ON = ("low", "medium", "high", "xhigh")
 _ASSISTANT_SIDE = ("reasoning", "function_call")

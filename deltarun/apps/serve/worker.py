@@ -71,6 +71,7 @@ from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
 from deltarun.runner.engine import Engine, Outcome, Running
+from deltarun.runner.reasoning import ThinkingBudget, ThinkingTags
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
 from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
 from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
@@ -94,7 +95,10 @@ class GenParams:
     prompt: list[int]
     max_tokens: int
     req: SamplingRequest
-    grammar: str | None = None          # llguidance grammar (json_schema / forced tool call)
+    grammar: str | None = None          # llguidance grammar (json_schema / tool call)
+    trigger: int | None = None          # the token a lazy grammar starts at (tool_choice auto)
+    thinking_tags: ThinkingTags | None = None   # the think block's tags and end marker
+    thinking_budget: int | None = None  # tokens the think block may take before its end is forced
     reasoning: bool = False             # split <think> blocks into reasoning_content
     starts_thinking: bool = False       # the prompt opened a think block
     tools: bool = False                 # parse tool calls
@@ -447,11 +451,14 @@ class Worker:
         job.output = OutputStream(model.tokenizer, p.req.stops, reasoning=p.reasoning,
                                   starts_thinking=p.starts_thinking, tools=p.tools)
         if p.grammar is not None:
-            job.constraint = self.grammars.matcher(p.grammar)
+            job.constraint = self.grammars.matcher(p.grammar, p.trigger, p.thinking_tags, p.starts_thinking)
+        budget = None
+        if p.thinking_budget is not None and p.thinking_tags is not None:
+            budget = ThinkingBudget(p.thinking_tags, p.thinking_budget, p.starts_thinking, model.tokenizer.token_bytes)
         r = p.req
         processors = LogitsProcessors(
             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
-            banned=end_of_generation_ids(model) if r.ignore_eos else (), grammar=job.constraint)
+            banned=end_of_generation_ids(model) if r.ignore_eos else (), grammar=job.constraint, budget=budget)
         job.running = Running(seq, Sampler(r.sampling), list(p.prompt), processors)
         self._attach_draft(job, resume.hidden)
         self._active.append(job)
@@ -729,7 +736,8 @@ class Worker:
     def _can_speculate(self, job: Job) -> bool:
         """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
         r = job.params.req
-        return (self.draft_spec is not None and self.k_max > 0 and job.constraint is None and not r.logprobs
+        return (self.draft_spec is not None and self.k_max > 0 and not r.logprobs
+                and (job.constraint is None or job.constraint.lazy)
                 and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
 
     def _finish(self, job: Job, reason: str) -> None:
