@@ -593,3 +593,30 @@ def test_an_image_is_one_clear_error_and_the_model_goes_on(q4_path):
         assert m.tokens(0) == prompt(5)
         m.reset()
         np.testing.assert_array_equal(m.eval(prompt(5)), before)
+
+
+@pytest.mark.parametrize("ngram_size", [2, 3, 5])
+def test_the_graphs_ngram_rows_equal_transformers_form(ngram_size):
+    """The graph's host hash (graphs/blocks/ple.py: predecessors cut at the first EOS or the start,
+    uint64 arithmetic) against the reference's (transformers' `_shift_right_ignore_eos` over the
+    cached context, Python integers), on streams dense with EOS, in chunks of every size."""
+    cfg = q4.config_with(ngram_size=ngram_size, heads_per_ngram=3, ple_embed_dim=12 * (ngram_size - 1) * 3)
+    sizes, multipliers = q4.head_vocab_sizes(cfg, 2), q4.layer_multipliers(cfg, VOCAB.n_vocab, 2)
+    offsets = list(np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+    shape = ple.PleShape(layer=1, ngram_size=ngram_size, heads_per_ngram=3, conv_kernel=4, eos=EOS, row_dim=12,
+                         multipliers=tuple(multipliers), offsets=tuple(int(o) for o in offsets), sizes=tuple(sizes))
+    rng = np.random.default_rng(ngram_size)
+    stream = [int(t) for t in rng.integers(0, VOCAB.n_vocab, 60)]
+    for i in rng.choice(60, 15, replace=False):
+        stream[i] = EOS
+    stream[20:23] = [EOS, EOS, EOS]
+    back = ngram_size - 1
+    context, start = [EOS] * back, 0
+    for size in (1, 2, 7, 1, 3, 20, 26):
+        chunk = stream[start:start + size]
+        want = ngram_rows(context, chunk, multipliers, sizes, offsets, 3, EOS)
+        history = np.array([-1] * back + stream[:start + size], dtype=np.int64)
+        cols = np.stack([history[back + start - b: back + start - b + size] for b in range(ngram_size)], axis=1)
+        np.testing.assert_array_equal(ple.ngram_rows(cols, shape), want)
+        context = (context + chunk)[-back:]
+        start += size
