@@ -237,7 +237,8 @@ def hf_weights(cfg: Qwen4ExpConfig, n_vocab: int, seed: int = 0) -> dict[str, np
             w[q + "conv1d.weight"] = (rng.standard_normal((HE, 1, cfg.ple_conv_kernel_size)) * 0.5).astype(np.float32)
             sizes = head_vocab_sizes(cfg, k)
             e = q + "ple_embedding."
-            w[e + "ngram_embedding.weight"] = rng.standard_normal((table_rows(cfg, k), cfg.ple_row_dim)).astype(np.float32)
+            table = rng.standard_normal((table_rows(cfg, k), cfg.ple_row_dim))
+            w[e + "ngram_embedding.weight"] = table.astype(np.float32)
             w[e + "layer_multipliers"] = np.array(layer_multipliers(cfg, n_vocab, k), dtype=np.int64)
             w[e + "ngram_heads_vocab_sizes"] = np.array(sizes, dtype=np.int64)
             w[e + "ngram_heads_offsets"] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)

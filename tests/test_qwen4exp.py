@@ -83,7 +83,6 @@ def hf_from_gguf(path) -> dict[str, np.ndarray]:
     not from models/qwen4exp.py's tables: value heads from tiled back to grouped order, 1 + w
     norms, -exp(A_log), the split gate_up and indexer projections, the squeezed kernels."""
     fields, tensors = read(path)
-    E, H = CFG.hidden_size, CFG.hc_count
     heads = tiled_head_order(CFG.linear_num_key_heads, CFG.linear_num_value_heads)
     v_rows = rows_of_heads(heads, CFG.linear_value_head_dim)
     g = {k: np_f32(t) for k, t in tensors.items()}
@@ -117,7 +116,8 @@ def hf_from_gguf(path) -> dict[str, np.ndarray]:
             if rest in ("indexer.q_norm.weight", "indexer.k_norm.weight"):
                 hf[p + f"self_attn.indexer.{rest[8]}_layernorm.weight"] = x - 1
             elif rest == "indexer.q_proj.weight":
-                hf[p + "self_attn.indexer.index_qk_proj.weight"] = np.concatenate([x, g[f"blk.{il}.indexer.k_proj.weight"]])
+                k_rows = g[f"blk.{il}.indexer.k_proj.weight"]
+                hf[p + "self_attn.indexer.index_qk_proj.weight"] = np.concatenate([x, k_rows])
         elif rest.startswith("ple_norm_"):
             hf[p + f"ple.norm_{rest[9:-7]}.weight"] = x - 1
         elif rest == "ple_conv1d.weight":
@@ -514,7 +514,8 @@ def test_llamacpp_agrees_but_for_its_partial_blocks(tmp_path, hf):
     err = np.abs(theirs - want).max(axis=1) / np.abs(want).max()
     r = CFG.indexer_compress_ratio
     whole = np.array([(p + 1) % r == r - 1 for p in range(len(toks))])
-    print(f"llama.cpp qwen4exp: {err[whole].max():.1e} where the tail is r - 1 tokens, {err[~whole].max():.1e} elsewhere")
+    print(f"llama.cpp qwen4exp: {err[whole].max():.1e} where the tail is r - 1 tokens, "
+          f"{err[~whole].max():.1e} elsewhere")
     assert err[whole].max() < F32_TOL
     assert err[:2 * r + 3].max() < F32_TOL            # no selection yet: every token
     assert err[~whole].max() > 1e-3                    # the partial blocks (tell us when llama.cpp changes)

@@ -135,7 +135,7 @@ def embeddings(g: GraphContext, s: PleShape) -> Tensor:
 
 def ple(g: GraphContext, x: Tensor, il: int, s: PleShape) -> Tensor:
     """What the PLE layer adds to the streams x [n_embd, H, n_tokens]."""
-    c, w, hp = g.ctx, g.w, g.hp
+    c, w = g.ctx, g.w
     p = f"blk.{il}."
     E, H, n_tokens = ne(x)[:3]
     emb = embeddings(g, s)
