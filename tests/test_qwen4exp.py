@@ -13,6 +13,7 @@ dropped block score in the reference, so F32 rounding cannot flip the selection.
 
 from __future__ import annotations
 
+import json
 import os
 
 import gguf
@@ -621,3 +622,23 @@ def test_the_graphs_ngram_rows_equal_transformers_form(ngram_size):
         np.testing.assert_array_equal(ple.ngram_rows(cols, shape), want)
         context = (context + chunk)[-back:]
         start += size
+
+
+def test_inspect_names_the_new_parts_and_counts_their_memory(q4_path):
+    """`deltarun inspect`: the hyper-connections, the indexer and the PLE layer; the KV cache with
+    the indexer keys in the K rows (64 + 16 + 64 values per position, F16), the recurrent state
+    with the PLE history (9 rows x 256 channels)."""
+    from click.testing import CliRunner
+
+    from deltarun.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["inspect", str(q4_path), "--ctx", "1024"])
+    assert r.exit_code == 0, r.output
+    assert "hyper-connections  4 streams, rank 16" in r.output
+    assert "QSA indexer        layers 3: 4 heads of 16, the best 2 blocks of 4 tokens" in r.output
+    assert "PLE n-grams        layer 1: orders 2..3, 4 heads of 16, 4,096 table rows" in r.output
+    r = CliRunner().invoke(cli, ["inspect", str(q4_path), "--ctx", "1024", "--json"])
+    memory = json.loads(r.output)["memory"]
+    assert memory["kv_cache"] == (64 + 16 + 64) * 1024 * 2
+    conv, ssm, ple_history = 3 * (2 * 32 + 64), 4 * 16 * 16, 9 * 256
+    assert memory["recurrent_state"] == (3 * (conv + ssm) + ple_history) * 4

@@ -59,6 +59,8 @@ class Report:
     memory: dict[str, Any]
     hparams: dict[str, Any] | None = field(default=None)
     vision: dict[str, Any] | None = field(default=None)     # an mmproj's tower (`_vision_report`)
+    #: what the family says of the parts the file switches on (its optional `describe()`)
+    parts: list[str] = field(default_factory=list)
 
 
 def _layers_from_hparams(hp: Any) -> Layers:
@@ -108,6 +110,7 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
     hp = None
     runnable = False
     vision = None
+    parts: list[str] = []
     if arch == "clip":
         vision = _vision_report(f, problems)
         runnable = vision is not None
@@ -115,7 +118,9 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
         try:
             from deltarun.base.registry import graph_family_for
 
-            hp = getattr(graph_family_for(f), "hp", None)   # reads and validates hparams and tensors
+            family = graph_family_for(f)                  # reads and validates hparams and tensors
+            hp = getattr(family, "hp", None)
+            parts = list(getattr(family, "describe", lambda: [])())
             runnable = True
         except Exception as e:  # noqa: BLE001 - inspect reports whatever stops a run
             problems.append(_clean(e, f.path))
@@ -165,7 +170,7 @@ def build_report(path: Path, n_ctx: int, rs_slots: int, kv_type: str) -> Report:
         layers=None if layers is None else {
             "pattern": layers.pattern, "source": layers.source, "linear_attention": layers.of("linear"),
             "full_attention": layers.of("attention"), "mtp": layers.of("mtp"), "unknown": layers.of("unknown")},
-        parameters=params, memory=memory, hparams=hparams, vision=vision,
+        parameters=params, memory=memory, hparams=hparams, vision=vision, parts=parts,
     )
 
 
@@ -277,6 +282,8 @@ def print_report(r: Report) -> None:
         echo(f"  MTP                {_ids(L['mtp'])}")
         if L["unknown"]:
             echo(f"  unknown            {_ids(L['unknown'])}")
+        for line in r.parts:
+            echo(f"  {line}")
 
     p = r.parameters
     line = f"parameters    {format_count(p['total'])} ({p['total']:,})"

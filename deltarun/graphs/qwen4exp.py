@@ -172,6 +172,21 @@ class Qwen4ExpFamily(HybridFamily):
                 t[ple.TABLE] = ((x.ple.row_dim, n_rows), True)
         return t
 
+    def describe(self) -> list[str]:
+        """`inspect`'s lines on the parts this file switches on."""
+        x = self.extras
+        lines = [f"hyper-connections  {x.n_streams} streams, rank {x.low_rank}"]
+        indexed = [il for il, r in enumerate(x.ratios) if r]
+        if indexed:
+            r = max(x.ratios)
+            lines.append(f"QSA indexer        layers {', '.join(map(str, indexed))}: {x.qsa.n_heads} heads of "
+                         f"{x.qsa.key_length}, the best {x.qsa.budget // r} blocks of {r} tokens")
+        if x.ple is not None:
+            p = x.ple
+            lines.append(f"PLE n-grams        layer {p.layer}: orders 2..{p.ngram_size}, {p.n_heads} heads of "
+                         f"{p.row_dim}, {self.file.tensors[ple.TABLE].ne[1]:,} table rows (mapped, read by row)")
+        return lines
+
     def gathered_weights(self) -> frozenset[str]:
         """The token embeddings and the n-gram table: read by rows, kept as mapped from the file."""
         return super().gathered_weights() | {ple.TABLE}
