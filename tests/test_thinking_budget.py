@@ -2,7 +2,7 @@
 tokens inside the think block the end-of-thinking marker is forced, then the model answers.
 
 The state machine is checked on scripted tokens; the decode engine on the tiny model against the
-float64 reference: with a budget of N the tokens are the reference's first N thinking tokens, the
+float64 reference (`test_engine._reference_greedy`): with a budget of N the tokens are the reference's first N thinking tokens, the
 template's marker, and the reference's greedy continuation of everything before (drafted or not);
 without a budget the reference's tokens unchanged.
 """
@@ -13,7 +13,7 @@ import codecs
 
 import numpy as np
 import pytest
-from reference import ReferenceModel
+from test_engine import _reference_greedy
 
 from deltarun.base.chat_template import ChatTemplate
 from deltarun.runner.engine import Engine, Running
@@ -124,17 +124,6 @@ def test_tags_from_the_template():
 N_AFTER = 6
 
 
-def _greedy(ref: ReferenceModel, prompt: list[int], n: int) -> list[int]:
-    """The float64 reference's greedy continuation of `prompt` (from a fresh state)."""
-    ref.reset()
-    logits = ref.forward(prompt)[-1]
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = ref.forward([out[-1]])[-1]
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model_path):
     path = tiny_model_path("tiny", "f32")
@@ -143,7 +132,7 @@ def tiny(tiny_model_path):
         encode = lambda s: tok.encode(s, add_special=False, parse_special=True)  # noqa: E731
         tags = ThinkingTags.of(encode, ChatTemplate.builtin().reasoning_separator())
         prompt = encode("<|im_start|>user\nThink about it<|im_end|>\n<|im_start|>assistant\n<think>\n")
-        yield m, tags, prompt, ReferenceModel.from_gguf(path)
+        yield m, tags, prompt, path
 
 
 class _Oracle:
@@ -196,13 +185,13 @@ def _thinking_length(tok, tokens: list[int], n: int) -> int:
 @pytest.mark.parametrize("n", [1, 5, 9])
 @pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafted"])
 def test_engine_thinks_n_tokens_then_writes_the_marker(tiny, n, drafts):
-    m, tags, prompt, ref = tiny
-    free = _greedy(ref, prompt, n + 8 + len(tags.forced) + N_AFTER)
+    m, tags, prompt, path = tiny
+    free = _reference_greedy(path, prompt, n + 8 + len(tags.forced) + N_AFTER)
     oracle = _Oracle(prompt, free) if drafts else None
     k = _thinking_length(m.tokenizer, free, n)
     assert not set(tags.end) & set(free[:k]), "the model closed its block on its own: no budget to test"
     want = free[:k] + list(tags.forced)
-    want += _greedy(ref, prompt + want, N_AFTER)
+    want += _reference_greedy(path, prompt + want, N_AFTER)
     budget = ThinkingBudget(tags, n, True, m.tokenizer.token_bytes)
     got = _decode(m, prompt, len(want), LogitsProcessors(budget=budget), oracle)
     assert got == want
