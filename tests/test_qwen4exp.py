@@ -642,3 +642,19 @@ def test_inspect_names_the_new_parts_and_counts_their_memory(q4_path):
     assert memory["kv_cache"] == (64 + 16 + 64) * 1024 * 2
     conv, ssm, ple_history = 3 * (2 * 32 + 64), 4 * 16 * 16, 9 * 256
     assert memory["recurrent_state"] == (3 * (conv + ssm) + ple_history) * 4
+
+
+def test_a_checkpoint_restores_for_the_next_turn(q4_path):
+    """Chat's prompt reuse: after a turn runs on past a checkpoint (more than the rollback slots
+    hold), restoring it and evaluating another continuation equals evaluating from scratch (the
+    stale K rows past it, indexer keys included, are masked; the PLE history and the n-gram
+    context come back with the state and the tokens)."""
+    turn, answer, other = long_prompt(21, seed=8), prompt(9, seed=9), prompt(6, seed=10)
+    with Model(q4_path, n_ctx=128, kv_type="f32", rs_slots=2) as m:
+        m.eval(turn)
+        cp = m.checkpoint()
+        m.eval(answer)
+        m.restore(cp)
+        resumed = m.eval(other, all_logits=True)
+        fresh = m.logits_for(turn + other)[-len(other):]
+    assert rel_err(resumed, fresh) < F32_TOL
