@@ -17,6 +17,7 @@ import json
 import anthropic
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from test_serve import _server
 
@@ -272,3 +273,18 @@ def test_responses_take_the_budget_as_an_extra(served):
                      "chat_template_kwargs": {"enable_thinking": True}})["message"]
     assert items["reasoning"]["content"][0]["text"] == chat["reasoning_content"]
     assert items["message"]["content"][0]["text"] == chat["content"]
+
+
+def test_matchers_of_one_grammar_are_independent(tiny_model_path):
+    """A request's matcher is a copy of the grammar compiled once: moving one on leaves the next
+    request's at the grammar's start."""
+    tok = GGUFFile(tiny_model_path("tiny", "f32")).tokenizer()
+    grammars = GrammarFactory(tok, tok.n_vocab, [tok.eos_id])
+    grammar, trigger = grammars.lazy_tool_call([WEATHER], xml=False)
+    x = np.zeros(tok.n_vocab, dtype=np.float32)
+    first = grammars.matcher(grammar)
+    assert np.flatnonzero(np.isfinite(first.mask(x))).tolist() == [trigger]
+    first.accept(trigger)
+    second = grammars.matcher(grammar)
+    assert np.flatnonzero(np.isfinite(second.mask(x))).tolist() == [trigger]
+    assert not np.isfinite(first.mask(x))[trigger]

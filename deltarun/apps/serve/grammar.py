@@ -30,8 +30,11 @@ from deltarun.runner.reasoning import ThinkingState, ThinkingTags
 _JSON_OPTIONS = {"whitespace_flexible": False}
 TOKEN_TYPE_NORMAL = 1
 TOOL_CALL_TRIGGER = "<tool_call>"
-#: tool-call grammars kept, by their tools (an agent sends the same tools on every turn)
+#: tool-call grammars kept, by their tools (an agent sends the same tools on every turn), and
+#: compiled matchers kept, by their grammar: a request's matcher is a copy of one (llguidance's
+#: deep_copy: 0.06 ms where compiling 20 tools' call grammar takes about 10 ms on the Xeon)
 TOOL_GRAMMARS = 64
+MATCHERS = 64
 
 
 class _Vocabulary:
@@ -64,8 +67,8 @@ class GrammarFactory:
     def __init__(self, tokenizer: Any, n_vocab: int, eog_ids: list[int]):
         self._tokenizer, self.n_vocab, self._eog = tokenizer, n_vocab, eog_ids
         self._ll: Any = None
-        self._tool_grammars: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._lock = threading.Lock()          # tool_call runs in the handlers' thread pool
+        self._tool_grammars = _Kept(TOOL_GRAMMARS)     # tool_call runs in the handlers' thread pool
+        self._matchers = _Kept(MATCHERS)               # compiled, never advanced (the worker's thread)
 
     def lazy_tool_call(self, tools: list[dict[str, Any]], xml: bool) -> tuple[str, int] | None:
         """The grammar of a call of one of `tools` and the `<tool_call>` token it starts at, for
@@ -105,16 +108,9 @@ class GrammarFactory:
         The grammars of the last TOOL_GRAMMARS tool lists are kept.
         """
         key = json.dumps([tools, xml], sort_keys=True)
-        with self._lock:
-            grammar = self._tool_grammars.get(key)
-            if grammar is not None:
-                self._tool_grammars.move_to_end(key)
-                return grammar
-        grammar = self._tool_call(tools, xml, param)
-        with self._lock:
-            self._tool_grammars[key] = grammar
-            while len(self._tool_grammars) > TOOL_GRAMMARS:
-                self._tool_grammars.popitem(last=False)
+        grammar = self._tool_grammars.get(key)
+        if grammar is None:
+            grammar = self._tool_grammars.put(key, self._tool_call(tools, xml, param))
         return grammar
 
     def _tool_call(self, tools: list[dict[str, Any]], xml: bool, param: str) -> str:
@@ -148,9 +144,35 @@ class GrammarFactory:
         """One request's grammar state; with a `trigger`, a lazy one (see the module) that follows
         the think block with `thinking` (the prompt opened it: `starts_thinking`)."""
         if trigger is None:
-            return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self.n_vocab)
+            compiled = self._matchers.get(grammar)
+            if compiled is None:
+                compiled = self._matchers.put(grammar, llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0))
+            return Constraint(compiled.deep_copy(), self.n_vocab)
         return LazyConstraint(lambda: self.matcher(grammar), trigger,
                               ThinkingState(thinking, starts_thinking) if thinking is not None else None)
+
+
+class _Kept:
+    """The last `size` values by key (least recently used out), for several threads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._values: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: Any) -> Any:
+        with self._lock:
+            self._values[key] = value
+            while len(self._values) > self.size:
+                self._values.popitem(last=False)
+        return value
 
 
 def _xml_value(schema: Any) -> str:
