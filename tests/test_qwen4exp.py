@@ -501,7 +501,9 @@ def test_llamacpp_agrees_but_for_its_partial_blocks(tmp_path, hf):
     toks[13] = EOS
     dense_cfg = q4.config_with(indexer_budget=256)
     dense_path = q4.write_model(tmp_path / "dense.gguf", dense_cfg)
-    theirs, their_greedy = llamacpp.logits_and_greedy(dense_path, toks, 8, tmp_path)
+    theirs, chosen = llamacpp.logits_and_greedy(dense_path, toks, 8, tmp_path)
+    chosen = np.asarray(chosen)          # the greedy tokens, or the logits each was chosen from
+    their_greedy = (chosen.argmax(axis=-1) if chosen.ndim == 2 else chosen).tolist()
     want = reference(dense_cfg).forward(toks)
     assert rel_err(theirs, want) < F32_TOL
     with Model(dense_path, n_ctx=128, kv_type="f32", repack=False) as m:
