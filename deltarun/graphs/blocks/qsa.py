@@ -38,7 +38,7 @@ MASKED = 1e30
 
 @dataclass(frozen=True)
 class QsaShape:
-    """The indexer's sizes (`attention.indexer.*`) and a layer's block length (`compress_ratios`)."""
+    """The indexer's sizes (`attention.indexer.*`); the block length r is per layer (`compress_ratios`)."""
 
     n_heads: int
     key_length: int
