@@ -288,3 +288,22 @@ def test_matchers_of_one_grammar_are_independent(tiny_model_path):
     second = grammars.matcher(grammar)
     assert np.flatnonzero(np.isfinite(second.mask(x))).tolist() == [trigger]
     assert not np.isfinite(first.mask(x))[trigger]
+
+
+def test_mtp_drafts_with_a_budget_keep_the_answer(tiny_model_path):
+    """`--draft mtp` (Qwen3.5's MTP block) on a request with a thinking budget: drafts are verified
+    up to the budget's end, and the greedy answer is the undrafted server's, marker included."""
+    from test_serve_draft import _server as draft_server
+
+    path = tiny_model_path("tiny-qwen35", "f32")
+    body = {"messages": ASK, "max_tokens": 24, "temperature": 0, "ignore_eos": True,    # no logprobs: they stop drafts
+            "reasoning_budget_tokens": 7, "chat_template_kwargs": {"enable_thinking": True}}
+    answers = []
+    for draft in (None, "mtp"):
+        with draft_server(path, draft=draft, parallel=1) as h:
+            r = httpx.post(h.base_url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+    plain, drafted = (a["choices"][0]["message"] for a in answers)
+    assert drafted == plain and plain["content"] and plain["reasoning_content"]
+    assert answers[1]["timings"]["draft_n"] > 0
