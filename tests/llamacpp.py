@@ -41,18 +41,19 @@ _lc.llama_model_default_params = _no_extra_bufts
 
 # argv: model, out.npz, prompt ids (comma-separated), greedy tokens to generate. F32 KV cache, no
 # flash attention, one thread, the whole prompt in one ubatch: the prompt's logits, then greedy
-# tokens one at a time.
+# tokens one at a time with the logits each was chosen from.
 LOGITS_SCRIPT = PRELUDE + """
 path, out, toks, n_gen = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")], int(sys.argv[4])
 llm = Llama(model_path=path, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=1, logits_all=True,
             verbose=False, flash_attn=False, type_k=0, type_v=0)
 llm.eval(toks)
 logits = np.asarray(llm.scores[:len(toks)], dtype=np.float64)
-gen = []
+gen, rows = [], []
 for _ in range(n_gen):
-    gen.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    rows.append(np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64))
+    gen.append(int(np.argmax(rows[-1])))
     llm.eval([gen[-1]])
-np.savez(out, logits=logits, greedy=np.asarray(gen, dtype=np.int64))
+np.savez(out, logits=logits, greedy=np.asarray(gen, dtype=np.int64), greedy_logits=np.asarray(rows) if rows else logits[:0])
 """
 
 # argv: vocabulary GGUF, texts.json, out.json: each text's ids (no bos, special texts as text).
@@ -87,12 +88,13 @@ def run(script: str, *args: object) -> None:
     assert p.returncode == 0, f"llama.cpp exited with {p.returncode}: {p.stderr[-2000:]}"
 
 
-def logits_and_greedy(path: Path, toks: list[int], n_gen: int, tmp: Path) -> tuple[np.ndarray, list[int]]:
-    """llama.cpp's logits for `toks` (one row per token, float64) and its next `n_gen` greedy tokens."""
+def logits_and_greedy(path: Path, toks: list[int], n_gen: int, tmp: Path) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's logits for `toks` (one row per token, float64), and for its next `n_gen` greedy
+    tokens the logits each was chosen from (the argmax of row i is greedy token i)."""
     out = tmp / f"{path.stem}-llamacpp.npz"
     run(LOGITS_SCRIPT, path, out, ",".join(map(str, toks)), n_gen)
     with np.load(out) as z:
-        return z["logits"], [int(t) for t in z["greedy"]]
+        return z["logits"], z["greedy_logits"]
 
 
 def tokenize(vocab: Path, texts: list[str], tmp: Path) -> list[list[int]]:
