@@ -307,3 +307,16 @@ def test_mtp_drafts_with_a_budget_keep_the_answer(tiny_model_path):
     plain, drafted = (a["choices"][0]["message"] for a in answers)
     assert drafted == plain and plain["content"] and plain["reasoning_content"]
     assert answers[1]["timings"]["draft_n"] > 0
+
+
+def test_a_budget_never_breaks_a_response_format(served):
+    """A json_schema grammar constrains the answer from its first token: the budget's marker is not
+    forced past it, and the answer is the one without a budget, valid JSON."""
+    _, h, _, _ = served
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    body = {"messages": ASK, "max_tokens": 30, "chat_template_kwargs": {"enable_thinking": True},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    plain = _chat(h, body)["message"]
+    budgeted = _chat(h, {**body, "reasoning_budget_tokens": 2})["message"]
+    assert budgeted == plain
+    jsonschema.validate(json.loads(plain["content"] or plain["reasoning_content"]), schema)

@@ -99,8 +99,9 @@ def test_forced_rows_and_verifiable_drafts():
     b.accept(12)
     row = b.force(x)
     assert _only(row) == MARK[0] and row[MARK[0]] == x[MARK[0]] and b.verifiable(5) == 0
-    x[MARK[0]] = -np.inf
-    assert b.force(x)[MARK[0]] == 0.0
+    forbidden = x.copy()
+    forbidden[MARK[0]] = -np.inf                          # e.g. a grammar's mask: not forced
+    assert b.force(forbidden) is forbidden
     for t in MARK:
         b.accept(t)
     assert b.forcing is None and b.verifiable(5) == 2     # outside: a new block would get 3 again
@@ -108,6 +109,19 @@ def test_forced_rows_and_verifiable_drafts():
         ThinkingBudget(TAGS, -1, True, _ascii)
     with pytest.raises(ValueError):
         ThinkingTags((), CLOSE, MARK)
+
+
+def test_a_refused_marker_stands_the_budget_down():
+    """A marker token the processors before forbid (a grammar) is not forced; the token drawn instead
+    turns the budget off for the rest of the answer."""
+    b = ThinkingBudget(TAGS, 1, True, _ascii)
+    b.accept(10)
+    x = np.zeros(VOCAB, dtype=np.float32)
+    x[MARK[0]] = -np.inf
+    assert b.force(x) is x
+    b.accept(11)
+    assert b.off and b.forcing is None and b.verifiable(5) == 5
+    assert _run(b, [12, 13, *OPEN, 14, 15]) == [12, 13, *OPEN, 14, 15]
 
 
 def test_tags_from_the_template():

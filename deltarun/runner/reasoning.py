@@ -107,7 +107,9 @@ class ThinkingBudget:
 
     A logits processor (`sampling.LogitsProcessors.budget`): `force` leaves the logits alone
     except while the marker is being forced, when only the marker's next token remains;
-    `accept` follows each kept token. `piece` gives a token's bytes (the UTF-8 check).
+    `accept` follows each kept token. `piece` gives a token's bytes (the UTF-8 check). What the
+    processors before it forbid (a grammar's mask, banned ids: -inf) stays forbidden: a marker
+    token they forbid is not forced, and the budget stands down for the rest of the answer.
     """
 
     def __init__(self, tags: ThinkingTags, budget: int, inside: bool, piece: Callable[[int], bytes]):
@@ -120,6 +122,7 @@ class ThinkingBudget:
         self.n_thinking = 0                   # tokens counted inside blocks so far
         self._waiting = False                 # the budget is spent; the marker waits for a whole character
         self._tail = b""                      # the thinking text's last bytes (a character split over tokens)
+        self.off = False                      # a forced token was refused: nothing more is forced
         if inside:
             self._open()
 
@@ -129,18 +132,26 @@ class ThinkingBudget:
             self.forcing = 0
 
     def force(self, logits: np.ndarray) -> np.ndarray:
-        """The logits, or while forcing a row where only the marker's next token is finite."""
-        if self.forcing is None:
+        """The logits, or while forcing a row where only the marker's next token is finite (unless
+        that token is forbidden already: see the class)."""
+        if self.forcing is None or self.off:
             return logits
         token = self.tags.forced[self.forcing]
-        x = np.full(np.shape(logits), -np.inf, dtype=np.float32)
         value = float(logits[token])
-        x[token] = value if np.isfinite(value) else 0.0
+        if not np.isfinite(value):
+            return logits
+        x = np.full(np.shape(logits), -np.inf, dtype=np.float32)
+        x[token] = value
         return x
 
     def accept(self, token: int) -> None:
         """A kept token: counted inside a block, the marker moved on, a block opened or closed."""
+        if self.off:
+            return
         if self.forcing is not None:
+            if token != self.tags.forced[self.forcing]:      # refused (see the class)
+                self.off, self.forcing = True, None
+                return
             self.forcing += 1
             if self.forcing == len(self.tags.forced):
                 self.forcing = None
@@ -166,6 +177,8 @@ class ThinkingBudget:
     def verifiable(self, n: int) -> int:
         """How many of `n` drafted tokens can be verified with the logits left as they are: as many
         as leave the budget unspent before the last verification row (none while forcing)."""
+        if self.off:
+            return n
         if self.forcing is not None or self._waiting:
             return 0
         room = self.remaining if self.state.inside else self.budget
