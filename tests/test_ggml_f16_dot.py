@@ -10,33 +10,12 @@ SIMD step cover the scalar tail; thread counts split the rows unevenly.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
 import ggml
 
-
-def _matvec_f16(w: np.ndarray, x: np.ndarray, threads: int) -> np.ndarray:
-    """ggml_mul_mat(F16 weight [k, n_rows], F32 activations [k, n_tok]) -> [n_tok, n_rows]."""
-    n_rows, k = w.shape
-    n_tok = x.shape[0]
-    mem = w.nbytes + 4 * x.nbytes + 4 * n_rows * n_tok + (1 << 20)
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None))
-    try:
-        wt = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F16, k, n_rows)
-        a = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, n_tok)
-        ctypes.memmove(ggml.ggml_get_data(wt), w.ctypes.data, w.nbytes)
-        ctypes.memmove(ggml.ggml_get_data(a), x.ctypes.data, x.nbytes)
-        out = ggml.ggml_mul_mat(ctx, wt, a)
-        gf = ggml.ggml_new_graph(ctx)
-        ggml.ggml_build_forward_expand(gf, out)
-        ggml.ggml_graph_compute_with_ctx(ctx, gf, threads)
-        return np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
-                                     shape=(n_tok, n_rows)).copy()
-    finally:
-        ggml.ggml_free(ctx)
+from ggml_matmul import ggml_mul_mat
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -46,7 +25,7 @@ def test_f16_matvec_matches_numpy(k: int, n_rows: int, threads: int) -> None:
     w = (0.05 * rng.standard_normal((n_rows, k))).astype(np.float16)
     x = rng.standard_normal((1, k)).astype(np.float32)
     x[0, ::97] *= 30.0            # a few large activations, as real hidden states have
-    got = _matvec_f16(w, x, threads)
+    got = ggml_mul_mat(w, ggml.GGML_TYPE_F16, k, n_rows, x, threads)
     # ggml rounds the activations to F16 (the vec_dot type of F16 weights); the products of two
     # F16 values are exact in float32 and float64, so the only error left is float32 summation:
     # measured <= 7e-8 of sum |w x| here (FP16 sums: median 4e-5 to 6e-5, up to 3e-4)

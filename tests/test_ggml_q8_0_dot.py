@@ -15,14 +15,14 @@ several blocks with a short last one, more columns than one chunk holds (2,048 x
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 import ggml
+
+from ggml_matmul import ggml_mul_mat
 
 Q8_0 = GGMLQuantizationType.Q8_0
 
@@ -38,25 +38,6 @@ def _on_q8_0_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
     return (q * scale).reshape(n_tok, k).astype(np.float32)
 
 
-def _matvec(w_q: np.ndarray, k: int, n_rows: int, x: np.ndarray, threads: int) -> np.ndarray:
-    """ggml_mul_mat(Q8_0 weight [k, n_rows], F32 activations [k, n_tok]) -> [n_tok, n_rows]."""
-    n_tok = x.shape[0]
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=64 * 1024 * 1024, mem_buffer=None))
-    try:
-        w = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_Q8_0, k, n_rows)
-        a = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, n_tok)
-        ctypes.memmove(ggml.ggml_get_data(w), w_q.ctypes.data, w_q.nbytes)
-        ctypes.memmove(ggml.ggml_get_data(a), x.ctypes.data, x.nbytes)
-        out = ggml.ggml_mul_mat(ctx, w, a)
-        gf = ggml.ggml_new_graph(ctx)
-        ggml.ggml_build_forward_expand(gf, out)
-        ggml.ggml_graph_compute_with_ctx(ctx, gf, threads)
-        return np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
-                                     shape=(n_tok, n_rows)).copy()
-    finally:
-        ggml.ggml_free(ctx)
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("k,n_rows,n_tok", [(32, 5, 1), (64, 33, 1), (96, 17, 1), (1024, 129, 1), (3200, 7, 1),
                                             (160, 40, 2), (32, 3, 2), (96, 37, 3), (1024, 130, 4), (64, 9, 5),
@@ -68,7 +49,7 @@ def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
     x = _on_q8_0_grid(rng, n_tok, k)
     w_q = quantize(w, Q8_0)
-    got = _matvec(w_q, k, n_rows, x, threads)
+    got = ggml_mul_mat(w_q, ggml.GGML_TYPE_Q8_0, k, n_rows, x, threads)
     # ggml quantizes the activations to Q8_0 too (exactly, on this grid): the product of the two
     # dequantized operands, in float64; float32 accumulation of k/32 scaled integer block sums
     # differs by ~1e-6

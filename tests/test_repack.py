@@ -1,9 +1,11 @@
 """Weights in ggml's CPU_REPACK buffer type (`Model(repack=True)`, the default; `--no-repack`).
 
-On x86 ggml 0.15.3 lays Q4_0, Q4_K and IQ4_NL matrices out for its interleaved AVX2 kernels (on
-ARM also Q8_0 and more): the products then run different kernels, so they are checked against the
-numpy reference like every quantised type (test_forward's tolerances) and against the same file
-read as it is. The token embeddings (read by get_rows) and types without such kernels stay mapped.
+On x86 ggml lays Q4_0, Q4_K and IQ4_NL matrices out for its interleaved AVX2 kernels (on ARM also
+Q8_0 and more): the products then run different kernels, so they are checked against the numpy
+reference like every quantised type (test_forward's tolerances) and against the same file read as
+it is. The token embeddings (read by get_rows) and types without such kernels stay mapped. By
+default Q4_K stays mapped too where ggml 0.25's tiled K-quant product runs (it takes only weights
+that are not repacked); `repack="all"` repacks it, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from click.testing import CliRunner
 
 from deltarun.cli.main import cli
 from deltarun.runner.model import Model
-from deltarun.runner.repack import cpu_repack_buffer_type
+from deltarun.base.errors import DeltarunError
+from deltarun.runner.repack import cpu_repack_buffer_type, tiled_kquant_product
 
 from test_forward import MEASURED_MEDIAN, greedy_continuation, prompt, reference_greedy, reference_of  # noqa: F401
 
@@ -36,7 +39,7 @@ def test_repacked_weights_against_the_reference(tiny_model_path, reference_of, w
     ref = reference_of("tiny", wtype)
     ref.reset()
     expected = ref.forward(toks)
-    with Model(tiny_model_path("tiny", wtype), n_ctx=256, kv_type="f32") as m:
+    with Model(tiny_model_path("tiny", wtype), n_ctx=256, kv_type="f32", repack="all") as m:
         # all but the LM head, whose 2,330 rows are not a whole number of 8-row interleaves
         assert set(m.weights.repacked) == _matrices(m) - {"output.weight"}
         got = m.logits_for(toks)
@@ -60,13 +63,13 @@ def test_repacked_and_mapped_weights_agree(tiny_model_path, wtype):
     path = tiny_model_path("tiny", wtype)
     toks = prompt(70, seed=8)
     out = {}
-    for repack in (True, False):
+    for repack in ("all", False):
         with Model(path, n_ctx=256, kv_type="f32", n_seq_max=3, repack=repack) as m:
-            assert bool(m.weights.repacked) == repack
+            assert bool(m.weights.repacked) == bool(repack)
             batch = m.eval_batch({s: toks[10 * s:10 * s + 20] for s in range(3)}, all_logits=True)
             m.reset()
             out[repack] = (m.logits_for(toks), np.concatenate([batch[s] for s in range(3)]))
-    for a, b in zip(out[True], out[False]):
+    for a, b in zip(out["all"], out[False]):
         scale = np.abs(b).max()
         per_pos = np.abs(a - b).max(axis=1) / scale
         assert np.median(per_pos) < MEASURED_MEDIAN[wtype]
@@ -79,16 +82,36 @@ def test_repacked_and_mapped_weights_agree(tiny_model_path, wtype):
 def test_gathered_and_unsupported_weights_stay_mapped(tiny_model_path):
     """A tied LM head is the token embedding: read by get_rows, so never repacked; F32 and Q8_0
     (no x86 interleaved kernel in this ggml) stay mapped whatever is asked."""
-    with Model(tiny_model_path("tiny-tied", "q4_k"), n_ctx=64) as m:
+    with Model(tiny_model_path("tiny-tied", "q4_k"), n_ctx=64, repack="all") as m:
         assert "token_embd.weight" not in m.weights.repacked and m.weights.repacked
         assert "output.weight" not in m.weights.tensors
     with Model(tiny_model_path("tiny", "f32"), n_ctx=64) as m:
         assert m.weights.repacked == []
 
 
+def test_q4_k_stays_mapped_where_the_tiled_product_runs(tiny_model_path, monkeypatch):
+    """The default repacks Q4_0 but not Q4_K where ggml's tiled K-quant product takes it (prompts
+    1.41x the repacked GEMM's speed on Q4_K_M, decoding the same: bench/RESULTS.md); with the
+    tiled product switched off (GGML_CPU_TILED_MM=0, ggml's own switch) Q4_K is repacked again."""
+    if not tiled_kquant_product():   # pragma: no cover - ggml 0.15.3, or a CPU without AVX2
+        pytest.skip("this ggml build has no tiled K-quant product")
+    with Model(tiny_model_path("tiny", "q4_k"), n_ctx=64) as m:
+        assert m.weights.repacked == []
+    with Model(tiny_model_path("tiny", "q4_0"), n_ctx=64) as m:
+        assert m.weights.repacked
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    with Model(tiny_model_path("tiny", "q4_k"), n_ctx=64) as m:
+        assert set(m.weights.repacked) == _matrices(m) - {"output.weight"}
+
+
+def test_unknown_repack_mode(tiny_model_path):
+    with pytest.raises(DeltarunError, match="unknown repack mode 'some'"):
+        Model(tiny_model_path("tiny", "q4_0"), n_ctx=64, repack="some")
+
+
 def test_no_repack_option(tiny_model_path):
     """`--no-repack` reads the file as it is; both give the same greedy text."""
-    path = str(tiny_model_path("tiny", "q4_k"))
+    path = str(tiny_model_path("tiny", "q4_0"))
     runs = [CliRunner().invoke(cli, ["generate", path, "-p", "Hello", "-n", "8", "--temp", "0", *flag])
             for flag in ([], ["--no-repack"])]
     assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]

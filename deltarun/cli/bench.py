@@ -72,7 +72,8 @@ def _str_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
               help="Also time every ggml op of a pp and a tg ubatch (per op type and per node group: "
                    "attention, delta net, MoE/FFN, LM head); see deltarun.apps.op_profile.")
 @click.option("--repack/--no-repack", default=True, show_default=True,
-              help="Lay out Q4_0 / Q4_K / IQ4_NL matrices for ggml's interleaved CPU kernels at load.")
+              help="Lay out Q4_0 / IQ4_NL matrices (Q4_K where ggml has no tiled K-quant product) for "
+                   "ggml's interleaved CPU kernels at load.")
 @pin_threads_option()
 @click.option("--output", "-o", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True,
               help="Report format (json schema: see deltarun.apps.bench).")

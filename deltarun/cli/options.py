@@ -78,9 +78,10 @@ def model_options(f: F) -> F:
                           "device (the output layer too when N > layers), like llama.cpp -ngl [default: all on "
                           "the device]."),
         click.option("--repack/--no-repack", default=MODEL_DEFAULTS["repack"], show_default=True,
-                     help="On the CPU, lay out the matrices ggml has interleaved kernels for (Q4_0, Q4_K, "
-                          "IQ4_NL on x86) for them at load, as llama.cpp does; --no-repack maps every weight "
-                          "from the file as it is."),
+                     help="On the CPU, lay out the matrices ggml has interleaved kernels for (Q4_0, IQ4_NL "
+                          "on x86) for them at load, as llama.cpp does; Q4_K stays as it is where ggml's tiled "
+                          "K-quant product (x86 AVX2) computes prompts faster from it. --no-repack maps every "
+                          "weight from the file as it is."),
         *rpc_options_list(),
     ])
 

@@ -25,6 +25,7 @@ from deltarun.base.registry import graph_family_for
 from deltarun.runner import layer_split
 from deltarun.runner.backend import Backend, init_backend
 from deltarun.runner.memory import Memory, RecurrentState, Checkpoint
+from deltarun.runner.repack import RepackMode
 from deltarun.runner.scheduler import Scheduler
 from deltarun.runner.weights import Weights
 
@@ -180,13 +181,15 @@ class Model:
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
                  rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
-                 capture_slots: int = 0, repack: bool = True, pin_threads: bool | None = None):
+                 capture_slots: int = 0, repack: RepackMode = True, pin_threads: bool | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_ubatch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
             raise DeltarunError("n_ctx, n_ubatch, rs_slots and n_seq_max must be positive")
         if n_ubatch < rs_slots:
             raise DeltarunError(f"--ubatch {n_ubatch} must be at least --rs-slots {rs_slots}")
+        if repack not in (True, False, "all"):
+            raise DeltarunError(f"unknown repack mode {repack!r}; choose True, False or 'all'")
         self.path = Path(path)
         self.file = GGUFFile(path)
         self.family: GraphFamily = graph_family_for(self.file)
@@ -204,7 +207,8 @@ class Model:
             raise
         names = [n for n in self.family.tensor_names() if n in self.file.tensors]
         # repack: on a CPU-only model, the matrices ggml's CPU_REPACK kernels take are laid out
-        # for them at load (Q4_0 / Q4_K / IQ4_NL on x86), as llama.cpp does by default
+        # for them at load (Q4_0 / IQ4_NL on x86; Q4_K too where ggml has no tiled K-quant product, or
+        # with "all": see Weights)
         self.weights = Weights(self.file, names, self.backend, self.placement, repack=repack,
                                gathered=self.family.gathered_weights())
         if mtp and not self.hp.n_mtp:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+import re
+from typing import Any, Iterator, Literal, Union
 
 from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context
+
+#: Model(repack=...): True repacks what pays (the default: not TILED_TYPES where ggml's tiled
+#: product runs), "all" everything CPU_REPACK takes (llama.cpp's default), False nothing.
+RepackMode = Union[bool, Literal["all"]]
 
 
 #: `ggml_backend_dev_get_extra_bufts_t` (ggml-backend.h): the CPU registry's proc address that lists
@@ -34,6 +39,35 @@ def cpu_repack_buffer_type() -> Any | None:
             return extra[i]
         i += 1
     return None
+
+
+#: Types CPU_REPACK takes that stay in the file's layout by default where ggml's tiled K-quant
+#: product runs (`tiled_kquant_product`): ggml 0.25 computes prompts (>= 8 columns) with it only from
+#: weights that are not repacked. Q4_K_M on the AVX-512 Xeon (1 thread, bench/RESULTS.md): pp512
+#: 1.41x the repacked GEMM's speed, tg128 the same within 3%. Q2_K (repacked on AVX-512 too) is a
+#: tiled type as well but was not measured, so it is still repacked.
+TILED_TYPES = frozenset({ggml.GGML_TYPE_Q4_K})
+
+
+def tiled_kquant_product() -> bool:
+    """Whether ggml's CPU backend multiplies K-quant weights by its tiled product (ggml-cpu/tiled,
+    ggml >= 0.25): the kernel is in the library, compiled for x86 with AVX2 (elsewhere it declines
+    every product) and not switched off with GGML_CPU_TILED_MM=0, ggml's own switch."""
+    from ggml import ggml as bindings   # the module whose `lib` holds every ggml library
+
+    if not hasattr(bindings.lib, "ggml_compute_forward_mul_mat_tiled") or not ggml.ggml_cpu_has_avx2():
+        return False
+    switch = os.environ.get("GGML_CPU_TILED_MM")     # ggml reads it with atoi(): on unless a number != 0
+    number = re.match(r"\s*[+-]?\d+", switch or "")
+    return switch is None or (number is not None and int(number.group()) != 0)
+
+
+def worth_repacking(weight: Tensor, mode: RepackMode) -> bool:
+    """Whether `mode` lays `weight` out for CPU_REPACK (when ggml has a kernel for it): "all" every
+    such weight, True all but TILED_TYPES where the tiled product takes them instead."""
+    if mode == "all":
+        return True
+    return bool(mode) and not (int(weight.contents.type) in TILED_TYPES and tiled_kquant_product())
 
 
 def repack_supports(weight: Tensor, buft: Any) -> bool:

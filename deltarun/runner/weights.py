@@ -19,7 +19,7 @@ from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context, set_name
 from deltarun.base.gguf_file import GGUFFile, TensorInfo
 from deltarun.runner.backend import Backend, alloc_tensors
 from deltarun.runner.placement import Placement
-from deltarun.runner.repack import cpu_repack_buffer_type, repack_supports, without_debug_log
+from deltarun.runner.repack import RepackMode, cpu_repack_buffer_type, repack_supports, without_debug_log, worth_repacking
 
 TENSOR_ALIGNMENT = 32
 
@@ -28,13 +28,15 @@ class Weights:
     """Every tensor of the file that the graph reads, by GGUF name.
 
     With `repack` (a model wholly on the CPU) the matrices ggml's CPU_REPACK buffer type has
-    kernels for are copied into it at load, laid out for those kernels (what llama.cpp does by
-    default): on x86 Q4_0, Q4_K, IQ4_NL and MXFP4 (and Q2_K with AVX-512). `gathered` names the
-    weights a graph reads rows of (the token embeddings), which stay as they are in the file.
+    kernels for are copied into it at load, laid out for those kernels: on x86 Q4_0, Q4_K, IQ4_NL
+    and MXFP4 (and Q2_K with AVX-512), except Q4_K where ggml's tiled K-quant product takes it
+    instead (repack.TILED_TYPES); `repack="all"` takes Q4_K too (what llama.cpp does by default).
+    `gathered` names the weights a graph reads rows of (the token embeddings), which stay as they
+    are in the file.
     """
 
     def __init__(self, f: GGUFFile, names: list[str], backend: Backend, placement: Placement | None = None,
-                 repack: bool = False, gathered: frozenset[str] = frozenset()):
+                 repack: RepackMode = False, gathered: frozenset[str] = frozenset()):
         self.file = f
         self.ctx = new_context(len(names) + 1)
         self.tensors: dict[str, Tensor] = {}
@@ -59,7 +61,8 @@ class Weights:
                 self.bytes_by_backend[name] = self.bytes_by_backend.get(name, 0) + sum(i.nbytes for i in group)
         buft = cpu_repack_buffer_type() if repack and not on_dev and backend.is_cpu else None
         if buft is not None:
-            chosen = {i.name for i in on_cpu if i.name not in gathered and repack_supports(self.tensors[i.name], buft)}
+            chosen = {i.name for i in on_cpu if i.name not in gathered and worth_repacking(self.tensors[i.name], repack)
+                      and repack_supports(self.tensors[i.name], buft)}
             if chosen:
                 self.repacked = [i.name for i in on_cpu if i.name in chosen]
                 self._upload([i for i in on_cpu if i.name in chosen], backend, buft)
