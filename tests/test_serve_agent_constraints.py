@@ -320,3 +320,23 @@ def test_a_budget_never_breaks_a_response_format(served):
     budgeted = _chat(h, {**body, "reasoning_budget_tokens": 2})["message"]
     assert budgeted == plain
     jsonschema.validate(json.loads(plain["content"] or plain["reasoning_content"]), schema)
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_call_renders_back_as_it_was_generated(served, choice):
+    """The call's text (JSON with the template's separators, or Qwen3.5's XML) is what the template
+    writes when the call comes back in the history, so the next turn's prompt shares it."""
+    _, h, tok, tmpl = served
+    trigger = tok.encode("<tool_call>", add_special=False, parse_special=True)[0]
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 120,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    if choice == "auto":
+        body["logit_bias"] = {str(trigger): 9}
+    got = _chat(h, body)
+    text = b"".join(_bytes(got)).decode("utf-8", errors="replace")
+    generated = text[text.index("<tool_call>"):text.index("</tool_call>") + len("</tool_call>")]
+    call = got["message"]["tool_calls"][0]["function"]
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}]}]
+    rendered = tmpl.render(history, add_generation_prompt=False, tools=[WEATHER], enable_thinking=False)
+    assert generated in rendered

@@ -237,6 +237,7 @@ def test_unknown_and_current_sdk_fields_are_accepted(qwen3_server):
 def test_forced_tool_use_validates_against_its_schema(server):
     c = _client(server)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    inputs = []
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
         r = _ask(c, msgs, max_tokens=150, tools=[LOOKUP, WEATHER] if choice["type"] == "tool" else [WEATHER],
                  tool_choice=choice, thinking={"type": "disabled"})
@@ -244,6 +245,7 @@ def test_forced_tool_use_validates_against_its_schema(server):
         uses = [b for b in r.content if b.type == "tool_use"]
         assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id
         jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+        inputs.append(uses[0].input)
     with c.messages.stream(model="tiny", max_tokens=150, messages=msgs, tools=[WEATHER], tool_choice={"type": "any"},
                            thinking={"type": "disabled"}, extra_body=GREEDY) as s:
         events = list(s)
@@ -252,7 +254,7 @@ def test_forced_tool_use_validates_against_its_schema(server):
     parts = [e.delta.partial_json for e in events if e.type == "content_block_delta"
              and e.delta.type == "input_json_delta"]
     assert len(start) == 1 and start[0].content_block.name == "get_weather" and start[0].content_block.input == {}
-    assert json.loads("".join(parts)) == final.content[-1].input == uses[0].input
+    assert json.loads("".join(parts)) == final.content[-1].input == inputs[0]      # the same request, streamed
     assert final.stop_reason == "tool_use"
 
 

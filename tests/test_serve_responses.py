@@ -184,6 +184,7 @@ def test_text_format_json_schema(qwen3_server):
 def test_function_calls_validate_against_their_schema(server):
     c = _client(server)
     lookup = _fn(LOOKUP)
+    calls = []
     for choice in ("required", {"type": "function", "name": "get_weather"}):
         r = _create(c, input="Weather in Paris?", max_output_tokens=150, reasoning=NO_THINKING,
                     tools=[lookup, FN_WEATHER] if isinstance(choice, dict) else [FN_WEATHER], tool_choice=choice)
@@ -191,13 +192,14 @@ def test_function_calls_validate_against_their_schema(server):
         call = r.output[0]
         assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
         jsonschema.validate(json.loads(call.arguments), WEATHER["input_schema"])
+        calls.append(call)
     events = list(_create(c, input="Weather in Paris?", max_output_tokens=150, reasoning=NO_THINKING,
                           tools=[FN_WEATHER], tool_choice="required", stream=True, parallel_tool_calls=False))
     added = [e for e in events if e.type == "response.output_item.added"]
     assert len(added) == 1 and added[0].item.type == "function_call" and added[0].item.arguments == ""
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert "".join(deltas) == done[0].arguments == call.arguments
+    assert "".join(deltas) == done[0].arguments == calls[0].arguments      # the same request, streamed
     assert events[-1].type == "response.completed" and events[-1].response.parallel_tool_calls is False
 
 

@@ -28,6 +28,10 @@ from deltarun.runner.reasoning import ThinkingState, ThinkingTags
 
 #: Compact JSON: a model with random weights could otherwise emit whitespace forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+#: A JSON tool call as the Qwen3 templates write one (`tojson`'s separators: ", " and ": "): a
+#: call renders back in the next turn's prompt as it was generated, so the prompt cache reaches
+#: past it (and a real model writes it as it was trained to)
+_CALL_JSON_OPTIONS = {**_JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 TOKEN_TYPE_NORMAL = 1
 TOOL_CALL_TRIGGER = "<tool_call>"
 #: tool-call grammars kept, by their tools (an agent sends the same tools on every turn), and
@@ -127,7 +131,7 @@ class GrammarFactory:
             else:
                 schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                           "required": ["name", "arguments"], "additionalProperties": False,
-                          "x-guidance": _JSON_OPTIONS}
+                          "x-guidance": _CALL_JSON_OPTIONS}
                 alternatives.append(f"%json {json.dumps(schema)}")
         lines = ['start: <tool_call> "\\n" call "\\n" </tool_call>', "call: " + " | ".join(alternatives)]
         grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
