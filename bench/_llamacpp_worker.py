@@ -31,7 +31,7 @@ import numpy as np
 
 import llama_cpp
 
-from _worker_protocol import rss_bytes, serve
+from _worker_protocol import cpu_has_amx, rss_bytes, serve
 
 TG_PROMPT = 16
 TOKEN_SEED = 1234
@@ -63,6 +63,15 @@ def main() -> None:
     node_ns = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns   # the profile's clock
 
     kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+    extra_bufts = not cpu_has_amx()
+    if not extra_bufts:        # Llama() takes them from llama_model_default_params, which has no argument for it
+        defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+        def without_extra_bufts() -> Any:
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+        llama_cpp.llama_cpp.llama_model_default_params = without_extra_bufts
     llm = llama_cpp.Llama(args.model, n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch,
                           n_threads=args.threads, n_threads_batch=args.threads, flash_attn=False,
                           type_k=kv[args.kv_type], type_v=kv[args.kv_type], verbose=False)
@@ -269,7 +278,7 @@ def main() -> None:
 
         return {"pp": profiled("pp"), "tg": profiled("tg")}
 
-    serve({"n_vocab": n_vocab, "rss": rss_bytes(), "llama_cpp_python": llama_cpp.__version__,
+    serve({"n_vocab": n_vocab, "rss": rss_bytes(), "llama_cpp_python": llama_cpp.__version__, "extra_bufts": extra_bufts,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")},
           lambda cmd, n, mode: (run_pp if cmd == "pp" else run_tg)(n, mode),
           commands={"tgp": tgp, "tgd": tgd, "profile": profile})

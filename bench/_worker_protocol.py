@@ -23,6 +23,17 @@ import sys
 from typing import Any, Callable
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has Intel AMX. llama.cpp's default CPU "extra buffer types" (repack/AMX)
+    crash there (SIGSEGV or SIGILL, llama-cpp-python 0.3.36), so its side is measured with them
+    off (`use_extra_bufts = false`, llama-server `-nr`) and the reports say so."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

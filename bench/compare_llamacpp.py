@@ -234,6 +234,7 @@ def run_speed(args: argparse.Namespace, python: Path) -> dict:
               f"batch {args.batch}", flush=True)
         llama = LlamaWorker(python, model, args.threads, args.batch, ctx, clock=args.clock)
         report["llama_cpp_python"] = llama.info.get("llama_cpp_python")
+        report["llama_extra_bufts"] = llama.info.get("extra_bufts")     # off on AMX CPUs (cpu_has_amx)
         report["llama_system_info"] = llama.info.get("system_info")
         drs = {b: DeltarunWorker(py, model, args.threads, args.batch, args.pp, args.tg, clock=args.clock)
                for b, py in builds.items()}
@@ -324,7 +325,8 @@ def print_speed(report: dict) -> None:
     modes, builds = report["modes"], report["builds"]
     print(f"\n{report['date']}  {report['cpu']}, {report['cores']} CPUs, {report['threads']} threads, "
           f"batch {report['batch']}, {report['clock']} clock, {report['rounds']} rounds A/B, llama-cpp-python "
-          f"{report.get('llama_cpp_python')}")
+          f"{report.get('llama_cpp_python')}"
+          + (" (extra buffer types off: AMX CPU)" if report.get("llama_extra_bufts") is False else ""))
     head = ("| model | test | ggml-python build | deltarun t/s (med) | "
             + " | ".join(f"llama.cpp {m} t/s (med) | ratio vs {m}: min / med / max" for m in modes)
             + " | load 1-min | busy CPUs before |")

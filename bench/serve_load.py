@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from _worker_protocol import cpu_has_amx
+
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -374,7 +376,8 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     if args.llama_server:
         return [args.llama_server, "-m", args.start, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(args.parallel), "-c", str(args.ctx * args.parallel), "--cache-ram", str(args.cache_ram),
-                "--jinja", *threads, *trained_context_override(args.start, args.ctx), *args.serve_args]
+                "--jinja", *threads, *trained_context_override(args.start, args.ctx),
+                *(["-nr"] if cpu_has_amx() else []), *args.serve_args]     # its AMX/repack buffers crash here
     return [sys.executable, "-m", "deltarun", "serve", args.start, "--port", str(port), "--parallel", str(args.parallel),
             "--ctx", str(args.ctx), "--cache-ram", str(args.cache_ram), *threads, *args.serve_args]
 
