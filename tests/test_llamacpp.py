@@ -18,26 +18,34 @@ Tolerances, from the errors measured (2 vCPU Xeon with AMX, shared with other se
 prints them). F32 against the reference: 1e-5 relative (max |x - ref| / max |ref|; measured
 2.3e-7 qwen3next, 4.9e-7 qwen35, 2.6e-7 qwen35moe, 4.5e-7 kimi-linear).
 
-deltarun against llama.cpp (same relative measure over the 40 prompt positions), measured max over
-the four families: f32 4.9e-7, f16 4.5e-4, bf16 2.1e-3, q8_0 8.7e-3, q4_0 5.4e-3, q4_k 7.3e-3,
-q5_k 6.2e-3, q6_k 2.5e-7; 13 of the 28 quantised cases are bit for bit equal. Both run the same
-ggml 0.25.3 kernels; where they differ, the two graphs compute some op in another but equal order
-(1 ulp, the F32 differences), and a quantised type's activation rounding (to f16/bf16, or to Q8 blocks
-for the dot products) sometimes turns that ulp into a rounding step, which the recurrent state then
-carries: e.g. qwen3next q8_0 and qwen35 bf16 are bit-identical up to position 21-23 and differ from
-there on. Which side is right was checked against the float64 reference of the dequantised
-weights in every case that differed (f16 x4, bf16 x3, qwen3next q8_0/q4_0/q4_k/q5_k, qwen35 and
-qwen35moe q4_k): both sides' errors to the reference are equal to within 5 % (e.g. kimi-linear
-bf16: median per-position error 2.71e-3 deltarun, 2.60e-3 llama.cpp; qwen3next q8_0 8.01e-3 /
-8.07e-3), so neither is wrong; the difference between them is smaller than either's error.
-TOLERANCE is therefore the size of that error, per type (as test_qwen35_forward's bounds): 2e-3 for
-f16, 1e-2 for bf16, 3e-2 for the 8-, 6-, 5- and 4-bit types.
+deltarun against llama.cpp: the same relative error per prompt position (max over the vocabulary
+/ max |llama.cpp logit|), on deltarun's ggml wheel 0.0.45+deltarun.9f4f0aa7 (0.25.3 with
+scripts/ggml-patches) and llama.cpp's own unpatched ggml 0.25.3. Measured median / max over the 40
+positions: f32 <= 2.4e-7 / 4.9e-7; f16 1.3e-4..2.6e-4 / 4.5e-4; 4 of the 28 quantised cases bit for
+bit equal (qwen3next bf16, q4_0 of the three others) and 11 more within 3e-7 (most k-quants,
+qwen35 q8_0); the rest: bf16 median 0..1.1e-3 / max 2.1e-3, q8_0 qwen3next 1e-7 / 8.7e-3,
+qwen35moe 4.2e-3 / 5.4e-2, kimi-linear 1e-7 / 7.9e-3, qwen3next q4_0 0 / 5.4e-3, q4_k qwen35
+2.9e-3 / 7.3e-3, q5_k qwen3next 1.4e-3 / 6.2e-3. Where they differ, the two graphs compute some op
+in another but equal order (1 ulp: the F32 differences), or deltarun's patched Q8_0 kernel
+(q8_0-few-columns.patch) sums in another order, and a quantised type's activation rounding (to
+f16/bf16, or to Q8 blocks for the dot products) sometimes turns that into a rounding step, which
+the recurrent state then carries (qwen3next q8_0 and qwen35 bf16 are bit-identical up to position
+21-23 and differ from there on), or which flips an expert choice at a near tie (the MoE models'
+single positions at 5e-2). Which side is right was checked against the float64 reference of the
+dequantised weights in every case that differs by more than 1e-6: both sides' errors to the
+reference are equal to within 5 % (e.g. kimi-linear bf16: median per-position error 2.71e-3
+deltarun, 2.60e-3 llama.cpp; qwen3next q8_0 8.01e-3 / 8.07e-3; qwen35moe q8_0 8.05e-3 / 7.85e-3),
+so neither is wrong: the difference between them is smaller than either's error. TOLERANCE is
+therefore the size of that error, per type (as test_qwen35_forward's bounds): 2e-3 for f16, 1e-2
+for bf16, 3e-2 for the 8-, 6-, 5- and 4-bit types, on the median position, and 90 % of positions
+within twice that (the forward tests' allowance for expert switches at near ties).
 
 Greedy tokens and the prompt's argmax are compared where the decision is clear: greedy
 continuations equal up to a step where llama.cpp's top two logits are within TOLERANCE of each
-other (relative to the prompt's max |logit|). Measured: 2 of 32 continuations part, both at such
-near ties: qwen35moe f16 at step 4 (the float64 reference takes llama.cpp's token) and qwen3next
-q4_k at step 12 (the reference takes deltarun's).
+other (relative to the prompt's max |logit|). Measured: 3 of 32 continuations part, all at such
+near ties: qwen35moe f16 at step 4 (the float64 reference takes llama.cpp's token), qwen35moe q8_0
+at step 0 (llama.cpp's top two 1e-4 apart, deltarun's 3e-4 the other way round; the reference
+takes llama.cpp's, 5e-3 ahead) and qwen3next q4_k at step 12 (the reference takes deltarun's).
 """
 
 from __future__ import annotations
@@ -137,10 +145,11 @@ def test_deltarun_matches_llamacpp(tiny_model_path, tmp_path, preset, wtype):
     theirs, theirs_steps = llamacpp.logits_and_greedy(path, toks, N_GREEDY, tmp_path)
     mine, mine_steps = deltarun_logits_and_greedy(path, toks, N_GREEDY)
     scale = float(np.abs(theirs).max())
-    err = float(np.abs(mine - theirs).max()) / scale
+    per_pos = np.abs(mine - theirs).max(axis=1) / scale
     mine_greedy, theirs_greedy = mine_steps.argmax(1).tolist(), theirs_steps.argmax(1).tolist()
-    print(f"{preset} {wtype}: deltarun against llama.cpp {err:.2e}; greedy {mine_greedy} / {theirs_greedy}")
-    assert err < tol
+    print(f"{preset} {wtype}: deltarun against llama.cpp median {np.median(per_pos):.2e} max {per_pos.max():.2e}; "
+          f"greedy {mine_greedy} / {theirs_greedy}")
+    assert np.median(per_pos) < tol and (per_pos < 2 * tol).mean() >= 0.9
     sure = clear(theirs, scale, tol)
     assert sure.sum() >= 5 and (mine.argmax(1) == theirs.argmax(1))[sure].all()
     parted = next((i for i, (a, b) in enumerate(zip(mine_greedy, theirs_greedy)) if a != b), None)
