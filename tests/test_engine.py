@@ -10,7 +10,7 @@ import pytest
 from deltarun.runner.engine import Engine, Running
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, LogitsProcessors, Sampler
-from deltarun.runner.speculative import DraftLength, NgramDraft
+from deltarun.runner.speculative import DraftLength, MtpDraft, NgramDraft
 
 from reference import ReferenceModel
 
@@ -165,3 +165,87 @@ def test_drafts_fit_the_row_budget(tiny_model_path, n_seqs, most_drafts):
             widths += [w for _, w in engine.last_runs]
             assert all(len(o.tokens) <= 1 + most_drafts for o in outcomes)
         assert max(widths) == 1 + most_drafts
+
+
+
+def _reference_mtp_chain(path, history: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """The greedy MTP chain the float64 reference drafts after `history` (its last token not yet
+    evaluated), and the logits each draft after the first was drawn from: the block over rows
+    (hidden_i, token_i+1) of every evaluated position, then each draft fed back with the block's
+    output hidden state at the next position."""
+    from reference import rmsnorm
+
+    ref = ReferenceModel.from_gguf(path)
+    ref.forward(history[:-1])
+    hidden = rmsnorm(ref.hidden(), ref.hp.eps) * ref.w["output_norm.weight"]
+    logits, out = ref.mtp_forward(history[1:], hidden)
+    chain, rows = [int(np.argmax(logits[-1]))], []
+    while len(chain) < n:
+        logits, out = ref.mtp_forward(chain[-1:], out[-1:])
+        rows.append(logits[-1])
+        chain.append(int(np.argmax(logits[-1])))
+    return chain, rows
+
+
+def test_mtp_chains_of_several_sequences_advance_together(tiny_model_path, monkeypatch):
+    """Three sequences drafting 3 tokens each with the MTP block: each chain level of the three is
+    one MTP ubatch of three one-token rows (two a step, not six), each sequence's drafts are the
+    float64 reference's MTP chain after its history, and each keeps the reference's greedy
+    continuation over the following steps (drafts mostly rejected: random weights)."""
+    import deltarun.runner.engine as engine_module
+
+    path = tiny_model_path("tiny-mtp")
+    prompts = [p[:9] for p in _prompts()]
+    want = [_reference_greedy(path, p, N_NEW) for p in prompts]
+    chain_calls: list[int] = []
+    chain_logits: list[list[np.ndarray]] = []      # per chain call, per sequence of its run
+    proposed: list[tuple[list[int], list[int]]] = []
+    mtp_eval_rows, propose_mtp = Model.mtp_eval_rows, engine_module.propose_mtp
+
+    chaining = []
+
+    def counted(self, rows, seq_head):
+        results = mtp_eval_rows(self, rows, seq_head)
+        if chaining:
+            chain_calls.append(len(rows))
+            chain_logits.append([logits for logits, _ in results])
+        return results
+
+    def recorded(model, wants):
+        chaining.append(True)
+        try:
+            drafts = propose_mtp(model, wants)
+        finally:
+            chaining.clear()
+        proposed.extend((list(history), d.tokens) for (_, history, _, _), d in zip(wants, drafts))
+        return drafts
+    monkeypatch.setattr(Model, "mtp_eval_rows", counted)
+    monkeypatch.setattr(engine_module, "propose_mtp", recorded)
+    with Model(path, n_ctx=128, kv_type="f32", n_seq_max=3, rs_slots=4, mtp=True) as m:
+        engine = Engine(m, max_rows=64)
+        running = []
+        for seq, p in enumerate(prompts):
+            s = Running(seq, Sampler(GREEDY), list(p), draft=MtpDraft(m, seq=seq), length=DraftLength(3))
+            logits = m.eval(p, seq, all_hidden=True)
+            engine.first(s, logits, (list(p[1:]), m.last_hidden[0], 0))
+            running.append(s)
+        assert all(o.error is None for o in engine.step(running))
+        assert chain_calls == [3, 3]
+        first_step = [list(level) for level in chain_logits]
+        for _ in range(N_NEW):
+            live = [s for s in running if len(s.history) - len(prompts[s.seq]) < N_NEW]
+            if not live:
+                break
+            for s in live:
+                s.budget = N_NEW - (len(s.history) - len(prompts[s.seq]))
+            assert all(o.error is None for o in engine.step(live))
+        got = [s.history[len(p):len(p) + N_NEW] for s, p in zip(running, prompts)]
+    assert len(proposed) >= 3 and all(len(d) == 3 for _, d in proposed[:3])
+    for i, (history, drafts) in enumerate(proposed):
+        chain, rows = _reference_mtp_chain(path, history, len(drafts))
+        assert drafts == chain
+        if i < 3:          # the first step: levels 1 and 2 of sequence i against the reference's
+            for level, want_row in enumerate(rows):
+                got_row = first_step[level][i]
+                assert np.abs(got_row - want_row).max() / np.abs(want_row).max() < 1e-5
+    assert got == want

@@ -366,12 +366,16 @@ class RecordingMtpDraft(MtpDraft):
         super().__init__(target, in_graph=in_graph)
         self.rounds: list[tuple[np.ndarray, list[int]]] = []
         self.mtp_rows_evaluated = 0
-        real = target.mtp_eval
+        real, real_rows = target.mtp_eval, target.mtp_eval_rows
 
         def counted(tokens, hidden, start, seq=0, n_outputs=None):
             self.mtp_rows_evaluated += len(tokens)
             return real(tokens, hidden, start, seq, n_outputs)
-        target.mtp_eval = counted
+
+        def counted_rows(rows, seq_head):       # chained drafts (speculative.propose_mtp)
+            self.mtp_rows_evaluated += sum(len(tokens) for tokens, _, _ in rows)
+            return real_rows(rows, seq_head)
+        target.mtp_eval, target.mtp_eval_rows = counted, counted_rows
 
     def propose(self, history, n, sampler):
         first = None if self.first is None else self.first[0].copy()

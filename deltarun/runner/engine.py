@@ -36,8 +36,8 @@ import numpy as np
 
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import LogitsProcessors, Sampler, sample_rows
-from deltarun.runner.speculative import (Draft, DraftLength, DraftSource, MtpDraft, commit_held, commit_kept, propose,
-                                         verify)
+from deltarun.runner.speculative import (Draft, DraftLength, DraftSource, MtpDraft, commit_held, commit_kept,
+                                         draft_count, propose_mtp, verify)
 
 #: what a sequence that wants no limit has as its budget
 NO_LIMIT = 1 << 31
@@ -120,14 +120,23 @@ class Engine:
         proposals: dict[int, Draft] = {}
         # drafts per sequence within the row budget: 4 sequences on a CPU draft 1 each, 8 none
         cap = max(0, self.max_rows // len(running) - 1) if self.max_rows and len(running) > 1 else None
+        wanted: dict[int, int] = {}
         for s in running:
             room = model.n_ctx - model.n_past(s.seq) - 1
             if room < 0:
                 outcomes[id(s)].full = True
                 continue
+            drafting = s.length is not None and s.draft is not None
+            wanted[id(s)] = draft_count(s.length, s.budget, min(room, cap if cap is not None else room)) \
+                if drafting else 0
+        chained = self._chain_mtp_drafts([s for s in running if wanted.get(id(s), 0) > 1], wanted)
+        for s in running:
+            if id(s) not in wanted:
+                continue
             try:
-                d = propose(s.draft, s.length, s.history, s.budget, min(room, cap if cap is not None else room),
-                            s.sampler) if s.length is not None and s.draft is not None else Draft([], [])
+                k = wanted[id(s)]
+                d = chained[id(s)] if id(s) in chained else \
+                    s.draft.propose(s.history, k, s.sampler) if k else Draft([], [])
                 if d.tokens and s.processors is not None:     # what the processors' state lets verify
                     n = s.processors.verifiable(d.tokens)
                     d = Draft(d.tokens[:n], d.probs[:n])
@@ -151,6 +160,19 @@ class Engine:
             if s.seq in errors and outcomes[id(s)].error is None:
                 outcomes[id(s)].error = errors[s.seq]
         return [outcomes[id(s)] for s in running]
+
+    def _chain_mtp_drafts(self, chaining: list[Running], wanted: dict[int, int]) -> dict[int, Draft]:
+        """The chained drafts of the MTP sources among `chaining`, in lockstep (`propose_mtp`: one
+        MTP ubatch per chain level for consecutive sequences), when there are several; {} when
+        not, or when an evaluation fails (each then proposes alone and reports its own error)."""
+        mtp = [s for s in chaining if isinstance(s.draft, MtpDraft)]
+        if len(mtp) < 2:
+            return {}
+        try:
+            drafts = propose_mtp(self.model, [(s.draft, s.history, wanted[id(s)], s.sampler) for s in mtp])
+        except Exception:  # noqa: BLE001
+            return {}
+        return {id(s): d for s, d in zip(mtp, drafts)}
 
     # --- one ubatch ------------------------------------------------------------------------------
     def _run(self, run: list[Running], proposals: dict[int, Draft], outcomes: dict[int, Outcome]) -> None:

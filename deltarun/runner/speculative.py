@@ -16,7 +16,7 @@ rows it keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 
@@ -88,10 +88,11 @@ class NgramDraft:
         pass
 
 
-def draft_chain(sampler: Sampler, logits: np.ndarray, history: list[int], n: int,
-                further: Callable[[int, int], np.ndarray]) -> Draft:
-    """n tokens drafted one after the other (`Sampler.draft`): the first from `logits`, each next
-    one from `further(i, token i)`, the logits that follow drafted token i."""
+def draft_steps(sampler: Sampler, logits: np.ndarray, history: list[int],
+                n: int) -> Generator[tuple[int, int], np.ndarray, Draft]:
+    """n tokens drafted one after the other (`Sampler.draft`), the first from `logits`: yields
+    (i, token i) and is sent the logits that follow drafted token i; returns the Draft. A
+    generator, so that the chains of several sequences can advance in lockstep (`propose_mtp`)."""
     tokens: list[int] = []
     probs: list[np.ndarray | None] = []
     local = list(history)
@@ -101,8 +102,20 @@ def draft_chain(sampler: Sampler, logits: np.ndarray, history: list[int], n: int
         probs.append(q)
         local.append(tok)
         if i + 1 < n:
-            logits = further(i, tok)
+            logits = yield i, tok
     return Draft(tokens, probs)
+
+
+def draft_chain(sampler: Sampler, logits: np.ndarray, history: list[int], n: int,
+                further: Callable[[int, int], np.ndarray]) -> Draft:
+    """`draft_steps` driven by `further(i, token i)`, the logits that follow drafted token i."""
+    steps = draft_steps(sampler, logits, history, n)
+    try:
+        need = next(steps)
+        while True:
+            need = steps.send(further(*need))
+    except StopIteration as done:
+        return done.value
 
 
 def check_draft_vocab(draft_vocab: int, target_vocab: int) -> None:
@@ -202,19 +215,19 @@ class MtpDraft:
         self.first = None
 
     def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
-        m = self.model
-        pos = len(history) - 2     # position of the last committed token (whose hidden we hold)
+        return propose_mtp(self.model, [(self, history, n, sampler)])[0]
+
+    def chain_start(self, history: list[int], n: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """What n chained drafts start from: the first draft's logits, the block's output hidden
+        state it chains on, and the position of the last committed token (whose hidden row the
+        block read); None when there is nothing to draft from or no room."""
+        pos = len(history) - 2
         if n > 0 and self.deferred:
             self.evaluate_deferred()
-        if self.first is None or n <= 0 or pos + n + 1 > m.n_ctx:
-            return Draft([], [])
+        if self.first is None or n <= 0 or pos + n + 1 > self.model.n_ctx:
+            return None
         logits, out = self.first
-
-        def further(i: int, tok: int) -> np.ndarray:     # the block's output hidden state chains on
-            nonlocal out
-            rows, out = m.mtp_eval([tok], out[-1:], pos + 1 + i, self.seq)
-            return rows[-1]
-        return draft_chain(sampler, logits, history, n, further)
+        return logits, out, pos
 
     def commit(self, next_tokens: list[int], hiddens: np.ndarray | None, start: int) -> None:
         """Feed rows (hidden_i, token_{i+1}) for positions start.. and keep the last row's output as
@@ -346,13 +359,11 @@ def draft_limit(model: Model, draft_max: int) -> int:
     return k_max
 
 
-def propose(source: DraftSource, length: DraftLength, history: list[int], budget: int, room: int,
-            sampler: Sampler) -> Draft:
-    """A sequence's drafts for this step: as many as `length` allows now, within `budget` (the
-    tokens still wanted, the next one included) and `room` (context rows free after the last kept
-    token's)."""
-    k = max(0, min(length.next(), budget - 1, room))
-    return source.propose(history, k, sampler) if k else Draft([], [])
+def draft_count(length: DraftLength, budget: int, room: int) -> int:
+    """How many drafts a sequence proposes this step: as many as `length` allows now (asked once
+    a step), within `budget` (the tokens still wanted, the next one included) and `room` (context
+    rows free after the last kept token's)."""
+    return max(0, min(length.next(), budget - 1, room))
 
 
 def verify(model: Model, seq: int, logits: np.ndarray, draft: Draft, sampler: Sampler, history: list[int], *,
@@ -384,6 +395,51 @@ def commit_kept(source: DraftSource | None, model: Model, seq: int, kept: list[i
         source.commit(kept, hidden[:n] if source.needs_hidden else None, model.n_past(seq) - n)
 
 
+def propose_mtp(model: Model, wants: list[tuple[MtpDraft, list[int], int, Sampler]]) -> list[Draft]:
+    """Chained MTP drafts of several sequences: wants[i] = (source, history, drafts wanted,
+    sampler). The chains advance in lockstep: level i of every chain that goes on is one MTP
+    ubatch per run of consecutive sequences (`Model.mtp_eval_rows`: one row each, the drafted
+    token at the position after the previous one, on the block's output hidden state), so a step
+    whose sequences draft d tokens each evaluates the MTP block and its LM head d - 1 times, not
+    (d - 1) x sequences times. An evaluation that fails raises for all (the engine then proposes
+    for each alone)."""
+    drafts = [Draft([], []) for _ in wants]
+    chains: dict[int, list] = {}          # i -> [source, steps, (level, token), output hidden, position]
+    for i, (source, history, n, sampler) in enumerate(wants):
+        start = source.chain_start(history, n)
+        if start is None:
+            continue
+        logits, out, pos = start
+        steps = draft_steps(sampler, logits, history, n)
+        try:
+            chains[i] = [source, steps, next(steps), out, pos]
+        except StopIteration as done:
+            drafts[i] = done.value
+    while chains:
+        for run in _consecutive(sorted(chains, key=lambda i: chains[i][0].seq), lambda i: chains[i][0].seq):
+            rows = [([chains[i][2][1]], chains[i][3][-1:], chains[i][4] + 1 + chains[i][2][0]) for i in run]
+            results = model.mtp_eval_rows(rows, chains[run[0]][0].seq)
+            for i, (logits, out) in zip(run, results):
+                chains[i][3] = out
+                try:
+                    chains[i][2] = chains[i][1].send(logits)
+                except StopIteration as done:
+                    drafts[i] = done.value
+                    del chains[i]
+    return drafts
+
+
+def _consecutive(items: list, seq_of: Callable[[Any], int]) -> list[list]:
+    """`items` (sorted by sequence) cut into runs of consecutive sequences."""
+    runs: list[list] = []
+    for item in items:
+        if runs and seq_of(runs[-1][-1]) + 1 == seq_of(item):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
 def commit_held(model: Model, sources: list[MtpDraft]) -> dict[int, Exception]:
     """Evaluate the rows MTP sources held during an engine step (`MtpDraft.hold`): the sources of
     consecutive sequences together, one MTP ubatch per run of them (`Model.mtp_eval_rows`), each
@@ -392,13 +448,7 @@ def commit_held(model: Model, sources: list[MtpDraft]) -> dict[int, Exception]:
     errors: dict[int, Exception] = {}
     alone = [s for s in sources if len(s.deferred) != 1 or len(s.deferred[0][0]) > model.memory.rs_slots]
     together = sorted((s for s in sources if s not in alone and s.deferred), key=lambda s: s.seq)
-    runs: list[list[MtpDraft]] = []
-    for s in together:
-        if runs and runs[-1][-1].seq + 1 == s.seq:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    for run in runs:
+    for run in _consecutive(together, lambda s: s.seq):
         if len(run) == 1:
             alone.append(run[0])
             continue
