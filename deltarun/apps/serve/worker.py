@@ -79,7 +79,11 @@ from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, M
 from deltarun.runner.vision import VisionEncoder
 
 _ids = itertools.count(1)
-MIN_CHUNK = 16
+#: the smallest prompt chunk while others decode. On the 0.8B bench model (Q8_0, 151k vocabulary,
+#: 2 threads, 3 streams during a 2.3k-token prompt, bench/RESULTS.md "Streams during a long
+#: prefill") the streams' inter-token p99 over idle was 3.1x with 16, 2.2x with 8, 2.0x with 4,
+#: and the prompt took 28.5 s, 41.9 s, 72.9 s: 8 is the balance
+MIN_CHUNK = 8
 #: Capture slots `serve` opens its model with: the checkpoints a prompt chunk takes inside one graph
 #: evaluation (a turn's new user message and answer start are two; each slot holds one sequence's
 #: recurrent state on the device)
