@@ -27,6 +27,14 @@ def _reference_greedy(path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def _still_wanted(running: list[Running], prompts: list[list[int]], n: int) -> list[Running]:
+    """The sequences with fewer than n new tokens, each given the budget of what it still wants."""
+    live = [s for s in running if len(s.history) - len(prompts[s.seq]) < n]
+    for s in live:
+        s.budget = n - (len(s.history) - len(prompts[s.seq]))
+    return live
+
+
 def _prompts() -> list[list[int]]:
     rng = np.random.default_rng(5)
     motif = [int(t) for t in rng.integers(3, 2000, 5)]
@@ -54,11 +62,9 @@ def test_sequences_in_one_ubatch_keep_what_the_reference_keeps(tiny_model_path):
             running.append(s)
         widths = []
         for _ in range(N_NEW):
-            live = [s for s in running if len(s.history) - len(prompts[s.seq]) < N_NEW]
+            live = _still_wanted(running, prompts, N_NEW)
             if not live:
                 break
-            for s in live:
-                s.budget = N_NEW - (len(s.history) - len(prompts[s.seq]))
             outcomes = engine.step(live)
             assert all(o.error is None and not o.full for o in outcomes)
             for o in outcomes:               # greedy: each kept token is the argmax of the row it came from
@@ -233,11 +239,9 @@ def test_mtp_chains_of_several_sequences_advance_together(tiny_model_path, monke
         assert chain_calls == [3, 3]
         first_step = [list(level) for level in chain_logits]
         for _ in range(N_NEW):
-            live = [s for s in running if len(s.history) - len(prompts[s.seq]) < N_NEW]
+            live = _still_wanted(running, prompts, N_NEW)
             if not live:
                 break
-            for s in live:
-                s.budget = N_NEW - (len(s.history) - len(prompts[s.seq]))
             assert all(o.error is None for o in engine.step(live))
         got = [s.history[len(p):len(p) + N_NEW] for s, p in zip(running, prompts)]
     assert len(proposed) >= 3 and all(len(d) == 3 for _, d in proposed[:3])
