@@ -27,7 +27,7 @@ def _reference_greedy(path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _still_wanted(running: list[Running], prompts: list[list[int]], n: int) -> list[Running]:
+def still_wanted(running: list[Running], prompts: list[list[int]], n: int) -> list[Running]:
     """The sequences with fewer than n new tokens, each given the budget of what it still wants."""
     live = [s for s in running if len(s.history) - len(prompts[s.seq]) < n]
     for s in live:
@@ -62,7 +62,7 @@ def test_sequences_in_one_ubatch_keep_what_the_reference_keeps(tiny_model_path):
             running.append(s)
         widths = []
         for _ in range(N_NEW):
-            live = _still_wanted(running, prompts, N_NEW)
+            live = still_wanted(running, prompts, N_NEW)
             if not live:
                 break
             outcomes = engine.step(live)
@@ -239,7 +239,7 @@ def test_mtp_chains_of_several_sequences_advance_together(tiny_model_path, monke
         assert chain_calls == [3, 3]
         first_step = [list(level) for level in chain_logits]
         for _ in range(N_NEW):
-            live = _still_wanted(running, prompts, N_NEW)
+            live = still_wanted(running, prompts, N_NEW)
             if not live:
                 break
             assert all(o.error is None for o in engine.step(live))

@@ -23,6 +23,7 @@ from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.speculative import DraftLength, NgramDraft
 from reference_kimi import KimiReference
 from test_qwen35_files import np_f32, read
+from test_engine import still_wanted
 
 F32_TOL = 1e-5
 PRESET = "tiny-kimi-linear"
@@ -284,11 +285,9 @@ def test_engine_steps_with_ngram_drafts_keep_the_reference_tokens(kimi_path):
             engine.first(r, m.eval(p, seq))
             running.append(r)
         for _ in range(n_new):
-            live = [r for r in running if len(r.history) - len(prompts[r.seq]) < n_new]
+            live = still_wanted(running, prompts, n_new)
             if not live:
                 break
-            for r in live:
-                r.budget = n_new - (len(r.history) - len(prompts[r.seq]))
             assert all(o.error is None for o in engine.step(live))
             for r in live:
                 assert m.tokens(r.seq) == r.history[:-1]
@@ -313,13 +312,9 @@ BAD_FILES = [
 
 @pytest.mark.parametrize("edit,message", BAD_FILES)
 def test_a_bad_file_is_one_clear_error(kimi_path, tmp_path, edit, message):
-    from deltarun.base.errors import ModelFileError
-    from test_loader_errors import rewrite
+    from test_loader_errors import assert_one_clear_error
 
-    bad = tmp_path / "bad.gguf"
-    rewrite(kimi_path, bad, **edit)
-    with pytest.raises(ModelFileError, match=message):
-        Model(bad, n_ctx=64)
+    assert_one_clear_error(kimi_path, tmp_path, edit, message)
 
 
 def test_f16_kv_cache(kimi_path, reference):

@@ -165,6 +165,14 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_keys: tuple[s
     w.close()
 
 
+def assert_one_clear_error(src: Path, tmp_path: Path, edit: dict[str, Any], message: str) -> None:
+    """`src` rewritten with `edit` (rewrite's keywords) opens as one ModelFileError matching `message`."""
+    bad = tmp_path / "bad.gguf"
+    rewrite(src, bad, **edit)
+    with pytest.raises(ModelFileError, match=message):
+        Model(bad, n_ctx=64)
+
+
 def tensor(src: Path, name: str) -> np.ndarray:
     r = gguf.GGUFReader(str(src))
     return np.array(next(t.data for t in r.tensors if t.name == name))

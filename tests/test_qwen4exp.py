@@ -32,6 +32,7 @@ import llamacpp
 from llamacpp import needs_llamacpp
 from reference_qwen4exp import Qwen4ExpReference, ngram_rows, shift_right_ignore_eos
 from test_qwen35_files import np_f32, read, rows_of_heads, tiled_head_order
+from test_engine import still_wanted
 from test_qwen35_forward import greedy, prompt, rel_err
 
 F32_TOL = 1e-5
@@ -409,11 +410,9 @@ def test_engine_steps_with_ngram_drafts_keep_the_reference_tokens(q4_path, hf):
             engine.first(r, m.eval(p, seq))
             running.append(r)
         for _ in range(n_new):
-            live = [r for r in running if len(r.history) - len(prompts[r.seq]) < n_new]
+            live = still_wanted(running, prompts, n_new)
             if not live:
                 break
-            for r in live:
-                r.budget = n_new - (len(r.history) - len(prompts[r.seq]))
             assert all(o.error is None for o in engine.step(live))
         got = [r.history[len(p):len(p) + n_new] for r, p in zip(running, prompts)]
     assert got == want
@@ -480,13 +479,9 @@ BAD_FILES = [
 
 @pytest.mark.parametrize("edit,message", BAD_FILES)
 def test_a_bad_file_is_one_clear_error(q4_path, tmp_path, edit, message):
-    from deltarun.base.errors import ModelFileError
-    from test_loader_errors import rewrite
+    from test_loader_errors import assert_one_clear_error
 
-    bad = tmp_path / "bad.gguf"
-    rewrite(q4_path, bad, **edit)
-    with pytest.raises(ModelFileError, match=message):
-        Model(bad, n_ctx=64)
+    assert_one_clear_error(q4_path, tmp_path, edit, message)
 
 
 @needs_llamacpp
