@@ -395,6 +395,24 @@ def commit_kept(source: DraftSource | None, model: Model, seq: int, kept: list[i
         source.commit(kept, hidden[:n] if source.needs_hidden else None, model.n_past(seq) - n)
 
 
+@dataclass
+class _Chain:
+    """One sequence's MTP chain in progress: its drafting generator, the drafted token it waits on
+    the logits after (at chain level `level`), the block's last output hidden state, and the
+    position of the last committed token."""
+
+    seq: int
+    steps: Generator[tuple[int, int], np.ndarray, Draft]
+    level: int
+    token: int
+    out: np.ndarray
+    pos: int
+
+    def row(self) -> tuple[list[int], np.ndarray, int]:
+        """The MTP row that gives those logits: the token, at the position after the previous one."""
+        return [self.token], self.out[-1:], self.pos + 1 + self.level
+
+
 def propose_mtp(model: Model, wants: list[tuple[MtpDraft, list[int], int, Sampler]]) -> list[Draft]:
     """Chained MTP drafts of several sequences: wants[i] = (source, history, drafts wanted,
     sampler). The chains advance in lockstep: level i of every chain that goes on is one MTP
@@ -404,7 +422,7 @@ def propose_mtp(model: Model, wants: list[tuple[MtpDraft, list[int], int, Sample
     (d - 1) x sequences times. An evaluation that fails raises for all (the engine then proposes
     for each alone)."""
     drafts = [Draft([], []) for _ in wants]
-    chains: dict[int, list] = {}          # i -> [source, steps, (level, token), output hidden, position]
+    chains: dict[int, _Chain] = {}
     for i, (source, history, n, sampler) in enumerate(wants):
         start = source.chain_start(history, n)
         if start is None:
@@ -412,17 +430,17 @@ def propose_mtp(model: Model, wants: list[tuple[MtpDraft, list[int], int, Sample
         logits, out, pos = start
         steps = draft_steps(sampler, logits, history, n)
         try:
-            chains[i] = [source, steps, next(steps), out, pos]
+            chains[i] = _Chain(source.seq, steps, *next(steps), out, pos)
         except StopIteration as done:
             drafts[i] = done.value
     while chains:
-        for run in _consecutive(sorted(chains, key=lambda i: chains[i][0].seq), lambda i: chains[i][0].seq):
-            rows = [([chains[i][2][1]], chains[i][3][-1:], chains[i][4] + 1 + chains[i][2][0]) for i in run]
-            results = model.mtp_eval_rows(rows, chains[run[0]][0].seq)
+        for run in _consecutive(sorted(chains, key=lambda i: chains[i].seq), lambda i: chains[i].seq):
+            results = model.mtp_eval_rows([chains[i].row() for i in run], chains[run[0]].seq)
             for i, (logits, out) in zip(run, results):
-                chains[i][3] = out
+                chain = chains[i]
+                chain.out = out
                 try:
-                    chains[i][2] = chains[i][1].send(logits)
+                    chain.level, chain.token = chain.steps.send(logits)
                 except StopIteration as done:
                     drafts[i] = done.value
                     del chains[i]
