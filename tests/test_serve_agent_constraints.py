@@ -309,17 +309,84 @@ def test_mtp_drafts_with_a_budget_keep_the_answer(tiny_model_path):
     assert answers[1]["timings"]["draft_n"] > 0
 
 
-def test_a_budget_never_breaks_a_response_format(served):
-    """A json_schema grammar constrains the answer from its first token: the budget's marker is not
-    forced past it, and the answer is the one without a budget, valid JSON."""
-    _, h, _, _ = served
-    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
-    body = {"messages": ASK, "max_tokens": 30, "chat_template_kwargs": {"enable_thinking": True},
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
-    plain = _chat(h, body)["message"]
-    budgeted = _chat(h, {**body, "reasoning_budget_tokens": 2})["message"]
-    assert budgeted == plain
-    jsonschema.validate(json.loads(plain["content"] or plain["reasoning_content"]), schema)
+# ------------------------------------------------------------- constrained answers while thinking
+ANSWER_SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": ANSWER_SCHEMA}}
+
+
+def _close_bias(h, tok, prompt: list[int]) -> tuple[int, float, list[str]]:
+    """A logit bias on </think> that makes the unconstrained model think a few tokens and then
+    close the block itself: (its id, the bias, the unconstrained tokens)."""
+    close = tok.encode(THINK_CLOSE, add_special=False, parse_special=True)
+    assert len(close) == 1
+    for bias in (4, 5, 6, 7, 8, 9, 10, 11, 12):
+        free = _free(h, prompt, 30, logit_bias={str(close[0]): bias})
+        if THINK_CLOSE in free[3:]:
+            return close[0], bias, free
+    pytest.fail("no bias makes the tiny model close its think block after some tokens")
+
+
+def test_a_response_format_constrains_the_answer_after_the_think_block(served):
+    """Thinking on, a json_schema (llama-server's parser: an optional think block, then the JSON):
+    the think block is the unconstrained model's token for token up to its closing tag, and the
+    answer after it is the JSON, in `content` (it was all written inside the block, as reasoning)."""
+    name, h, tok, tmpl = served
+    if name == "qwen3":
+        pytest.skip("the Qwen3 template's generation prompt does not open the think block")
+    prompt = _prompt(tok, tmpl, ASK, enable_thinking=True)
+    close, bias, free = _close_bias(h, tok, prompt)
+    at = free.index(THINK_CLOSE)
+    got = _chat(h, {"messages": ASK, "max_tokens": 60, "logit_bias": {str(close): bias}, "ignore_eos": True,
+                    "response_format": ANSWER_FORMAT, "chat_template_kwargs": {"enable_thinking": True}})
+    assert _texts(got)[:at + 1] == free[:at + 1]
+    msg = got["message"]
+    assert msg["reasoning_content"] == b"".join(_bytes(got)[:at]).decode("utf-8", errors="replace").strip("\n")
+    jsonschema.validate(json.loads(msg["content"]), ANSWER_SCHEMA)
+    assert got["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses", "tool_call"])
+def test_a_budget_ends_the_thinking_before_a_constrained_answer(served, api):
+    """A budget of 3 with a json_schema (Chat Completions' response_format, the Messages API's
+    output_config.format, the Responses API's text.format) or a forced tool call: the thinking,
+    the template's marker, then the JSON or the call, which validates; the thinking is the
+    unconstrained answer's with that budget. A template whose prompt does not open the block (Qwen3's) is
+    constrained from the first token, as before: no thinking."""
+    name, h, tok, tmpl = served
+    body = {"messages": ASK, "max_tokens": 60, "ignore_eos": True, "reasoning_budget_tokens": 3,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    if api == "tool_call":
+        msg = _chat(h, {**body, "tools": [WEATHER], "tool_choice": "required"})["message"]
+        _valid_call(msg["tool_calls"][0])
+        answer, thinking = None, msg.get("reasoning_content")
+    elif api == "chat":
+        msg = _chat(h, {**body, "response_format": ANSWER_FORMAT})["message"]
+        answer, thinking = msg["content"], msg.get("reasoning_content")
+    elif api == "messages":
+        c = anthropic.Anthropic(base_url=h.base_url, api_key="x", max_retries=0, timeout=120)
+        r = c.messages.create(model="tiny", max_tokens=60, messages=ASK, thinking={"type": "enabled", "budget_tokens": 3},
+                              extra_body={"temperature": 0, "ignore_eos": True, "output_config": {"format": {
+                                  "type": "json_schema", "schema": ANSWER_SCHEMA}}})
+        blocks = {b.type: b for b in r.content}
+        answer = blocks["text"].text
+        thinking = blocks["thinking"].thinking if "thinking" in blocks else None
+    else:
+        r = httpx.post(h.base_url + "/v1/responses", timeout=120, json={
+            "model": "tiny", "input": ASK[0]["content"], "max_output_tokens": 60, "temperature": 0,
+            "reasoning": {"effort": "high"}, "reasoning_budget_tokens": 3, "store": False, "ignore_eos": True,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": ANSWER_SCHEMA}}})
+        assert r.status_code == 200, r.text
+        items = {it["type"]: it for it in r.json()["output"]}
+        answer = items["message"]["content"][0]["text"]
+        thinking = items["reasoning"]["content"][0]["text"] if "reasoning" in items else None
+    if answer is not None:
+        jsonschema.validate(json.loads(answer), ANSWER_SCHEMA)
+    if name == "qwen35":
+        same = {"tools": [WEATHER], "tool_choice": "auto"} if api == "tool_call" else {}     # the same prompt
+        free = _chat(h, {**body, **same, "max_tokens": 12})["message"]     # the same budget, no constraint
+        assert thinking and thinking == free["reasoning_content"]
+    else:
+        assert not thinking
 
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
