@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from deltarun.apps.serve.output import OutputStream, ToolCallStream, parse_tool_call, parse_tool_calls
+from deltarun.apps.serve.output import (KIMI_TOOLS, QWEN_TOOLS, OutputStream, ToolCallStream, parse_tool_call,
+                                        parse_tool_calls, tool_format_of)
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, parse_chat, parse_completion
 from deltarun.cli.serve import is_loopback
@@ -64,6 +65,53 @@ def test_tool_calls_json_and_xml_forms():
     s = ToolCallStream()
     d = s.push("<tool_call>oops</tool_call> rest")
     assert d.content == "<tool_call>oops</tool_call> rest" and not d.tool_calls
+
+
+KIMI_ANSWER = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+               '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+               'functions.add:1<|tool_call_argument_begin|>{"a":1,"b":[2,3]}<|tool_call_end|>'
+               '<|tool_calls_section_end|>')
+
+
+def test_kimi_tool_calls():
+    """Kimi's format as llama.cpp's kimi-k2 parser reads it: one section, ids functions.NAME:N kept,
+    arguments as written; the section markers optional; anything else in a section is content."""
+    content, calls = parse_tool_calls(KIMI_ANSWER, KIMI_TOOLS)
+    assert content == "Let me check."
+    assert [(c["index"], c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (0, "functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+        (1, "functions.add:1", "add", '{"a":1,"b":[2,3]}')]
+    # streamed one character at a time: the same calls, no marker text in the content
+    content2, _, calls2, out = _stream(KIMI_ANSWER, tools=True, tool_format=KIMI_TOOLS)
+    assert content2 == "Let me check." and calls2 == calls and out.n_tool_calls == 2
+    # no section markers, the last call unterminated (the answer ended there)
+    content, calls = parse_tool_calls('<|tool_call_begin|>functions.f:3<|tool_call_argument_begin|>{"x": 1}',
+                                      KIMI_TOOLS)
+    assert content == "" and [(c["id"], c["function"]["name"]) for c in calls] == [("functions.f:3", "f")]
+    # a call's end marker left out before the next call (llama.cpp's grammar makes it optional)
+    content, calls = parse_tool_calls('<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x": 1}'
+                                      '<|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}'
+                                      '<|tool_call_end|>', KIMI_TOOLS)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    # an id without the functions. prefix, or arguments that are not a JSON object: content
+    for bad in ('<|tool_calls_section_begin|><|tool_call_begin|>f:0<|tool_call_argument_begin|>{}'
+                '<|tool_call_end|><|tool_calls_section_end|>',
+                '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]'
+                '<|tool_call_end|><|tool_calls_section_end|> tail'):
+        content, calls = parse_tool_calls(bad, KIMI_TOOLS)
+        assert content == bad and calls == []
+    # Qwen's tags mean nothing to a Kimi model, and Kimi's markers nothing to a Qwen one
+    qwen = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert parse_tool_calls(qwen, KIMI_TOOLS) == (qwen, [])
+    assert parse_tool_calls(KIMI_ANSWER, QWEN_TOOLS) == (KIMI_ANSWER, [])
+
+
+def test_tool_format_follows_the_template():
+    """The format is the template's (llama.cpp's rule: both Kimi markers in its source)."""
+    kimi = "{{ '<|tool_calls_section_begin|>' }}{{ '<|tool_call_begin|>' }}"
+    assert tool_format_of(kimi) is KIMI_TOOLS
+    assert tool_format_of("{{ '<|tool_calls_section_begin|>' }}") is QWEN_TOOLS
+    assert tool_format_of("<tool_call>{{ x }}</tool_call>") is QWEN_TOOLS
 
 
 def test_stop_strings_hold_back_partial_matches():

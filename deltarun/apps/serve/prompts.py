@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_turn, opens_thinking, tokens_before
+from deltarun.apps.serve.output import QWEN_TOOLS, tool_format_of
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.base.chat_template import ChatTemplate
@@ -56,6 +57,8 @@ class PromptBuilder:
         self.grammars = grammars
         self.checkpoint_every = checkpoint_every
         self.xml_tools = "<function=" in template.source and "<parameter=" in template.source
+        #: the tool-call format the template teaches (Qwen's or Kimi's): the answers are parsed in it
+        self.tool_format = tool_format_of(template.source)
         #: the think block's tags and the end-of-thinking marker a reasoning budget forces
         self.thinking_tags = ThinkingTags.of(lambda s: self.tokenizer.encode(s, add_special=False, parse_special=True),
                                              template.reasoning_separator())
@@ -193,6 +196,12 @@ class PromptBuilder:
         grammar, trigger = None, None
         if req.response_format is not None:
             grammar = self.grammars.json_schema(req.response_format["schema"], "response_format")
+        elif use_tools and self.tool_format is not QWEN_TOOLS:
+            # the call grammars are written in Qwen's format: Kimi's calls are parsed, not constrained
+            if req.tool_choice != "auto":
+                raise ApiError(f"tool_choice {json.dumps(req.tool_choice)} needs a grammar of this model's "
+                               f"{self.tool_format.name} tool-call format, which deltarun does not build; "
+                               "use tool_choice \"auto\"", param="tool_choice")
         elif use_tools and req.tool_choice != "auto":
             chosen = req.tools if req.tool_choice == "required" else \
                 [t for t in req.tools if t["function"]["name"] == req.tool_choice["function"]["name"]]
@@ -202,7 +211,7 @@ class PromptBuilder:
         return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens, len(prompt)), req=req,
                          grammar=grammar, trigger=trigger, thinking_tags=self.thinking_tags,
                          thinking_budget=req.reasoning_budget, reasoning=True,
-                         starts_thinking=opens_thinking(text), tools=use_tools,
+                         starts_thinking=opens_thinking(text), tools=use_tools, tool_format=self.tool_format,
                          checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start], placed),
                          answer_start=answer_start, images=placed)
 

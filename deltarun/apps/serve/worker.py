@@ -66,7 +66,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deltarun.apps.serve.metrics import Metrics
-from deltarun.apps.serve.output import Delta, OutputStream
+from deltarun.apps.serve.output import QWEN_TOOLS, Delta, OutputStream, ToolFormat
 from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
@@ -106,6 +106,7 @@ class GenParams:
     reasoning: bool = False             # split <think> blocks into reasoning_content
     starts_thinking: bool = False       # the prompt opened a think block
     tools: bool = False                 # parse tool calls
+    tool_format: ToolFormat = QWEN_TOOLS   # how the template's model writes them
     checkpoints: list[int] = field(default_factory=list)   # prompt positions to checkpoint at
     answer_start: int = 0               # where the next turn will diverge from this prompt
     ahead: bool = False                 # a prompt start evaluated ahead of its request (`Worker.prefill_ahead`)
@@ -453,7 +454,7 @@ class Worker:
         job.seq, job.pos, job.n_cached = seq, resume.pos, resume.pos
         job.t_admit = time.perf_counter()
         job.output = OutputStream(model.tokenizer, p.req.stops, reasoning=p.reasoning,
-                                  starts_thinking=p.starts_thinking, tools=p.tools)
+                                  starts_thinking=p.starts_thinking, tools=p.tools, tool_format=p.tool_format)
         if p.grammar is not None:
             job.constraint = self.grammars.matcher(p.grammar, p.trigger, p.thinking_tags, p.starts_thinking)
         budget = None
