@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Callable, Protocol, TypeVar
 
 import gguf
 import numpy as np
@@ -242,24 +243,21 @@ def chat_template() -> str:
 def write_model(path: str | Path, config: ModelConfig | str = "tiny", wtype: str = "f32", seed: int = 0,
                 name: str | None = None) -> Path:
     """Write a synthetic Qwen3-Next GGUF to `path` and return the path."""
-    cfg = PRESETS[config] if isinstance(config, str) else config
-    if wtype not in WEIGHT_TYPES:
-        raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = vocab_named(cfg.vocab)
+    cfg, vocab = config_and_vocab(config, PRESETS, wtype)
     tensors = model_tensors(cfg, len(vocab.tokens), seed)
-    return write_gguf(path, cfg, tensors, vocab, wtype, name or f"deltarun synthetic qwen3next {wtype}")
+    return write_gguf(path, cfg, tensors, vocab, wtype, name or f"deltarun synthetic {ARCH} {wtype}")
 
 
 def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], vocab: TinyVocab, wtype: str,
                name: str, extra: dict[str, str] | None = None) -> Path:
     """Write float32 `tensors` (GGUF names, numpy order) with `cfg`'s metadata and `vocab` as a
     converted Qwen3-Next file of weight type `wtype`; `extra` adds string keys (general.*)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    return write_gguf_file(path, ARCH, name, lambda w: _add_metadata(w, cfg, wtype, extra), tensors, wtype,
+                           (vocab, "qwen2", chat_template()))
 
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_name(name)
+
+def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, wtype: str, extra: dict[str, str] | None) -> None:
+    """The keys llama.cpp's converter writes for a Qwen3-Next config, after the file type and `extra`."""
     w.add_file_type(_FILE_TYPES[wtype])
     for key, value in (extra or {}).items():
         w.add_string(key, value)
@@ -288,27 +286,62 @@ def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray
         w.add_array(f"{ARCH}.attention.recurrent_layers", cfg.recurrent + [False] * cfg.n_mtp)
     if cfg.n_mtp:
         w.add_nextn_predict_layers(cfg.n_mtp)
-    return finish_gguf(w, tmp, path, vocab, "qwen2", chat_template(), tensors, wtype)
 
 
-def finish_gguf(w: gguf.GGUFWriter, tmp: Path, path: Path, vocab: TinyVocab, pre: str, template: str,
-                tensors: dict[str, np.ndarray], wtype: str) -> Path:
-    """What every synthetic writer ends with, as the converter writes it: the vocabulary under
-    llama.cpp's tokenizer keys (pre-tokenizer `pre`), the chat template, the tensors at their
-    storage types; then the finished file replaces `path` (never left half-written)."""
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.token_types)
-    w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(vocab.bos_id)
-    w.add_eos_token_id(vocab.eos_id)
-    w.add_pad_token_id(vocab.pad_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(template)
+class _HasVocab(Protocol):
+    """A family's config: it names its vocabulary (models/vocab.py VOCABS)."""
+
+    @property
+    def vocab(self) -> str: ...
+
+
+Config = TypeVar("Config", bound=_HasVocab)
+
+
+def config_and_vocab(config: Config | str, presets: dict[str, Config], wtype: str) -> tuple[Config, TinyVocab]:
+    """A family's config (given, or a preset's name) and the vocabulary it names, after checking
+    that `wtype` is a weight type the generators write (before the vocabulary is read: the large
+    ones come from files)."""
+    cfg = presets[config] if isinstance(config, str) else config
+    if wtype not in WEIGHT_TYPES:
+        raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
+    return cfg, vocab_named(cfg.vocab)
+
+
+def write_gguf_file(path: str | Path, arch: str, name: str | None, add_keys: Callable[[gguf.GGUFWriter], None],
+                    tensors: dict[str, np.ndarray], wtype: str,
+                    tokenizer: tuple[TinyVocab, str, str] | None = None,
+                    storage: Callable[[str, np.ndarray, str], gguf.GGMLQuantizationType] | None = None) -> Path:
+    """What every synthetic writer does once its tensors and keys are known, in the converter's
+    order: general.name (`name`, by default "deltarun synthetic {arch} {wtype}"), the family's keys
+    (`add_keys`), the vocabulary under llama.cpp's tokenizer keys with the chat template
+    (`tokenizer`: vocabulary, pre-tokenizer name, template; None for a file without one, such as an
+    mmproj), then the float32 `tensors` at their storage types (`storage`, by default
+    `storage_type`) quantised by ggml. Written to a temporary file that then replaces `path`, so a
+    file at `path` is never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    storage = storage or storage_type
+
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(name or f"deltarun synthetic {arch} {wtype}")
+    add_keys(w)
+    if tokenizer is not None:
+        vocab, pre, template = tokenizer
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(vocab.tokens)
+        w.add_token_types(vocab.token_types)
+        w.add_token_merges(vocab.merges)
+        w.add_bos_token_id(vocab.bos_id)
+        w.add_eos_token_id(vocab.eos_id)
+        w.add_pad_token_id(vocab.pad_id)
+        w.add_add_bos_token(False)
+        w.add_chat_template(template)
 
     for tname, arr in tensors.items():
-        qtype = storage_type(tname, arr, wtype)
+        qtype = storage(tname, arr, wtype)
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(tname, arr)
         else:

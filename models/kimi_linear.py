@@ -33,8 +33,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, chat_template, finish_gguf
-from deltarun.model_files.vocab import vocab_named
+from deltarun.model_files.generate import _FILE_TYPES, chat_template, config_and_vocab, write_gguf_file
 
 ARCH = "kimi-linear"
 GATING_SIGMOID = 2   # gguf.ExpertGatingFuncType.SIGMOID
@@ -310,18 +309,10 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: KimiLinearConfig, n_vocab: int, wtype
 def write_model(path: str | Path, config: KimiLinearConfig | str = "tiny-kimi-linear", wtype: str = "f32",
                 seed: int = 0, name: str | None = None) -> Path:
     """Write a synthetic Kimi-Linear GGUF to `path` and return the path."""
-    cfg = PRESETS[config] if isinstance(config, str) else config
-    if wtype not in WEIGHT_TYPES:
-        raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = vocab_named(cfg.vocab)
+    cfg, vocab = config_and_vocab(config, PRESETS, wtype)
     tensors = model_tensors(cfg, vocab.n_vocab, seed)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_name(name or f"deltarun synthetic {ARCH} {wtype}")
-    _add_metadata(w, cfg, vocab.n_vocab, wtype)
-    return finish_gguf(w, tmp, path, vocab, vocab.pre, chat_template(), tensors, wtype)
+    return write_gguf_file(path, ARCH, name, lambda w: _add_metadata(w, cfg, vocab.n_vocab, wtype), tensors, wtype,
+                           (vocab, vocab.pre, chat_template()))
 
 
 def config_with(preset: str = "tiny-kimi-linear", **changes: object) -> KimiLinearConfig:

@@ -38,8 +38,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.generate import _FILE_TYPES, WEIGHT_TYPES, finish_gguf
-from deltarun.model_files.vocab import vocab_named
+from deltarun.model_files.generate import _FILE_TYPES, config_and_vocab, write_gguf_file
 
 CHAT_TEMPLATE_RESOURCE = "data/qwen35-chat-template.jinja"
 
@@ -430,19 +429,10 @@ def add_metadata(w: gguf.GGUFWriter, cfg: Qwen35Config, wtype: str) -> None:
 def write_model(path: str | Path, config: Qwen35Config | str = "tiny-qwen35", wtype: str = "f32",
                 seed: int = 0, name: str | None = None) -> Path:
     """Write a synthetic Qwen3.5 GGUF to `path` and return the path."""
-    cfg = PRESETS[config] if isinstance(config, str) else config
-    if wtype not in WEIGHT_TYPES:
-        raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = vocab_named(cfg.vocab)
+    cfg, vocab = config_and_vocab(config, PRESETS, wtype)
     tensors = model_tensors(cfg, vocab.n_vocab, seed)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-
-    w = gguf.GGUFWriter(str(tmp), cfg.arch)
-    w.add_name(name or f"deltarun synthetic {cfg.arch} {wtype}")
-    add_metadata(w, cfg, wtype)
-    return finish_gguf(w, tmp, path, vocab, "qwen35", chat_template(), tensors, wtype)
+    return write_gguf_file(path, cfg.arch, name, lambda w: add_metadata(w, cfg, wtype), tensors, wtype,
+                           (vocab, "qwen35", chat_template()))
 
 
 def config_with(preset: str = "tiny-qwen35", **changes: object) -> Qwen35Config:

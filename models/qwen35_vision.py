@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 
 from deltarun.model_files import qwen35
-from deltarun.model_files.generate import _FILE_TYPES, quantize
+from deltarun.model_files.generate import _FILE_TYPES, write_gguf_file
 
 PROJECTOR_TYPE = "qwen3vl_merger"
 
@@ -174,12 +174,12 @@ def write_mmproj(path: str | Path, cfg: VisionConfig | str = "tiny-vision", wtyp
     cfg = VISION_PRESETS[cfg] if isinstance(cfg, str) else cfg
     if wtype not in MMPROJ_TYPES:
         raise ValueError(f"unknown mmproj type {wtype!r}; choose from {', '.join(MMPROJ_TYPES)}")
-    tensors = convert(cfg, hf_weights(cfg, seed))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_name(f"deltarun synthetic mmproj {wtype}")
+    return write_gguf_file(path, "clip", f"deltarun synthetic mmproj {wtype}", lambda w: _add_keys(w, cfg, wtype),
+                           convert(cfg, hf_weights(cfg, seed)), wtype, storage=storage_type)
+
+
+def _add_keys(w: gguf.GGUFWriter, cfg: VisionConfig, wtype: str) -> None:
+    """The keys of `MmprojModel` and `Qwen3VLVisionModel.set_gguf_parameters` (after general.name)."""
     w.add_string("general.type", "mmproj")
     w.add_uint32("general.file_type", int(_FILE_TYPES[wtype]))
     # MmprojModel.set_gguf_parameters
@@ -199,18 +199,6 @@ def write_mmproj(path: str | Path, cfg: VisionConfig | str = "tiny-vision", wtyp
     w.add_uint32("clip.vision.spatial_merge_size", cfg.spatial_merge_size)
     w.add_float32("clip.vision.attention.layer_norm_epsilon", cfg.text_rms_norm_eps)
     w.add_array("clip.vision.is_deepstack_layers", [i in cfg.deepstack_visual_indexes for i in range(cfg.depth)])
-    for name, arr in tensors.items():
-        qtype = storage_type(name, arr, wtype)
-        if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, arr)
-        else:
-            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
 
 
 def vision_for(text: qwen35.Qwen35Config, preset: str = "tiny-vision", **changes: object) -> VisionConfig:

@@ -36,8 +36,7 @@ import gguf
 import numpy as np
 
 from deltarun.model_files import qwen35
-from deltarun.model_files.generate import WEIGHT_TYPES, finish_gguf
-from deltarun.model_files.vocab import vocab_named
+from deltarun.model_files.generate import config_and_vocab, write_gguf_file
 
 ARCH = "qwen4exp"
 
@@ -354,19 +353,10 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: Qwen4ExpConfig, hf: dict[str, np.ndar
 def write_model(path: str | Path, config: Qwen4ExpConfig | str = "tiny-qwen4exp", wtype: str = "f32",
                 seed: int = 0, name: str | None = None) -> Path:
     """Write a synthetic Qwen3.8-Flash-Next GGUF to `path` and return the path."""
-    cfg = PRESETS[config] if isinstance(config, str) else config
-    if wtype not in WEIGHT_TYPES:
-        raise ValueError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
-    vocab = vocab_named(cfg.vocab)
+    cfg, vocab = config_and_vocab(config, PRESETS, wtype)
     hf = hf_weights(cfg, vocab.n_vocab, seed)
-    tensors = convert(cfg, hf)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_name(name or f"deltarun synthetic {ARCH} {wtype}")
-    _add_metadata(w, cfg, hf, vocab.eos_id, wtype)
-    return finish_gguf(w, tmp, path, vocab, "qwen35", qwen35.chat_template(), tensors, wtype)
+    return write_gguf_file(path, ARCH, name, lambda w: _add_metadata(w, cfg, hf, vocab.eos_id, wtype),
+                           convert(cfg, hf), wtype, (vocab, "qwen35", qwen35.chat_template()))
 
 
 def config_with(preset: str = "tiny-qwen4exp", **changes: object) -> Qwen4ExpConfig:
