@@ -4,6 +4,7 @@ tests/test_chat.py and tests/test_serve_parts.py check that end to end."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from deltarun.base.errors import RollbackError
@@ -158,10 +159,46 @@ def test_the_rollback_limit_is_what_memory_rolls_back(tiny_model_path):
         assert mem.rollback_limit(0) == 0
 
 
+
+def test_a_decoding_step_leaves_the_start_state_out_and_undoes_all_but_its_first_token(tiny_model_path):
+    """`keep_start=False` (the engine's steps): the graph does not copy the state the ubatch
+    started from to slot T, and Memory lets a rollback undo T-1 tokens, which land on the states
+    the step computed (equal to evaluating the kept tokens alone); the engine steps that way."""
+    from deltarun.base.ggml_util import ggml, name_of
+    from deltarun.runner.engine import Engine, Running
+    from deltarun.runner.sampling import GREEDY, Sampler
+
+    def start_copies(m: Model, keep_start: bool) -> int:
+        g = next(g for s, g in m._graphs.items() if s.n_seq_tokens == 3 and s.keep_start is keep_start)
+        nodes = [ggml.ggml_graph_node(g.gf, i) for i in range(ggml.ggml_graph_n_nodes(g.gf))]
+        return sum(name_of(t).startswith("ssm_state_store_start") for t in nodes)
+
+    prompt = list(range(10, 20))
+    with Model(tiny_model_path("tiny"), n_ctx=64, rs_slots=4, n_threads=1) as m:
+        m.eval(prompt + [7])
+        want = m.eval([3])                            # the kept token, then the next, from scratch
+        m.reset()
+        m.eval(prompt)
+        m.eval([7, 8, 9], all_logits=True, keep_start=False)
+        assert m.memory.rollback_limit(0) == 2
+        with pytest.raises(RollbackError, match="so 2 can be undone"):
+            m.rollback(3)
+        m.rollback(2)
+        assert m.tokens() == prompt + [7]
+        np.testing.assert_allclose(m.eval([3]), want, rtol=0, atol=1e-5)
+        m.eval([1, 2, 3])                             # a prompt's ubatch: all of it can be undone
+        assert m.memory.rollback_limit(0) == 3
+        assert start_copies(m, True) == len(m.hp.linear_layers) and start_copies(m, False) == 0
+
+        m.reset()
+        m.eval(prompt)
+        Engine(m).step([Running(seq=0, sampler=Sampler(GREEDY), history=prompt + [5])])
+        assert m.tokens() == prompt + [5] and m.memory.rollback_limit(0) == 0
+
 def test_memory_advance_is_the_bookkeeping_of_an_evaluation(tiny_model_path):
     with Model(tiny_model_path("tiny"), n_ctx=64, rs_slots=3, n_threads=1, n_seq_max=2) as m:
         m.eval_batch({0: [1, 2, 3], 1: [4, 5, 6]})
         st = m.memory.seqs[1]
-        assert (st.n_past, st.tokens, st.last_ubatch, st.rolled_back) == (3, [4, 5, 6], 3, 0)
+        assert (st.n_past, st.tokens, st.undoable, st.rolled_back) == (3, [4, 5, 6], 3, 0)
         m.memory.advance(0, [7])     # what Model._eval_ubatch calls after a graph computed
         assert m.tokens(0) == [1, 2, 3, 7] and m.memory.rollback_limit(0) == 1 and m.n_past(0) == 4

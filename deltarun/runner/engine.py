@@ -194,9 +194,9 @@ class Engine:
         try:
             if only is not None:
                 out = {only.seq: model.eval(batch[only.seq], only.seq, all_logits=width > 1 or in_graph,
-                                            mtp_argmax=in_graph)}
+                                            mtp_argmax=in_graph, keep_start=False)}
             else:
-                out = model.eval_batch(batch, all_logits=width > 1)
+                out = model.eval_batch(batch, all_logits=width > 1, keep_start=False)
         except Exception as e:  # noqa: BLE001 - the run's sequences fail, not the others
             for s in run:
                 outcomes[id(s)].error = e

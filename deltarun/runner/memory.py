@@ -90,7 +90,7 @@ class SeqState:
 
     n_past: int = 0
     tokens: list[int] = field(default_factory=list)
-    last_ubatch: int = 0   # tokens evaluated by the last ubatch (what a rollback may undo)
+    undoable: int = 0      # tokens of the last ubatch a rollback may undo (all, or all but its first)
     rolled_back: int = 0   # tokens already undone since that ubatch
 
 
@@ -207,8 +207,8 @@ class Memory:
         overwritten) and the recurrent state is restored from slot r.
 
         After a ubatch of m tokens slot r holds the state r tokens back for r <= min(m, K-1)
-        (slot m, when m < K, is the state the ubatch started from), so at most min(m, K-1)
-        tokens can be undone in total.
+        (slot m, when m < K, is the state the ubatch started from, unless a decoding step left it
+        out), so at most min(m, K-1) tokens can be undone in total (min(m-1, K-1) after such a step).
         """
         state = self.seqs[seq]
         if n_tokens == 0:
@@ -217,7 +217,7 @@ class Memory:
         if not 0 < n_tokens <= limit:
             raise RollbackError(
                 f"cannot roll back {n_tokens} tokens: the recurrent state keeps {self.rs_slots} rollback "
-                f"slots and the last ubatch had {state.last_ubatch} tokens, so {max(limit, 0)} can be undone")
+                f"slots and the last ubatch left {state.undoable} of its tokens undoable, so {max(limit, 0)} can be undone")
         self._restore_slot(n_tokens + state.rolled_back, seq)
         state.rolled_back += n_tokens
         state.n_past -= n_tokens
@@ -229,15 +229,17 @@ class Memory:
         tokens, less those already undone since (the resume planner, runner/resume.py, plans no
         rollback beyond it)."""
         state = self.seqs[seq]
-        return min(state.last_ubatch, self.rs_slots - 1) - state.rolled_back
+        return min(state.undoable, self.rs_slots - 1) - state.rolled_back
 
-    def advance(self, seq: int, tokens: list[int]) -> None:
+    def advance(self, seq: int, tokens: list[int], keep_start: bool = True) -> None:
         """Bookkeeping after a ubatch appended `tokens` to `seq` (its KV rows and rollback slots
-        written by the graph): n_past, tokens, and what a rollback may undo from now on."""
+        written by the graph): n_past, tokens, and what a rollback may undo from now on: every
+        token, or all but the first when the graph left the start state out
+        (`UbatchShape.keep_start`)."""
         st = self.seqs[seq]
         st.n_past += len(tokens)
         st.tokens.extend(tokens)
-        st.last_ubatch = len(tokens)
+        st.undoable = len(tokens) if keep_start else len(tokens) - 1
         st.rolled_back = 0
 
     def copy_seq(self, src: int, dst: int) -> None:
@@ -256,7 +258,7 @@ class Memory:
                 cell = t.contents.nb[1]
                 self._copy_bytes(t, src * cell, dst * cell, cell)
         s, d = self.seqs[src], self.seqs[dst]
-        d.n_past, d.tokens, d.last_ubatch, d.rolled_back = s.n_past, list(s.tokens), 0, 0
+        d.n_past, d.tokens, d.undoable, d.rolled_back = s.n_past, list(s.tokens), 0, 0
         self.truncations.append((dst, 0))
 
     # --- one cell's state on the host (a server moves conversations between cells and host RAM) ---
@@ -339,7 +341,7 @@ class Memory:
         become stale (the truncation log says so).
         """
         st = self.seqs[seq]
-        st.n_past, st.tokens, st.last_ubatch, st.rolled_back = len(tokens), list(tokens), 0, 0
+        st.n_past, st.tokens, st.undoable, st.rolled_back = len(tokens), list(tokens), 0, 0
         self.truncations.append((seq, len(tokens)))
 
     def clear_seq(self, seq: int) -> None:

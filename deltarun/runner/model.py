@@ -267,7 +267,7 @@ class Model:
         self.memory.restore(cp)
 
     def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False,
-             captures: Sequence[int] = (), all_hidden: bool = False) -> np.ndarray:
+             captures: Sequence[int] = (), all_hidden: bool = False, keep_start: bool = True) -> np.ndarray:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
         token [n, vocab].
 
@@ -283,6 +283,10 @@ class Model:
         `mtp_argmax` (all_logits, one ubatch, a model opened with mtp=True): the same graph also
         runs the MTP block on every row's (argmax token, hidden state) and leaves them in
         `last_mtp` (a greedy speculative step's next draft without a separate evaluation).
+
+        `keep_start=False`: a decoding step that keeps at least its first token; the graph does not
+        save the state it started from, so a rollback may undo all but that token
+        (`UbatchShape.keep_start`).
         """
         toks = [int(t) for t in tokens]
         self._check_tokens(toks, seq)
@@ -298,7 +302,7 @@ class Model:
                 raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
             if not all_logits or len(toks) > self.n_ubatch:
                 raise DeltarunError("mtp_argmax evaluates one ubatch with every row's logits (all_logits)")
-            return self._eval_ubatch([toks], seq, True, mtp_argmax=True)[0]
+            return self._eval_ubatch([toks], seq, True, mtp_argmax=True, keep_start=keep_start)[0]
         outs, hiddens = [], []
         done = 0
         sizes = self.split_ubatches(len(toks))
@@ -311,7 +315,7 @@ class Model:
             last = done + size == len(toks)
             inner = tuple(t - done for t in caps if done < t < done + size)
             logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits, captures=inner,
-                                       all_hidden=all_hidden and not all_logits)[0]
+                                       all_hidden=all_hidden and not all_logits, keep_start=keep_start)[0]
             for i, t in enumerate(inner):
                 self.last_captures[start + done + t] = self.memory.read_capture(i, start + done + t)
             done += size
@@ -612,14 +616,16 @@ class Model:
                 sched.drop_graph(g.gf)
         ggml.ggml_free(g.ctx)
 
-    def eval_batch(self, batch: dict[int, list[int]], all_logits: bool = False) -> dict[int, np.ndarray]:
+    def eval_batch(self, batch: dict[int, list[int]], all_logits: bool = False,
+                   keep_start: bool = True) -> dict[int, np.ndarray]:
         """Evaluate several sequences at once: equal-length token lists for consecutive sequence ids
-        share ubatches (one graph with n_seqs > 1); other batches are evaluated sequence by sequence."""
+        share ubatches (one graph with n_seqs > 1); other batches are evaluated sequence by sequence.
+        `keep_start` as in `eval`."""
         seqs = sorted(batch)
         lengths = {len(batch[s]) for s in seqs}
         consecutive = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         if len(seqs) == 1 or len(lengths) != 1 or not consecutive:
-            return {s: self.eval(batch[s], s, all_logits) for s in seqs}
+            return {s: self.eval(batch[s], s, all_logits, keep_start=keep_start) for s in seqs}
         n = lengths.pop()
         for s in seqs:
             self._check_tokens(batch[s], s)
@@ -630,7 +636,7 @@ class Model:
             chunk = [batch[s][done:done + size] for s in seqs]
             done += size
             last = done == n
-            logits = self._eval_ubatch(chunk, seqs[0], all_logits)
+            logits = self._eval_ubatch(chunk, seqs[0], all_logits, keep_start=keep_start)
             if all_logits or last:
                 for i, s in enumerate(seqs):
                     outs[s].append(logits[i])
@@ -652,7 +658,7 @@ class Model:
     def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
                      mtp_argmax: bool = False, captures: tuple[int, ...] = (),
                      embd: np.ndarray | None = None, rope: np.ndarray | None = None,
-                     all_hidden: bool = False) -> np.ndarray:
+                     all_hidden: bool = False, keep_start: bool = True) -> np.ndarray:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab].
         With `embd` (one sequence) the rows are given instead of looked up (an image), at rope
         streams `rope` [3, n]. `all_hidden`: every row's hidden state, the last row's logits."""
@@ -665,7 +671,8 @@ class Model:
         n_hidden = n if logits_last else n_out
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
-                            embeddings=embd is not None, logits_last=logits_last)
+                            embeddings=embd is not None, logits_last=logits_last,
+                            keep_start=keep_start or n >= self.memory.rs_slots)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)
@@ -678,7 +685,7 @@ class Model:
         _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
         self.last_hidden = hidden
         for i, toks in enumerate(tokens):
-            self.memory.advance(seq_head + i, toks)
+            self.memory.advance(seq_head + i, toks, keep_start)
         self.stats.n_eval_tokens += n * n_seqs
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0

@@ -194,10 +194,12 @@ def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tens
     D = hp.ssm_state_size
     slot0 = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), ub.seq_head * nb(ssm_all)[1])   # in place, contiguous
     state = g.cb(ggml.ggml_reshape_4d(c, slot0, S, S, nv, N), "state_predelta", il)
-    if T < K:
+    if T < K and ub.keep_start:
         # slot T: the state the ubatch started from (its conv window is slot T too), so that the
         # whole ubatch can be rolled back; slots beyond stay unwritten. Expanded before the delta
-        # rule: it reads slot 0, which the snapshot store below overwrites.
+        # rule: it reads slot 0, which the snapshot store below overwrites. (A decoding step
+        # leaves it out: `UbatchShape.keep_start`; its conv window is written anyway, 1/50 of
+        # the state's size, so the conv slots' single set_rows keeps one shape per T.)
         start = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), T * nb(ssm_all)[2] + ub.seq_head * nb(ssm_all)[1])
         g.expand(g.cb(ggml.ggml_cpy(c, slot0, start), "ssm_state_store_start", il))
 
