@@ -232,11 +232,12 @@ class SideRun:
     n_vocab: int = 0
 
 
-def _weight_types(model: Model) -> dict[str, int]:
+def weight_types(tensors: Any) -> dict[str, int]:
+    """{ggml type: number of tensors} of some weight tensors, most common first."""
     from deltarun.base.ggml_util import ggml
 
     counts: Counter[str] = Counter()
-    for t in model.weights.tensors.values():
+    for t in tensors:
         counts[ggml.ggml_type_name(t.contents.type).decode()] += 1
     return dict(counts.most_common())
 
@@ -278,7 +279,7 @@ def run_side(side: Side, tokens: list[int], steps: int, *, decode_token: int | N
             logits = np.array(m.eval([tok]), dtype=np.float32)
             step_logits.append(logits)
         run = SideRun(side=side, device=m.backend.description, placement=m.placement.describe(),
-                      weight_types=_weight_types(m), prompt_logits=prompt_logits, step_logits=step_logits,
+                      weight_types=weight_types(m.weights.tensors.values()), prompt_logits=prompt_logits, step_logits=step_logits,
                       greedy=greedy, n_vocab=m.hp.n_vocab)
         say(f"side {side.label}: recording the prefill graph ({len(tokens)} tokens)")
         run.graphs.append(_capture(m, tokens, "prefill", decode=False))
@@ -520,6 +521,40 @@ def _inputs_line(row: dict[str, Any]) -> str:
     return "; ".join(parts) or "-"
 
 
+def graph_lines(g: dict[str, Any], sa: dict[str, Any], sb: dict[str, Any], show: str = "named") -> list[str]:
+    """One compared graph as text lines: its summary, the node table (`show` as in `to_text`), the
+    first node over its limit with its inputs' errors."""
+    out: list[str] = []
+    sp = f"splits a {sa['n_splits'].get(g['graph'])}, b {sb['n_splits'].get(g['graph'])}"
+    out.append(f"{g['graph']} graph ({g['n_tokens']} token(s) after {g['n_past']}): nodes a {g['n_nodes_a']}, "
+               f"b {g['n_nodes_b']}, matched by {g['matched_by']}; compared {g['n_compared']}, "
+               f"failed {g['n_failed']}, skipped {g['n_skipped']}; {sp}")
+    if g["only_a"] or g["only_b"]:
+        out.append(f"  only on a: {len(g['only_a'])} named nodes; only on b: {len(g['only_b'])} "
+                   f"(skipped; e.g. {', '.join((g['only_a'] + g['only_b'])[:4])})")
+    rows = []
+    for r in g["nodes"]:
+        if show == "named" and not r["named"]:
+            continue
+        if show == "failures" and r["status"] not in FAIL:
+            continue
+        where = r["backend_b"] or "-"
+        if r["backend_a"] and r["backend_a"] != r["backend_b"]:
+            where = f"{r['backend_a'] or '-'}/{where}"
+        rows.append([r["id"], r["name"], r["op"], where, _fmt(r["nmse"]), _fmt(r["limit"]),
+                     _fmt(r["max_abs_err"]), r["status"] if r["status"] != "index_mismatch" else
+                     f"index_mismatch ({r['n_diff']})"])
+    if rows:
+        out.extend(format_table(["id", "name", "op", "ran on", "nmse", "limit", "max|a-b|", "status"], rows))
+    f = g["first_failure"]
+    if f is not None:
+        out.append(f"  FIRST EXCEEDING NODE: {f['id']} {f['name']} ({f['op']}, {f['type']} {f['ne']}): {_describe(f)}")
+        out.append(f"    inputs: {_inputs_line(f)}")
+    else:
+        out.append("  every compared node is within its limit")
+    return out
+
+
 def to_text(report: dict[str, Any], show: str = "named") -> str:
     """The report as text; `show`: named (named nodes), all (every node), failures (failed nodes only)."""
     out: list[str] = []
@@ -537,33 +572,7 @@ def to_text(report: dict[str, Any], show: str = "named") -> str:
                + " and whatever depends on them")
     for g in report["graphs"]:
         out.append("")
-        sp = f"splits a {sa['n_splits'].get(g['graph'])}, b {sb['n_splits'].get(g['graph'])}"
-        out.append(f"{g['graph']} graph ({g['n_tokens']} token(s) after {g['n_past']}): nodes a {g['n_nodes_a']}, "
-                   f"b {g['n_nodes_b']}, matched by {g['matched_by']}; compared {g['n_compared']}, "
-                   f"failed {g['n_failed']}, skipped {g['n_skipped']}; {sp}")
-        if g["only_a"] or g["only_b"]:
-            out.append(f"  only on a: {len(g['only_a'])} named nodes; only on b: {len(g['only_b'])} "
-                       f"(skipped; e.g. {', '.join((g['only_a'] + g['only_b'])[:4])})")
-        rows = []
-        for r in g["nodes"]:
-            if show == "named" and not r["named"]:
-                continue
-            if show == "failures" and r["status"] not in FAIL:
-                continue
-            where = r["backend_b"] or "-"
-            if r["backend_a"] and r["backend_a"] != r["backend_b"]:
-                where = f"{r['backend_a'] or '-'}/{where}"
-            rows.append([r["id"], r["name"], r["op"], where, _fmt(r["nmse"]), _fmt(r["limit"]),
-                         _fmt(r["max_abs_err"]), r["status"] if r["status"] != "index_mismatch" else
-                         f"index_mismatch ({r['n_diff']})"])
-        if rows:
-            out.extend(format_table(["id", "name", "op", "ran on", "nmse", "limit", "max|a-b|", "status"], rows))
-        f = g["first_failure"]
-        if f is not None:
-            out.append(f"  FIRST EXCEEDING NODE: {f['id']} {f['name']} ({f['op']}, {f['type']} {f['ne']}): {_describe(f)}")
-            out.append(f"    inputs: {_inputs_line(f)}")
-        else:
-            out.append("  every compared node is within its limit")
+        out.extend(graph_lines(g, sa, sb, show))
     lg, gr = report["logits"], report["greedy"]
     out.append("")
     n_top = sum(lg["top1"])

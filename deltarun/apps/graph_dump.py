@@ -18,13 +18,16 @@ Top level object::
     architecture    str     general.architecture
     shape           object  the ubatch shape: n_seq_tokens, n_seqs, n_tokens, n_outputs, n_kv,
                             seq_head, delta_net, n_past (tokens already in the KV), rs_slots (K),
-                            decode (bool)
+                            decode (bool); for a vision tower's graph (`deltarun graph --mmproj`,
+                            apps/vision_graph.py): image [height, width] (pixels as preprocessed),
+                            grid [t, h, w] (patches), n_patches, n_tokens (image tokens)
     filter          object  {"layer": int|null, "values": [pattern, ...]|null}
     summary         object  see below (always about the whole graph, whatever the filter)
     nodes           list    graph nodes kept by the filter, in execution order (tensor objects)
     leafs           list    tensors read by the kept nodes that are not graph nodes (tensor objects)
     values          object|null  present after a --values run: {"prompt": str|null,
-                            "tokens": [int, ...], "n_selected": int, "n_observed": int}
+                            "tokens": [int, ...], "n_selected": int, "n_observed": int}; a vision
+                            tower's adds "image": str (the file, or the random image's description)
 
 Tensor object::
 
@@ -119,7 +122,7 @@ N_FIRST = 8
 _AUTO_NAME = re.compile(r"^(node|leaf)_\d+$")
 _DERIVED = re.compile(r"( \((view|reshaped|permuted|transposed|cont|copy( of .*)?)\))+$")
 _LAYER_SUFFIX = re.compile(r"-(\d+)$")
-_BLK = re.compile(r"^blk\.(\d+)\.")
+_BLK = re.compile(r"^(?:v\.)?blk\.(\d+)\.")   # text weights, and a vision tower's (v.blk.N.)
 _CACHE = re.compile(r"^cache_[a-z]+_l(\d+)$")
 
 
@@ -238,8 +241,8 @@ class GraphDump:
         out: list[str] = []
         sh = self.shape
         out.append(f"model: {self.model} ({self.architecture})")
-        out.append("shape: " + ", ".join(f"{k}={sh[k]}" for k in (
-            "n_seq_tokens", "n_seqs", "n_outputs", "n_kv", "n_past", "rs_slots", "delta_net", "decode")))
+        out.append("shape: " + (_shape_label(sh) if "grid" in sh else ", ".join(f"{k}={sh[k]}" for k in (
+            "n_seq_tokens", "n_seqs", "n_outputs", "n_kv", "n_past", "rs_slots", "delta_net", "decode"))))
         if self.layer is not None:
             out.append(f"filter: layer {self.layer} (its nodes and their direct sources)")
         out.append("flags: I input, O output, W weight, M memory (KV / recurrent state), V view")
@@ -255,8 +258,9 @@ class GraphDump:
         recorded = [r for r in self.nodes if r.values is not None]
         if self.values is not None:
             out.append("")
-            out.append(f"values ({len(recorded)} nodes; prompt tokens {self.values['tokens']}); "
-                       "min/max/mean/rms over finite elements")
+            what = (f"image {self.values['image']}" if self.values.get("image")
+                    else f"prompt tokens {self.values['tokens']}")
+            out.append(f"values ({len(recorded)} nodes; {what}); min/max/mean/rms over finite elements")
             vcols = ["id", "name", "min", "max", "mean", "rms", "nan", "inf", "first", "note"]
             rows = []
             for r in recorded:
@@ -351,12 +355,12 @@ def _str(b: bytes | None) -> str | None:
 
 
 class _Walker:
-    """Collects every node and referenced tensor of a graph, with ids."""
+    """Collects every node and referenced tensor of a graph, with ids. `weights` and `memory` are
+    the tensors to flag as weights and as KV cache / recurrent state."""
 
-    def __init__(self, model: Model, gf: Any):
-        self.model = model
+    def __init__(self, sched: Any, gf: Any, weights: Iterable[Any], memory: Iterable[Any] = ()):
         self.gf = gf
-        self.sched = model.sched.handle
+        self.sched = sched
         self.nodes: list[Any] = []
         self.leafs: list[Any] = []
         self.ids: dict[int, str] = {}
@@ -370,9 +374,8 @@ class _Walker:
                 if _addr(s) not in self.ids:
                     self.ids[_addr(s)] = f"l{len(self.leafs)}"
                     self.leafs.append(s)
-        self.weight_addrs = {_addr(t) for t in model.weights.tensors.values()}
-        mem = model.memory
-        self.memory_addrs = {_addr(t) for d in (mem.k, mem.v, mem.conv, mem.ssm) for t in d.values()}
+        self.weight_addrs = {_addr(t) for t in weights}
+        self.memory_addrs = {_addr(t) for t in memory}
 
     @staticmethod
     def srcs(t: Any) -> list[Any]:
@@ -484,7 +487,9 @@ def dump_graph(model: Model, shape: UbatchShape, *, layer: int | None = None, n_
     g = model.graph(shape)
     if allocate:
         model.sched.allocate(g.gf, g.ctx)
-    w = _Walker(model, g.gf)
+    mem = model.memory
+    w = _Walker(model.sched.handle, g.gf, model.weights.tensors.values(),
+                [t for d in (mem.k, mem.v, mem.conv, mem.ssm) for t in d.values()])
     nodes = [w.record(t, "node", i) for i, t in enumerate(w.nodes)]
     leafs = [w.record(t, "leaf", i) for i, t in enumerate(w.leafs)]
     _assign_layers(nodes, leafs)
@@ -589,6 +594,56 @@ def _json_number(e: Any) -> Any:
     return e
 
 
+def select_nodes(dump: GraphDump, layer: int | None, patterns: Iterable[str] | None) -> list[TensorRecord]:
+    """The nodes whose values `--values` records: those of `layer` (when given) matching `patterns`."""
+    match = compile_patterns(patterns)
+    selected = [r for r in dump.nodes if (layer is None or r.layer == layer) and (match is None or match(r.name))]
+    if not selected:
+        where = f" in layer {layer}" if layer is not None else ""
+        raise DeltarunError(f"no node{where} matches --filter {' '.join(patterns or [])!s}; node names look like "
+                            "attn_norm-0, conv_state_store-1, result_output (see the plain dump)")
+    return selected
+
+
+def record_values(sched: Any, dump: GraphDump, selected: list[TensorRecord], run: Callable[[], Any], *,
+                  keep_arrays: bool = False, n_first: int = N_FIRST) -> dict[str, np.ndarray]:
+    """Call `run` (which computes the dumped graph on `sched`, a `Scheduler`) with an eval callback
+    that sets `values` on the selected records; returns their arrays by id when `keep_arrays`."""
+    wanted = {_addr(dump.tensors[r.id]): r for r in selected}
+    arrays: dict[str, np.ndarray] = {}
+    errors: list[Exception] = []
+    for r in selected:
+        r.values = ValueStats(observed=False, note="not shown to the eval callback by the scheduler")
+
+    def observe(t: Any, ask: bool, user_data: Any) -> bool:
+        try:
+            r = wanted.get(ctypes.addressof(t.contents))
+            if ask:
+                return r is not None
+            if r is not None:
+                arr, note = tensor_array(t)
+                if arr is None:
+                    r.values = ValueStats(observed=True, count=int(ggml.ggml_nelements(t)), note=note)
+                else:
+                    r.values = value_stats(arr, n_first)
+                    r.values.note = note
+                    if keep_arrays:
+                        arrays[r.id] = arr
+        except Exception as e:  # never let an exception cross into C
+            errors.append(e)
+            return False
+        return True
+
+    sched.set_eval_callback(observe)  # the scheduler owns the ggml callback (scheduler.Scheduler)
+    try:
+        run()
+    finally:
+        sched.clear_eval_callback()
+    if errors:
+        raise DeltarunError(f"reading values failed: {errors[0]}")
+    return arrays
+
+
 def capture_values(model: Model, tokens: list[int], *, n_seqs: int = 1, decode: bool = False,
                    all_outputs: bool = False, layer: int | None = None, patterns: Iterable[str] | None = None,
                    keep_arrays: bool = False, n_first: int = N_FIRST, prompt: str | None = None
@@ -616,46 +671,10 @@ def capture_values(model: Model, tokens: list[int], *, n_seqs: int = 1, decode: 
         else:
             model.eval_batch({s: list(prefix) for s in range(n_seqs)})
     dump = dump_graph(model, shape, layer=layer, n_past=n_past)
-    tensors = dump.tensors
-    match = compile_patterns(patterns)
-    selected = [r for r in dump.nodes if (layer is None or r.layer == layer) and (match is None or match(r.name))]
-    if not selected:
-        where = f" in layer {layer}" if layer is not None else ""
-        raise DeltarunError(f"no node{where} matches --filter {' '.join(patterns or [])!s}; node names look like "
-                            "attn_norm-0, conv_state_store-1, result_output (see the plain dump)")
-    wanted = {_addr(tensors[r.id]): r for r in selected}
-    arrays: dict[str, np.ndarray] = {}
-    for r in selected:
-        r.values = ValueStats(observed=False, note="not shown to the eval callback by the scheduler")
-
-    def observe(t: Any, ask: bool, user_data: Any) -> bool:
-        try:
-            r = wanted.get(ctypes.addressof(t.contents))
-            if ask:
-                return r is not None
-            if r is not None:
-                arr, note = tensor_array(t)
-                if arr is None:
-                    r.values = ValueStats(observed=True, count=int(ggml.ggml_nelements(t)), note=note)
-                else:
-                    r.values = value_stats(arr, n_first)
-                    r.values.note = note
-                    if keep_arrays:
-                        arrays[r.id] = arr
-        except Exception as e:  # never let an exception cross into C
-            errors.append(e)
-            return False
-        return True
-
-    errors: list[Exception] = []
+    selected = select_nodes(dump, layer, patterns)
     builds = model.stats.n_graph_builds
-    model.sched.set_eval_callback(observe)  # the scheduler owns the ggml callback (scheduler.Scheduler)
-    try:
-        model.eval_batch({seq: list(last) for seq in range(n_seqs)}, all_logits=all_outputs)
-    finally:
-        model.sched.clear_eval_callback()
-    if errors:
-        raise DeltarunError(f"reading values failed: {errors[0]}")
+    arrays = record_values(model.sched, dump, selected, lambda: model.eval_batch(
+        {seq: list(last) for seq in range(n_seqs)}, all_logits=all_outputs), keep_arrays=keep_arrays, n_first=n_first)
     if model.stats.n_graph_builds != builds:  # the runner chose another shape than the dump's
         raise DeltarunError("internal: the runner evaluated a different graph than the one dumped")
     dump.values = {"prompt": prompt, "tokens": tokens, "n_selected": len(selected),
@@ -718,6 +737,9 @@ def _num(x: Any) -> str:
 
 
 def _shape_label(sh: dict[str, Any]) -> str:
+    if "grid" in sh:       # a vision tower's graph (apps/vision_graph.py)
+        return (f"image {sh['image'][0]} x {sh['image'][1]} pixels, {sh['grid'][1]} x {sh['grid'][2]} patches, "
+                f"{sh['n_tokens']} image tokens")
     return (f"tokens {sh['n_seq_tokens']} x seqs {sh['n_seqs']}, outputs {sh['n_outputs']}, n_kv {sh['n_kv']}, "
             f"past {sh['n_past']}, K {sh['rs_slots']}, {sh['delta_net']}")
 

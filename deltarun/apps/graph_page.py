@@ -196,7 +196,9 @@ def render_graph_html(dump: dict[str, Any]) -> str:
     data = {"mode": "graph", "model": dump["model"], "architecture": dump["architecture"],
             "has_values": dump.get("values") is not None, "graphs": [view]}
     sh = dump["shape"]
-    title = f"{dump['model'].rsplit('/', 1)[-1]}: graph of {sh['n_seq_tokens']} x {sh['n_seqs']} tokens"
+    what = (f"vision tower, {sh['grid'][1]} x {sh['grid'][2]} patches" if "grid" in sh
+            else f"{sh['n_seq_tokens']} x {sh['n_seqs']} tokens")
+    title = f"{dump['model'].rsplit('/', 1)[-1]}: graph of {what}"
     return render_page(data, title)
 
 

@@ -17,11 +17,13 @@ import numpy as np
 
 from deltarun.base.errors import DeltarunError
 from deltarun.base.interface import DELTA_NET_MODES
-from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, resolve_model
+from deltarun.cli.options import check_backends, explicit_options, model_argument, note_gpu_layers, resolve_model
 
 DEFAULT_TOKENS = 16
 DEFAULT_STEPS = 8
 LIMITS_EXCEEDED = 8   # exit status: the comparison ran and found a difference over a limit
+#: options of the text comparison, refused with --mmproj (which compares the vision tower)
+TEXT_ONLY = ("against", "prompt", "n_tokens", "decode_steps", "delta_net", "gpu_layers", "kv_type", "ctx", "html_path")
 
 
 def _pair(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -80,13 +82,18 @@ def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: i
 @click.option("--show", type=click.Choice(["named", "all", "failures"]), default="named", show_default=True,
               help="Table rows: named nodes, every node, or only failed nodes.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
+@click.option("--mmproj", callback=_pair, default=None, metavar="A[,B]",
+              help="Compare MODEL's vision tower (mmproj-*.gguf) instead of the text model; a second file "
+                   "(e.g. mmproj-Q8_0.gguf against mmproj-F32.gguf) runs on side b: what its weight type costs.")
+@click.option("--image", "image_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --mmproj: the image both sides encode [default: --seed's random pixels, 2 x 3 image tokens].")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
               help="Also write the report as one self-contained page: the graph coloured by each node's NMSE "
                    "against its limit, the first node over its limit marked, the logits metrics.")
 def compare(model: Path | None, backends: list[str] | None, against: Path | None, prompt: str | None,
             n_tokens: int | None, seed: int, decode_steps: int, delta_net: list[str] | None, gpu_layers: int | None,
             kv_type: str, ctx: int | None, threads: int | None, as_json: bool, show: str, quiet: bool,
-            html_path: Path | None) -> None:
+            html_path: Path | None, mmproj: list[str] | None = None, image_file: Path | None = None) -> None:
     """Run MODEL on two sides and compare every named node, the logits and the greedy continuation.
 
     Sides differ by backend (--backends cpu,vulkan), by delta-net kernel (--delta-net
@@ -99,9 +106,20 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
     --against 0 unless the logits hold a NaN, since two weight files exceed the node limits by
     design and the logits metrics are the result; 1-7 when the comparison could not run (a bad
     file 2, a backend 5, ...).
+
+    With --mmproj the vision tower is compared instead: one image through both sides' towers, every
+    named node, then the embeddings (NMSE, limit 5e-4); two mmproj files exit 0 unless NaN, as --against.
     """
     from deltarun.apps import compare as cmp
 
+    if image_file is not None and mmproj is None:
+        raise click.UsageError("--image goes with --mmproj (the vision tower that reads it)")
+    if mmproj is not None:
+        given = explicit_options(TEXT_ONLY)
+        if given:
+            raise click.UsageError(f"--mmproj compares the vision tower on an image: drop {', '.join(given)}")
+        _compare_towers(model, mmproj, backends, image_file, seed, threads, as_json, show, quiet)
+        return
     if html_path is not None and not html_path.resolve().parent.is_dir():
         raise click.BadParameter(f"{html_path}: no such folder", param_hint="'--html'")
     path = resolve_model(model, quiet=quiet or as_json)
@@ -138,6 +156,42 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
             if not quiet:
                 click.echo("compare: the two weight files exceed the node limits, as different weights do; "
                            "the logits metrics above are what the change costs", err=True)
+            return
+        click.echo(f"compare: limits exceeded: {'; '.join(report['failures'])}", err=True)
+        sys.exit(LIMITS_EXCEEDED)
+
+
+def _compare_towers(model: Path | None, mmproj: list[str], backends: list[str] | None, image_file: Path | None,
+                    seed: int, threads: int | None, as_json: bool, show: str, quiet: bool) -> None:
+    """`compare --mmproj A[,B]`: the vision tower on two sides (backends, or two mmproj files)."""
+    from deltarun.apps import vision_graph as vg
+    from deltarun.runner.vision import VisionEncoder
+
+    path = resolve_model(model, quiet=quiet or as_json)
+    files = [Path(f) for f in mmproj]
+    for f in [path] + files:
+        if not f.is_file():
+            raise DeltarunError(f"no such file: {f}")
+    names = backends or (["cpu", "cpu"] if len(files) == 2 else ["cpu", "cpu-ref"])
+    if len(names) == 1:
+        names = names * 2
+    files = files * (3 - len(files))
+    check_backends(names)
+    with VisionEncoder(files[0], backend="cpu", n_threads=threads) as enc:
+        vg.check_fits(enc, path)
+        image, label = vg.image_for(enc, image_file, seed)
+    say = None if quiet else (lambda s: click.echo(s, err=True))
+    report = vg.compare_towers(vg.TowerSide(files[0], names[0]), vg.TowerSide(files[1], names[1]), image,
+                               str(image_file) if image_file is not None else None, n_threads=threads, progress=say)
+    from deltarun.apps import compare as cmp
+
+    click.echo(cmp.to_json(report) if as_json else vg.to_text(report, show=show), nl=False)
+    sys.stdout.flush()
+    if not report["passed"]:
+        if files[0] != files[1] and report["embeddings"]["status"] != "nan":
+            if not quiet:
+                click.echo("compare: the two mmproj files exceed the node limits, as different weights do; "
+                           "the embeddings metrics above are what the change costs", err=True)
             return
         click.echo(f"compare: limits exceeded: {'; '.join(report['failures'])}", err=True)
         sys.exit(LIMITS_EXCEEDED)

@@ -5,19 +5,30 @@ what `eval` runs for that shape. With `--values -p PROMPT` the prompt is run thr
 the values of every node (or those matching `--filter`) are recorded through the scheduler's eval
 callback; `--dump-dir` also saves them as .npy files with a manifest. The JSON schema is
 documented in `deltarun.apps.graph_dump`.
+
+With `--mmproj FILE` the dump is of the model's vision tower instead (`deltarun.apps.vision_graph`):
+the graph of the image given with `--image` (its size after preprocessing sets the graph's shape;
+a seeded random image without one), and `--values` computes it on that image.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from deltarun.base.errors import DeltarunError
 from deltarun.base.interface import DELTA_NET_MODES
-from deltarun.cli.options import check_backends, note_gpu_layers
+from deltarun.cli.options import check_backends, explicit_options, note_gpu_layers
+
+if TYPE_CHECKING:
+    from deltarun.apps.graph_dump import GraphDump
 
 FORMATS = ("txt", "json", "dot", "svg", "html")
+#: options that shape a text model's graph, refused with --mmproj
+TEXT_ONLY = ("tokens", "seqs", "past", "decode", "outputs", "rs_slots", "delta_net", "ctx", "kv_type", "gpu_layers",
+             "rpc", "tensor_split", "prompt")
 DEFAULT_TOKENS = 8
 DEFAULT_DECODE_PAST = 32
 
@@ -67,17 +78,39 @@ DEFAULT_DECODE_PAST = 32
                    "`re:REGEX`. May be repeated. With --layer, only that layer's nodes are recorded.")
 @click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="With --values: save the recorded tensors as .npy files plus manifest.json.")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Dump MODEL's vision tower (mmproj-*.gguf) instead of the text graph.")
+@click.option("--image", "image_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --mmproj: the image (PNG, JPEG, WebP, GIF) whose size sets the tower's graph and whose "
+                   "pixels --values runs [default: random pixels of 2 x 3 image tokens].")
 @click.option("--first", "n_first", type=click.IntRange(min=0), default=8, show_default=True,
               help="With --values: how many leading elements to show per node.")
 def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: bool, outputs: str,
           rs_slots: int, delta_net: str, ctx: int, kv_type: str, threads: int | None, backend: str,
           gpu_layers: int | None, rpc: str | None, tensor_split: str | None,
           layer: int | None, fmt: str, output: Path | None, values: bool, prompt: str | None,
-          patterns: tuple[str, ...], dump_dir: Path | None, n_first: int) -> None:
-    """Dump the ggml graph the runner computes for one ubatch shape of MODEL."""
+          patterns: tuple[str, ...], dump_dir: Path | None, n_first: int, mmproj: Path | None = None,
+          image_file: Path | None = None) -> None:
+    """Dump the ggml graph the runner computes for one ubatch shape of MODEL (or, with --mmproj,
+    for one image through its vision tower)."""
     from deltarun.apps import graph_dump as gd
     from deltarun.runner.model import Model
 
+    if image_file is not None and mmproj is None:
+        raise click.UsageError("--image goes with --mmproj (the vision tower that reads it)")
+    if mmproj is not None:
+        given = explicit_options(TEXT_ONLY)
+        if given:
+            raise click.UsageError(f"--mmproj dumps the vision tower, whose graph the image sets: drop "
+                                   f"{', '.join(given)}")
+        if not values and (patterns or dump_dir is not None):
+            raise click.UsageError("--filter and --dump-dir go with --values")
+        if fmt == "svg":
+            gd.graphviz_dot()
+        check_backends([backend])
+        dump = _tower_dump(model, mmproj, image_file, backend, threads, layer, values, patterns, dump_dir, n_first)
+        _emit(dump, fmt, output)
+        return
     values = values or prompt is not None
     if values and prompt is None:
         raise click.UsageError("--values needs a prompt: -p PROMPT")
@@ -121,6 +154,31 @@ def graph(model: Path, tokens: int | None, seqs: int, past: int | None, decode: 
     finally:
         if m is not None:
             m.close()
+    _emit(dump, fmt, output)
+
+
+def _tower_dump(model: Path, mmproj: Path, image_file: Path | None, backend: str, threads: int | None,
+                layer: int | None, values: bool, patterns: tuple[str, ...], dump_dir: Path | None,
+                n_first: int) -> "GraphDump":
+    """The vision tower's dump (and --dump-dir's files) for `graph --mmproj`."""
+    from deltarun.apps import graph_dump as gd
+    from deltarun.apps import vision_graph as vg
+    from deltarun.runner.vision import VisionEncoder
+
+    with VisionEncoder(mmproj, backend=backend, n_threads=threads) as enc:
+        vg.check_fits(enc, model)
+        image, label = vg.image_for(enc, image_file)
+        dump, arrays = vg.dump_tower(enc, image, label, layer=layer, values=values, patterns=patterns,
+                                     keep_arrays=dump_dir is not None, n_first=n_first)
+    if dump_dir is not None:
+        manifest = gd.write_dump_dir(dump, arrays, dump_dir)
+        click.echo(f"wrote {len(arrays)} tensors and {manifest}", err=True)
+    return dump
+
+
+def _emit(dump: "GraphDump", fmt: str, output: Path | None) -> None:
+    """Render the dump in `fmt` to `output` (atomically) or stdout."""
+    from deltarun.apps import graph_dump as gd
 
     if fmt == "txt":
         data: str | bytes = dump.to_txt()

@@ -163,6 +163,21 @@ def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
         raise DeltarunError(f"cannot open the built-in model: {e}") from e
 
 
+def explicit_options(names: tuple[str, ...] | list[str]) -> list[str]:
+    """Which of the current command's parameters (by name) the user set rather than left at their
+    defaults, spelt as options (`--rs-slots`): for refusing options that a mode does not use."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    spelt = {p.name: max(p.opts, key=len) for p in ctx.command.params}
+    out = []
+    for name in names:
+        src = ctx.get_parameter_source(name)
+        if src is not None and src not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+            out.append(spelt.get(name, "--" + name.replace("_", "-")))
+    return out
+
+
 def check_backends(names: list[str]) -> None:
     """Refuse an unknown or unavailable backend before any work (a BackendError, exit status 5)."""
     from deltarun.runner.backend import check_backend

@@ -270,20 +270,20 @@ class Qwen3VLVision:
         deep: list[Tensor] = []
         for il in range(hp.n_layer):
             p = f"v.blk.{il}."
-            cur = layer_norm(x, p + "ln1")
-            cur = self._attention(c, mm, cur, pos.pos, sections, n, p)
+            cur = set_name(layer_norm(x, p + "ln1"), f"attn_norm-{il}")
+            cur = set_name(self._attention(c, mm, cur, pos.pos, sections, n, il), f"attn_out-{il}")
             x = ggml.ggml_add(c, x, cur)
-            cur = layer_norm(x, p + "ln2")
-            cur = mm(p + "ffn_down", gelu_tanh(c, mm(p + "ffn_up", cur)))
+            cur = set_name(layer_norm(x, p + "ln2"), f"ffn_norm-{il}")
+            cur = set_name(mm(p + "ffn_down", gelu_tanh(c, mm(p + "ffn_up", cur))), f"ffn_out-{il}")
             x = set_name(ggml.ggml_add(c, x, cur), f"layer_out-{il}")
             if il in hp.deepstack_layers:
                 q = f"v.deepstack.{il}."
                 feat = layer_norm(ggml.ggml_reshape_2d(c, x, H * m * m, n // (m * m)), q + "norm")
-                deep.append(mm(q + "fc2", ggml.ggml_gelu_erf(c, mm(q + "fc1", feat))))
+                deep.append(set_name(mm(q + "fc2", ggml.ggml_gelu_erf(c, mm(q + "fc1", feat))), f"deepstack-{il}"))
 
-        x = layer_norm(x, "v.post_ln")
+        x = set_name(layer_norm(x, "v.post_ln"), "post_ln")
         x = ggml.ggml_reshape_2d(c, x, H * m * m, n // (m * m))
-        emb = mm("mm.2", ggml.ggml_gelu_erf(c, mm("mm.0", x)))
+        emb = set_name(mm("mm.2", ggml.ggml_gelu_erf(c, mm("mm.0", x))), "merger_out")
         for feat in deep:
             emb = ggml.ggml_concat(c, emb, feat, 0)
         emb = set_name(emb, "embeddings")
@@ -291,12 +291,13 @@ class Qwen3VLVision:
         ggml.ggml_build_forward_expand(gf, emb)
         return VisionGraph([patches, pos], {"embeddings": emb})
 
-    def _attention(self, c: Any, mm: Any, cur: Tensor, positions: Tensor, sections: Any, n: int, p: str) -> Tensor:
+    def _attention(self, c: Any, mm: Any, cur: Tensor, positions: Tensor, sections: Any, n: int, il: int) -> Tensor:
         """Fused-qkv attention over every patch with 2D rotary (ggml's vision rope: pairs (i, i +
         head_dim/2), the first quarter of the frequencies on the row, the second on the column)."""
         hp = self.hp
         H, nh, hd = hp.n_embd, hp.n_head, hp.head_dim
-        qkv = mm(p + "attn_qkv", cur)
+        p = f"v.blk.{il}."
+        qkv = set_name(mm(p + "attn_qkv", cur), f"qkv-{il}")
         fs = ggml.ggml_element_size(qkv)
         row = qkv.contents.nb[1]
 
@@ -307,14 +308,14 @@ class Qwen3VLVision:
             return ggml.ggml_rope_multi(c, t, positions, None, hd // 2, sections, ggml.GGML_ROPE_TYPE_VISION,
                                         32768, ROPE_THETA, 1.0, 0.0, 1.0, 32.0, 1.0)
 
-        q = ggml.ggml_permute(c, rope(part(0)), 0, 2, 1, 3)          # [hd, n, nh]
-        k = ggml.ggml_permute(c, rope(part(1)), 0, 2, 1, 3)
+        q = ggml.ggml_permute(c, set_name(rope(part(0)), f"Qcur-{il}"), 0, 2, 1, 3)          # [hd, n, nh]
+        k = ggml.ggml_permute(c, set_name(rope(part(1)), f"Kcur-{il}"), 0, 2, 1, 3)
         v = ggml.ggml_permute(c, part(2), 0, 2, 1, 3)
         # flash attention: memory linear in the patches (an n x n score matrix per head would
         # take 17 GB at 16,384 patches); F32 K and V keep F32 dot products and accumulation
         out = ggml.ggml_flash_attn_ext(c, q, k, v, None, 1.0 / math.sqrt(hd), 0.0, 0.0)   # [hd, nh, n]
         ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
-        out = ggml.ggml_reshape_2d(c, out, H, n)
+        out = ggml.ggml_reshape_2d(c, set_name(out, f"kqv-{il}"), H, n)
         return mm(p + "attn_out", out)
 
 

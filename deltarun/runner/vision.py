@@ -8,7 +8,10 @@ text model's backend (`backend=model.backend`) so both use the same threads and 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -22,6 +25,18 @@ from deltarun.runner.scheduler import Scheduler
 from deltarun.runner.weights import Weights
 
 _tensor_set = ggml.ggml_backend_tensor_set
+
+
+@dataclass
+class VisionRun:
+    """One image's graph, allocated with its inputs set (`VisionEncoder.graph`)."""
+
+    gf: Any
+    sched: Scheduler
+    outputs: dict[str, Any]
+
+    def compute(self) -> None:
+        self.sched.compute(self.gf)
 
 
 class VisionEncoder:
@@ -55,6 +70,16 @@ class VisionEncoder:
 
     def encode(self, image: PreparedImage) -> np.ndarray:
         """Image embeddings, one row per image token (merged grid, row-major): [n_tokens, out_dim]."""
+        with self.graph(image) as run:
+            run.compute()
+            out = tensor_to_numpy(run.outputs["embeddings"])
+        return out.reshape(image.n_tokens, self.hp.out_dim)
+
+    @contextmanager
+    def graph(self, image: PreparedImage) -> Iterator["VisionRun"]:
+        """The graph of this image's size, allocated on its scheduler with the image's inputs set,
+        for `encode` and for the tools that look inside it (`deltarun graph` and `compare` with
+        --mmproj: they walk it, or compute it with an eval callback). Freed on leaving."""
         if image.patch_size != self.hp.patch_size or image.n_merge != self.hp.n_merge:
             raise DeltarunError("the image was prepared for another vision tower (patch or merge size differs)")
         _, gh, gw = image.grid
@@ -70,12 +95,10 @@ class VisionEncoder:
                 inp.set_input(image)
                 for t, addr, nbytes in transfers:
                     _tensor_set(t, addr, 0, nbytes)
-            sched.compute(gf)
-            out = tensor_to_numpy(built.outputs["embeddings"])
+            yield VisionRun(gf, sched, built.outputs)
         finally:
             sched.free()
             ggml.ggml_free(ctx)
-        return out.reshape(image.n_tokens, self.hp.out_dim)
 
     def close(self) -> None:
         self.weights.free()
