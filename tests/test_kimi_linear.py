@@ -21,21 +21,14 @@ from deltarun.runner.engine import Engine, Running
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.speculative import DraftLength, NgramDraft
+from reference_compare import (F32_TOL, assert_close_everywhere, assert_f32_matches, assert_quantised_close, greedy,
+                               prompt, rel_err)
 from reference_kimi import KimiReference
 from test_qwen35_files import np_f32, read
 from test_engine import still_wanted
 
-F32_TOL = 1e-5
 PRESET = "tiny-kimi-linear"
 CFG = kl.PRESETS[PRESET]
-
-
-def rel_err(a, b) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 2300, n)]
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +98,6 @@ def test_hf_from_gguf_inverts_the_conversion(kimi_path):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
-def greedy(step, first_logits, n: int) -> list[int]:
-    out, logits = [], first_logits
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = step(out[-1])
-    return out
-
-
 def test_the_file_has_llama_cpp_layout(kimi_path):
     """The loader's shapes (src/models/kimi-linear.cpp) and the layer pattern from head_count_kv."""
     with Model(kimi_path, n_ctx=64, kv_type="f32") as m:
@@ -135,17 +120,8 @@ def test_the_file_has_llama_cpp_layout(kimi_path):
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 def test_f32_logits_and_greedy_match_reference(kimi_path, reference, delta_net):
     toks = prompt(80, seed=1)
-    expected = reference.forward(toks)
     with Model(kimi_path, n_ctx=256, kv_type="f32", n_ubatch=32, delta_net=delta_net) as m:   # three ubatches
-        got = m.logits_for(toks)
-        print(f"kimi-linear {delta_net} f32: {rel_err(got, expected):.2e}")
-        assert rel_err(got, expected) < F32_TOL
-        assert (got.argmax(1) == expected.argmax(1)).all()
-        m.reset()
-        mine = greedy(lambda t: m.eval([t]), m.eval(toks[:20]), 12)
-    reference.reset()
-    theirs = greedy(lambda t: reference.forward([t])[-1], reference.forward(toks[:20])[-1], 12)
-    assert mine == theirs
+        assert_f32_matches(m, reference, toks, 20, f"kimi-linear {delta_net} f32")
 
 
 def test_recurrent_states_match_reference(kimi_path, reference):
@@ -240,15 +216,7 @@ def test_quantised_weights(tmp_path, wtype):
     expected = KimiReference(CFG, hf_from_gguf(path)).forward(toks)
     with Model(path, n_ctx=128, kv_type="f32") as m:
         got = m.logits_for(toks)
-    scale = np.abs(expected).max()
-    per_pos = np.abs(got - expected).max(axis=1) / scale
-    print(f"kimi-linear {wtype}: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
-    assert np.median(per_pos) < QUANT_BOUND[wtype]
-    assert (per_pos < 2 * QUANT_BOUND[wtype]).mean() >= 0.9
-    top2 = np.sort(expected, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) / scale > 0.1
-    assert clear.any()
-    assert (got.argmax(1) == expected.argmax(1))[clear].all()
+    assert_quantised_close(got, expected, QUANT_BOUND[wtype], f"kimi-linear {wtype}")
 
 
 def test_engine_steps_with_ngram_drafts_keep_the_reference_tokens(kimi_path):
@@ -324,10 +292,7 @@ def test_f16_kv_cache(kimi_path, reference):
     expected = reference.forward(toks)
     with Model(kimi_path, n_ctx=128, kv_type="f16") as m:
         got = m.logits_for(toks)
-    per_pos = np.abs(got - expected).max(axis=1) / np.abs(expected).max()
-    print(f"kimi-linear f16 KV: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
-    assert np.median(per_pos) < 2.5e-4 and per_pos.max() < 1e-3
-    assert (got.argmax(1) == expected.argmax(1)).all()
+    assert_close_everywhere(got, expected, 2.5e-4, 1e-3, "kimi-linear f16 KV")
 
 
 def test_inspect_shows_the_layer_pattern_and_llama_cpps_kv_bytes(kimi_path):

@@ -22,18 +22,10 @@ import pytest
 from deltarun.model_files import qwen35 as q35
 from deltarun.runner.model import Model
 from reference_qwen35 import Qwen35Reference
+from reference_compare import F32_TOL, assert_f32_matches, assert_quantised_close, prompt, rel_err
 from test_qwen35_files import N_VOCAB, np_f32, read, rows_of_heads, tiled_head_order
 
-F32_TOL = 1e-5   # measured 2.8e-7 .. 7.1e-7 (both presets, fused and primitive)
 TINY = ["tiny-qwen35", "tiny-qwen35moe"]
-
-
-def rel_err(a, b) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 2300, n)]
 
 
 def hf_from_gguf(cfg, path) -> dict[str, np.ndarray]:
@@ -102,14 +94,6 @@ def reference_of(tiny_model_path):
     return get
 
 
-def greedy(step, first_logits, n: int) -> list[int]:
-    out, logits = [], first_logits
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = step(out[-1])
-    return out
-
-
 def test_hf_from_gguf_inverts_the_conversion(tiny_model_path):
     for preset in TINY:
         cfg = q35.PRESETS[preset]
@@ -124,18 +108,8 @@ def test_hf_from_gguf_inverts_the_conversion(tiny_model_path):
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 def test_f32_logits_and_greedy_match_reference(tiny_model_path, reference_of, preset, delta_net):
     toks = prompt(80, seed=1)   # > 64: the primitive path crosses a chunk boundary
-    ref = reference_of(preset)
-    expected = ref.forward(toks)
     with Model(tiny_model_path(preset), n_ctx=256, kv_type="f32", delta_net=delta_net) as m:
-        got = m.logits_for(toks)
-        print(f"{preset} {delta_net} f32: {rel_err(got, expected):.2e}")
-        assert rel_err(got, expected) < F32_TOL
-        assert (got.argmax(1) == expected.argmax(1)).all()
-        m.reset()
-        mine = greedy(lambda t: m.eval([t]), m.eval(toks[:20]), 12)
-    ref.reset()
-    theirs = greedy(lambda t: ref.forward([t])[-1], ref.forward(toks[:20])[-1], 12)
-    assert mine == theirs
+        assert_f32_matches(m, reference_of(preset), toks, 20, f"{preset} {delta_net} f32")
 
 
 @pytest.mark.parametrize("preset", TINY)
@@ -241,12 +215,4 @@ def test_quantised_weights(tiny_model_path, reference_of, preset, wtype):
     expected = reference_of(preset, wtype).forward(toks)
     with Model(tiny_model_path(preset, wtype), n_ctx=128, kv_type="f32") as m:
         got = m.logits_for(toks)
-    scale = np.abs(expected).max()
-    per_pos = np.abs(got - expected).max(axis=1) / scale
-    print(f"{preset} {wtype}: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
-    assert np.median(per_pos) < QUANT_BOUND[wtype]
-    assert (per_pos < 2 * QUANT_BOUND[wtype]).mean() >= 0.9
-    top2 = np.sort(expected, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) / scale > 0.1
-    assert clear.any()
-    assert (got.argmax(1) == expected.argmax(1))[clear].all()
+    assert_quantised_close(got, expected, QUANT_BOUND[wtype], f"{preset} {wtype}")

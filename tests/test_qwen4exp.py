@@ -33,9 +33,9 @@ from llamacpp import needs_llamacpp
 from reference_qwen4exp import Qwen4ExpReference, ngram_rows, shift_right_ignore_eos
 from test_qwen35_files import np_f32, read, rows_of_heads, tiled_head_order
 from test_engine import still_wanted
-from test_qwen35_forward import greedy, prompt, rel_err
+from reference_compare import (F32_TOL, assert_close_everywhere, assert_f32_matches, assert_quantised_close, greedy,
+                               prompt, rel_err)
 
-F32_TOL = 1e-5
 PRESET = "tiny-qwen4exp"
 CFG = q4.PRESETS[PRESET]
 VOCAB = vocab_named(CFG.vocab)
@@ -312,17 +312,8 @@ def test_f32_logits_and_greedy_match_reference(q4_path, hf):
     toks = long_prompt()
     ref = reference(hf_w=hf)
     assert selection_gaps(ref, toks) > 1e-3
-    expected = ref.forward(toks)
     with Model(q4_path, n_ctx=128, kv_type="f32", n_ubatch=16) as m:       # four ubatches
-        got = m.logits_for(toks)
-        print(f"qwen4exp f32: {rel_err(got, expected):.2e}")
-        assert rel_err(got, expected) < F32_TOL
-        assert (got.argmax(1) == expected.argmax(1)).all()
-        m.reset()
-        mine = greedy(lambda t: m.eval([t]), m.eval(toks[:30]), 12)
-    ref.reset()
-    theirs = greedy(lambda t: ref.forward([t])[-1], ref.forward(toks[:30])[-1], 12)
-    assert mine == theirs
+        assert_f32_matches(m, ref, toks, 30, "qwen4exp f32")
 
 
 def test_states_match_reference(q4_path, hf):
@@ -535,15 +526,7 @@ def test_quantised_weights(tmp_path, wtype):
     expected = reference(hf_w=hf_from_gguf(path)).forward(toks)
     with Model(path, n_ctx=128, kv_type="f32") as m:
         got = m.logits_for(toks)
-    scale = np.abs(expected).max()
-    per_pos = np.abs(got - expected).max(axis=1) / scale
-    print(f"qwen4exp {wtype}: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
-    assert np.median(per_pos) < QUANT_BOUND[wtype]
-    assert (per_pos < 2 * QUANT_BOUND[wtype]).mean() >= 0.9
-    top2 = np.sort(expected, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) / scale > 0.1
-    assert clear.any()
-    assert (got.argmax(1) == expected.argmax(1))[clear].all()
+    assert_quantised_close(got, expected, QUANT_BOUND[wtype], f"qwen4exp {wtype}")
 
 
 def test_f16_kv_cache(q4_path, hf):
@@ -553,10 +536,7 @@ def test_f16_kv_cache(q4_path, hf):
     expected = reference(hf_w=hf).forward(toks)
     with Model(q4_path, n_ctx=128, kv_type="f16") as m:
         got = m.logits_for(toks)
-    per_pos = np.abs(got - expected).max(axis=1) / np.abs(expected).max()
-    print(f"qwen4exp f16 KV: max {per_pos.max():.2e} median {np.median(per_pos):.2e}")
-    assert np.median(per_pos) < 4e-5 and per_pos.max() < 1e-4
-    assert (got.argmax(1) == expected.argmax(1)).all()
+    assert_close_everywhere(got, expected, 4e-5, 1e-4, "qwen4exp f16 KV")
 
 
 def test_make_tiny_and_the_fixture_write_the_family(tmp_path, tiny_model_path):
