@@ -1,4 +1,6 @@
-"""CPU against Vulkan with `deltarun compare`, on the tiny models.
+"""CPU against Vulkan with `deltarun compare`, on the tiny models (the text models, and the tiny
+vision tower: `compare --mmproj`, its embeddings against the float64 reference, an image through
+`generate`).
 
 Needs the Vulkan variant of ggml-python (scripts/install-vulkan.sh) and a Vulkan device; on a
 machine without a GPU Mesa's lavapipe is one (ggml lists it only with GGML_VK_VISIBLE_DEVICES=0,
@@ -232,3 +234,74 @@ def test_q8_0_agrees_at_the_logits_level(tiny_model_path):
     assert not lg["nan"]
     assert lg["nmse"] < 1e-2 and lg["kl_mean"] < 1e-2
     assert lg["top1_agreement"] >= 0.8
+
+
+# --- the vision tower (mmproj) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """The tiny vision-language pair of tests/test_vision_cli.py and a real image file."""
+    import numpy as np
+    from PIL import Image
+
+    from deltarun.model_files import qwen35_vision as qv
+
+    folder = tmp_path_factory.mktemp("vlm-vulkan")
+    text, mmproj = qv.write_vlm(folder, "tiny-qwen35")
+    arr = np.random.default_rng(7).integers(0, 256, (50, 90, 3), dtype=np.uint8)
+    picture = folder / "picture.png"
+    Image.fromarray(arr).save(picture)
+    return text, mmproj, picture
+
+
+def test_vision_tower_matches_the_cpu(vlm):
+    """`compare --mmproj --backends cpu,vulkan` on an image file: every node of the tower (patch
+    products, position-grid gather, vision rope, F32 flash attention, tanh GELU, merger) runs on
+    Vulkan and stays within the CPU-against-CPU limits (F32 products: GGML_VK_DISABLE_F16=1)."""
+    text, mmproj, picture = vlm
+    p = deltarun("compare", text, "--mmproj", mmproj, "--image", picture, "--backends", "cpu,vulkan", "--json", "-q",
+                 "-t", "1")
+    rep = json.loads(p.stdout)
+    assert rep["passed"], rep["failures"]
+    g, = rep["graphs"]
+    assert g["matched_by"] == "index" and g["n_failed"] == 0 and g["n_compared"] == g["n_nodes_a"]
+    ran_on = {n["op"]: n["backend_b"] for n in g["nodes"] if n["backend_b"]}
+    assert ran_on["FLASH_ATTN_EXT"] == ran_on["ROPE"] == ran_on["MUL_MAT"] == "Vulkan0"
+    print(f"\ntower cpu,vulkan: embeddings NMSE {rep['embeddings']['nmse']:.3g}, max rel "
+          f"{rep['embeddings']['max_rel_err']:.3g}; splits {rep['sides'][1]['n_splits']}")
+
+
+def test_vision_tower_on_vulkan_matches_the_reference(vlm):
+    """The Vulkan tower's embeddings against the float64 reference from Hugging Face-order weights:
+    within 1e-5 of the largest value, the F32 bound the CPU tower is held to (tests/test_vision.py;
+    lavapipe with F32 accumulation measured 7e-7 from the CPU)."""
+    text, mmproj, picture = vlm
+    script = (
+        "import sys, numpy as np\n"
+        "sys.path.insert(0, 'tests')\n"
+        "import reference_vision as rv\n"
+        "from deltarun.model_files import qwen35, qwen35_vision as qv\n"
+        "from deltarun.runner import images\n"
+        "from deltarun.runner.vision import VisionEncoder\n"
+        "cfg = qv.vision_for(qwen35.PRESETS['tiny-qwen35'])\n"
+        "with VisionEncoder(sys.argv[1], backend='vulkan', n_threads=1) as enc:\n"
+        "    assert enc.backend.description.startswith('Vulkan0'), enc.backend.description\n"
+        "    prep = images.load_image(sys.argv[2], enc.hp)\n"
+        "    out = enc.encode(prep)\n"
+        "ref, _ = rv.vision_forward(qv.hf_weights(cfg, 0), cfg, prep.pixels)\n"
+        "print(prep.n_tokens, float(np.abs(out - ref).max() / np.abs(ref).max()))\n")
+    p = subprocess.run([sys.executable, "-c", script, str(mmproj), str(picture)], env=_env(), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    n_tokens, err = p.stdout.split()
+    assert int(n_tokens) > 1 and float(err) < 1e-5, p.stdout
+
+
+def test_image_through_generate_matches_the_cpu(vlm):
+    """An image through the whole path on Vulkan (tower, placement, IMRoPE streams, decoding):
+    the greedy continuation is the CPU's."""
+    text, mmproj, picture = vlm
+    args = ["generate", text, "--mmproj", mmproj, "--image", picture, "-p", "<__media__> Say:", "-n", "8",
+            "--temp", "0", "--kv-type", "f32", "-t", "1"]
+    cpu = deltarun(*args, "--backend", "cpu").stdout
+    vk = deltarun(*args, "--backend", "vulkan").stdout
+    assert cpu.strip() and vk == cpu
