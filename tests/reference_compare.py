@@ -5,7 +5,9 @@ test_qwen4exp) each run the graph and their family's numpy reference (reference_
 reference_kimi, reference_qwen4exp) on one prompt and bound the difference. The bounds and the
 way they are applied live here, so that a family's test cannot drift into a weaker comparison:
 F32 weights must match every row to `F32_TOL` and decode the same greedy tokens; quantised
-weights or a rounded cache must stay within per-position bounds measured for each case.
+weights or a rounded cache must stay within per-position bounds measured for each case. The
+same tests hold the recurrent state to the same bound against the model's own recomputation
+(a rollback, a restored capture), also here.
 """
 
 from __future__ import annotations
@@ -62,6 +64,43 @@ def assert_f32_matches(model, ref: Reference, toks: list[int], n_first: int, lab
     ref.reset()
     theirs = greedy(lambda t: ref.forward([t])[-1], ref.forward(toks[:n_first])[-1], n_greedy)
     assert mine == theirs
+
+
+def assert_one_ubatch_matches(model, prompts: list[list[int]], last_logits: Callable[[list[int]], np.ndarray]
+                              ) -> None:
+    """The prompts as sequences 0, 1, ... of one ubatch (`model` has as many cells): each
+    sequence's last row within `F32_TOL` of `last_logits(prompt)`, the reference's for it alone."""
+    want = [last_logits(p) for p in prompts]
+    got = model.eval_batch(dict(enumerate(prompts)))
+    for seq, w in enumerate(want):
+        assert rel_err(got[seq], w) < F32_TOL, seq
+
+
+def assert_rollback_equals_recomputation(model, first: list[int], block: list[int], cont: list[int],
+                                         n_back: int) -> None:
+    """`first`, then `block` with its last `n_back` tokens rolled back, then `cont`: the logits of
+    `cont` within `F32_TOL` of the kept tokens evaluated afresh (`model` needs n_back < rs_slots)."""
+    model.eval(first)
+    model.eval(block)
+    model.rollback(n_back)
+    after = model.eval(cont, all_logits=True)
+    fresh = model.logits_for(first + block[:len(block) - n_back] + cont)[-len(cont):]
+    assert rel_err(after, fresh) < F32_TOL
+
+
+def assert_capture_resumes(model, toks: list[int], n_first: int, captures: list[int], at: int) -> None:
+    """The prompt cache's pieces: `toks[:n_first]` evaluated in sequence 0 with state captures at
+    `captures`; capture `at` restored into sequence 1 with the K/V rows and tokens before it; the
+    rest of `toks` from there within `F32_TOL` of the unbroken sequence's logits (`model` needs 2
+    cells and len(captures) capture slots)."""
+    model.eval(toks[:n_first], seq=0, captures=captures)
+    model.memory.write_recurrent(1, model.last_captures[at])
+    model.memory.write_kv(1, model.memory.read_kv(0, at), at)
+    model.memory.set_tokens(1, toks[:at])
+    resumed = model.eval(toks[at:], seq=1, all_logits=True)
+    model.reset()
+    unbroken = model.eval(toks, seq=0, all_logits=True)[at:]
+    assert rel_err(resumed, unbroken) < F32_TOL
 
 
 def per_position_error(got: np.ndarray, expected: np.ndarray) -> np.ndarray:

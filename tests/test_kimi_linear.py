@@ -21,8 +21,9 @@ from deltarun.runner.engine import Engine, Running
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.speculative import DraftLength, NgramDraft
-from reference_compare import (F32_TOL, assert_close_everywhere, assert_f32_matches, assert_quantised_close, greedy,
-                               prompt, rel_err)
+from reference_compare import (F32_TOL, assert_capture_resumes, assert_close_everywhere, assert_f32_matches,
+                               assert_one_ubatch_matches, assert_quantised_close, assert_rollback_equals_recomputation,
+                               greedy, prompt, rel_err)
 from reference_kimi import KimiReference
 from test_qwen35_files import np_f32, read
 from test_engine import still_wanted
@@ -137,42 +138,27 @@ def test_recurrent_states_match_reference(kimi_path, reference):
 
 
 def test_two_sequences_in_one_ubatch_match_reference(kimi_path, reference):
-    a, b = prompt(6, seed=4), prompt(6, seed=5)
-    want_a = reference.forward(a)[-1]
-    reference.reset()
-    want_b = reference.forward(b)[-1]
+    def alone(p: list[int]) -> np.ndarray:
+        reference.reset()
+        return reference.forward(p)[-1]
+
     with Model(kimi_path, n_ctx=64, kv_type="f32", n_seq_max=2) as m:
-        got = m.eval_batch({0: a, 1: b})
-    assert rel_err(got[0], want_a) < F32_TOL
-    assert rel_err(got[1], want_b) < F32_TOL
+        assert_one_ubatch_matches(m, [prompt(6, seed=4), prompt(6, seed=5)], alone)
 
 
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 @pytest.mark.parametrize("n_block,n_back", [(5, 3), (3, 3), (3, 1), (20, 3)])   # (3, 3): the whole ubatch
 def test_rollback_equals_recomputation(kimi_path, n_block, n_back, delta_net):
-    first, block, cont = prompt(7, seed=10), prompt(n_block, seed=11), prompt(4, seed=12)
     with Model(kimi_path, n_ctx=128, kv_type="f32", rs_slots=4, delta_net=delta_net) as m:
-        m.eval(first)
-        m.eval(block)
-        m.rollback(n_back)
-        after = m.eval(cont, all_logits=True)
-        fresh = m.logits_for(first + block[:n_block - n_back] + cont)[-len(cont):]
-    assert rel_err(after, fresh) < F32_TOL
+        assert_rollback_equals_recomputation(m, prompt(7, seed=10), prompt(n_block, seed=11), prompt(4, seed=12),
+                                             n_back)
 
 
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 def test_a_restored_capture_continues_as_the_unbroken_sequence(kimi_path, delta_net):
-    toks = prompt(60, seed=2)
     with Model(kimi_path, n_ctx=128, n_ubatch=64, kv_type="f32", capture_slots=2, n_seq_max=2,
                delta_net=delta_net) as m:
-        m.eval(toks[:40], seq=0, captures=[13, 29])
-        m.memory.write_recurrent(1, m.last_captures[29])
-        m.memory.write_kv(1, m.memory.read_kv(0, 29), 29)
-        m.memory.set_tokens(1, toks[:29])
-        resumed = m.eval(toks[29:60], seq=1, all_logits=True)
-        m.reset()
-        unbroken = m.eval(toks[:60], seq=0, all_logits=True)[29:]
-    assert rel_err(resumed, unbroken) < F32_TOL
+        assert_capture_resumes(m, prompt(60, seed=2), 40, [13, 29], 29)
 
 
 def test_a_conv_kernel_stored_f16_is_a_clear_error(tmp_path, monkeypatch):

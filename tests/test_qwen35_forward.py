@@ -22,7 +22,8 @@ import pytest
 from deltarun.model_files import qwen35 as q35
 from deltarun.runner.model import Model
 from reference_qwen35 import Qwen35Reference
-from reference_compare import F32_TOL, assert_f32_matches, assert_quantised_close, prompt, rel_err
+from reference_compare import (F32_TOL, assert_f32_matches, assert_quantised_close,
+                               assert_rollback_equals_recomputation, prompt, rel_err)
 from test_qwen35_files import N_VOCAB, np_f32, read, rows_of_heads, tiled_head_order
 
 TINY = ["tiny-qwen35", "tiny-qwen35moe"]
@@ -144,15 +145,8 @@ def test_fused_equals_primitive(tiny_model_path, preset):
 @pytest.mark.parametrize("preset", TINY)
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
 def test_rollback_equals_recomputation(tiny_model_path, preset, delta_net):
-    first, block, cont = prompt(7, seed=10), prompt(5, seed=11), prompt(4, seed=12)
     with Model(tiny_model_path(preset), n_ctx=128, kv_type="f32", rs_slots=4, delta_net=delta_net) as m:
-        m.reset()
-        m.eval(first)
-        m.eval(block)
-        m.rollback(3)
-        after = m.eval(cont, all_logits=True)
-        fresh = m.logits_for(first + block[:2] + cont)[-len(cont):]
-    assert rel_err(after, fresh) < F32_TOL
+        assert_rollback_equals_recomputation(m, prompt(7, seed=10), prompt(5, seed=11), prompt(4, seed=12), 3)
 
 
 @pytest.mark.parametrize("preset", TINY)

@@ -33,8 +33,9 @@ from llamacpp import needs_llamacpp
 from reference_qwen4exp import Qwen4ExpReference, ngram_rows, shift_right_ignore_eos
 from test_qwen35_files import np_f32, read, rows_of_heads, tiled_head_order
 from test_engine import still_wanted
-from reference_compare import (F32_TOL, assert_close_everywhere, assert_f32_matches, assert_quantised_close, greedy,
-                               prompt, rel_err)
+from reference_compare import (F32_TOL, assert_capture_resumes, assert_close_everywhere, assert_f32_matches,
+                               assert_one_ubatch_matches, assert_quantised_close, assert_rollback_equals_recomputation,
+                               greedy, prompt, rel_err)
 
 PRESET = "tiny-qwen4exp"
 CFG = q4.PRESETS[PRESET]
@@ -335,42 +336,25 @@ def test_states_match_reference(q4_path, hf):
 
 
 def test_two_sequences_in_one_ubatch_match_reference(q4_path, hf):
-    a, b = long_prompt(14, seed=4), long_prompt(14, seed=5)
-    want_a = reference(hf_w=hf).forward(a)[-1]
-    want_b = reference(hf_w=hf).forward(b)[-1]
     with Model(q4_path, n_ctx=64, kv_type="f32", n_seq_max=2) as m:
-        got = m.eval_batch({0: a, 1: b})
-    assert rel_err(got[0], want_a) < F32_TOL
-    assert rel_err(got[1], want_b) < F32_TOL
+        assert_one_ubatch_matches(m, [long_prompt(14, seed=4), long_prompt(14, seed=5)],
+                                  lambda p: reference(hf_w=hf).forward(p)[-1])
 
 
 @pytest.mark.parametrize("n_block,n_back", [(5, 3), (3, 3), (3, 1), (20, 3)])   # (3, 3): the whole ubatch
 def test_rollback_equals_recomputation(q4_path, n_block, n_back):
     """Rolled back: the delta nets' and the PLE convolution's slots, the K rows (indexer keys) by
     masking, the n-gram context by the tokens Memory keeps."""
-    first, block, cont = long_prompt(15, seed=10), prompt(n_block, seed=11), prompt(4, seed=12)
     with Model(q4_path, n_ctx=128, kv_type="f32", rs_slots=4) as m:
-        m.eval(first)
-        m.eval(block)
-        m.rollback(n_back)
-        after = m.eval(cont, all_logits=True)
-        fresh = m.logits_for(first + block[:n_block - n_back] + cont)[-len(cont):]
-    assert rel_err(after, fresh) < F32_TOL
+        assert_rollback_equals_recomputation(m, long_prompt(15, seed=10), prompt(n_block, seed=11),
+                                             prompt(4, seed=12), n_back)
 
 
 def test_a_restored_capture_continues_as_the_unbroken_sequence(q4_path):
     """The prompt cache's pieces: a capture inside a ubatch (PLE history included), the K rows, the
     tokens; the copy continues as the unbroken sequence."""
-    toks = long_prompt(50, seed=2)
     with Model(q4_path, n_ctx=128, n_ubatch=64, kv_type="f32", capture_slots=2, n_seq_max=2) as m:
-        m.eval(toks[:40], seq=0, captures=[13, 29])
-        m.memory.write_recurrent(1, m.last_captures[29])
-        m.memory.write_kv(1, m.memory.read_kv(0, 29), 29)
-        m.memory.set_tokens(1, toks[:29])
-        resumed = m.eval(toks[29:50], seq=1, all_logits=True)
-        m.reset()
-        unbroken = m.eval(toks[:50], seq=0, all_logits=True)[29:]
-    assert rel_err(resumed, unbroken) < F32_TOL
+        assert_capture_resumes(m, long_prompt(50, seed=2), 40, [13, 29], 29)
 
 
 def test_engine_steps_with_ngram_drafts_keep_the_reference_tokens(q4_path, hf):
