@@ -55,9 +55,9 @@ from deltarun.base.errors import ContextFullError, DeltarunError, ImageError
 from deltarun.base.tokenizer import StreamDecoder
 from deltarun.runner.files import write_atomically
 from deltarun.runner.generation import GenerationStats, decode_tokens
-from deltarun.runner.reasoning import THINK_CLOSE, THINK_OPEN
+from deltarun.runner.reasoning import NO_BUDGET, THINK_CLOSE, THINK_OPEN, ThinkingTags, check_budget, thinking_budget
 from deltarun.runner.resume import Held, Saved, common_prefix_length, plan_resume
-from deltarun.runner.sampling import GREEDY, Sampler
+from deltarun.runner.sampling import GREEDY, LogitsProcessors, Sampler
 
 if TYPE_CHECKING:  # annotations only: the applications open models lazily
     from deltarun.runner.model import Model
@@ -300,7 +300,7 @@ class ChatSession:
     def __init__(self, model: Model, template: ChatTemplate | None = None, sampler: Sampler | None = None, *,
                  system: str | None = None, enable_thinking: bool | None = None, n_predict: int = -1,
                  stop: Sequence[str] = (), context_shift: bool = False, seq: int = 0,
-                 draft: Any = None, draft_max: int = 8, vision: Any = None):
+                 draft: Any = None, draft_max: int = 8, vision: Any = None, reasoning_budget: int = NO_BUDGET):
         self.model = model
         self.template = template if template is not None else ChatTemplate.from_model(model)
         self.sampler = sampler if sampler is not None else Sampler(GREEDY)
@@ -312,6 +312,10 @@ class ChatSession:
         self.draft = draft            # a speculative DraftSource, or None for plain decoding
         self.draft_max = draft_max
         self.draft_stats: Any = None  # GenerationStats of the last turn with a draft
+        #: tokens an answer may think before the template's end-of-thinking marker is forced
+        #: (llama.cpp's --reasoning-budget: -1 no limit, 0 none); each turn gets a fresh budget
+        self.reasoning_budget = check_budget(reasoning_budget)
+        self._thinking_tags: ThinkingTags | None = None
         self.messages: list[dict[str, Any]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
@@ -594,9 +598,10 @@ class ChatSession:
     def _decoding(self, answer: list[int], stats: TurnStats) -> tuple[dict[str, Any], GenerationStats]:
         """`decode_tokens`' arguments for this turn (plain or speculative) and the counters it fills."""
         decoding = GenerationStats()
+        processors = self._processors()
         if self.draft is not None:
             self.draft_stats = decoding
-            return {"draft": self.draft, "draft_max": self.draft_max}, decoding
+            return {"draft": self.draft, "draft_max": self.draft_max, "processors": processors}, decoding
 
         def make_room() -> np.ndarray | None:
             if self.context_shift and self._shift_during_answer(answer, stats):
@@ -604,7 +609,16 @@ class ChatSession:
                 return self._logits[2]      # the shift evaluated the conversation and the answer so far
             return None
 
-        return {"on_full": make_room}, decoding
+        return {"on_full": make_room, "processors": processors}, decoding
+
+    def _processors(self) -> LogitsProcessors | None:
+        """This turn's thinking budget (`reasoning_budget`), from where the prompt leaves the block."""
+        if self.reasoning_budget == NO_BUDGET:
+            return None
+        if self._thinking_tags is None:
+            self._thinking_tags = ThinkingTags.of_tokenizer(self.model.tokenizer, self.template.reasoning_separator())
+        return LogitsProcessors(budget=thinking_budget(self.reasoning_budget, self._thinking_tags,
+                                                       self.turn_opens_thinking, self.model.tokenizer.token_bytes))
 
     def prefill_next_turn(self) -> int:
         """Evaluate the start of the next turn's prompt now: the conversation followed by a user

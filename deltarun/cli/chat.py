@@ -18,8 +18,8 @@ from typing import Any, Callable
 import click
 
 from deltarun.base.errors import ContextFullError, DeltarunError
-from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
-                                  sampling_params)
+from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft,
+                                  reasoning_budget_option, sampling_options, sampling_params)
 from deltarun.cli.text_io import silence_stdout
 
 HELP = """\
@@ -309,11 +309,12 @@ def _open_vision(mmproj: Path, model: Any) -> Any:
 @click.option("--mmproj", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The model's vision tower (mmproj-*.gguf): /image PATH attaches an image to the next message.")
 @draft_options
+@reasoning_budget_option
 @sampling_options
 @model_options
 def chat(model: Path | None, system: str | None, think: bool | None, hide_thinking: bool, n_predict: int,
          stop: tuple[str, ...], context_shift: bool, single: bool, draft: str | None, draft_max: int,
-         mmproj: Path | None = None, **opts: Any) -> None:
+         mmproj: Path | None = None, reasoning_budget: int = -1, **opts: Any) -> None:
     """Chat with MODEL.gguf using the chat template stored in the file.
 
     On a terminal this is an interactive prompt with line editing and history. Otherwise stdin is
@@ -350,7 +351,7 @@ def chat(model: Path | None, system: str | None, think: bool | None, hide_thinki
             _err("the model file has no chat template: using the built-in Qwen3 ChatML template")
         session = ChatSession(m, template, Sampler(params), system=system, enable_thinking=think,
                               n_predict=n_predict, stop=stop, context_shift=context_shift, draft=source,
-                              draft_max=draft_max, vision=vision)
+                              draft_max=draft_max, vision=vision, reasoning_budget=reasoning_budget)
         if interactive:
             _err(f"{m.path} loaded in {time.perf_counter() - t_load:.2f} s ({m.n_ctx} ctx, {m.backend.name})")
         ui = ChatUI(session, hide_thinking=hide_thinking, context_shift=context_shift)

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import click
 
 from deltarun.base.errors import DeltarunError, ImageError
-from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft, sampling_options,
-                                  sampling_params)
+from deltarun.cli.options import (draft_options, model_argument, model_options, open_with_draft,
+                                  reasoning_budget_option, sampling_options, sampling_params)
 from deltarun.cli.text_io import read_text_file, silence_stdout
 
 if TYPE_CHECKING:
     from deltarun.runner.model import Model
+    from deltarun.runner.reasoning import ThinkingBudget
 
 
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -52,19 +53,22 @@ def _timing(label: str, n: int, seconds: float) -> str:
               help="An image (PNG, JPEG, WebP, GIF) placed at the next <__media__> in the prompt, or before "
                    "the prompt without one; repeatable. Needs --mmproj.")
 @draft_options
+@reasoning_budget_option
 @sampling_options
 @model_options
 def generate(model: Path | None, prompt: str | None, file: Path | None, n_predict: int, echo: bool,
              draft: str | None, draft_max: int, vs_plain: bool, mmproj: Path | None = None,
-             image_files: tuple[Path, ...] = (), **opts: object) -> None:
+             image_files: tuple[Path, ...] = (), reasoning_budget: int = -1, **opts: object) -> None:
     """Continue a prompt with MODEL.gguf and stream the text to stdout.
 
     Without MODEL the built-in model (a small Qwen3-Next trained on Shakespeare) is used.
-    Timings go to stderr at the end, like llama.cpp's.
+    Timings go to stderr at the end, like llama.cpp's. With --reasoning-budget, a think block
+    (opened by the prompt, as a Qwen3.5 chat prompt's `<think>\n`, or by the model) ends with
+    the chat template's end-of-thinking marker after that many tokens.
     """
     from deltarun.base.tokenizer import StreamDecoder
     from deltarun.runner.generation import GenerationStats, generate_tokens
-    from deltarun.runner.sampling import Sampler
+    from deltarun.runner.sampling import LogitsProcessors, Sampler
 
     text = _read_prompt(prompt, file)
     if image_files and mmproj is None:
@@ -84,11 +88,13 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                                 f"raise --ctx")
         if echo:
             click.echo(text, nl=False)
+        budget = _thinking_budget(m, text, reasoning_budget)
         stats = GenerationStats()
         stats.n_prompt, stats.prompt_seconds = n_before, before_seconds   # the images and the text before them
         decoder = StreamDecoder(m.tokenizer)
         interrupted = False
-        stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats, draft=source, draft_max=draft_max)
+        stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats, draft=source, draft_max=draft_max,
+                                 processors=LogitsProcessors(budget=budget) if budget is not None else None)
         try:
             for tok in stream:
                 piece = decoder.push(tok)
@@ -113,6 +119,8 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                        f"top-p {params.top_p}, min-p {params.min_p}, repeat-penalty {params.repeat_penalty} "
                        f"(last {params.repeat_last_n})", **err)
         click.echo(f"{'stop':>13}: {_stop_text(stats.stop_reason)}", **err)
+        if budget is not None:
+            click.echo(f"{'thinking':>13}: {budget.n_thinking} tokens (--reasoning-budget {reasoning_budget})", **err)
         click.echo(f"{'load time':>13}: {load_seconds * 1000.0:10.2f} ms", **err)
         click.echo(_timing("prompt eval", stats.n_prompt, stats.prompt_seconds), **err)
         click.echo(_timing("generation", stats.n_generated, stats.generate_seconds), **err)
@@ -124,14 +132,30 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
             if vs_plain and not interrupted:
                 m.reset()
                 plain = GenerationStats()
-                same = list(generate_tokens(m, tokens, n_predict, Sampler(sampling_params(**{**opts, "seed": params.seed}))
-                                            , stats=plain)) == stats.tokens
+                again = _thinking_budget(m, text, reasoning_budget)      # a fresh budget: the same answer
+                processors = LogitsProcessors(budget=again) if again is not None else None
+                sampler = Sampler(sampling_params(**{**opts, "seed": params.seed}))
+                same = list(generate_tokens(m, tokens, n_predict, sampler, stats=plain,
+                                            processors=processors)) == stats.tokens
                 ratio = stats.generate_tps / plain.generate_tps if plain.generate_tps else 0.0
                 click.echo(_timing("plain", plain.n_generated, plain.generate_seconds), **err)
                 click.echo(f"{'speed-up':>13}: {ratio:.2f}x over plain decoding"
                            f"{' (same tokens)' if same else ' (tokens differ: sampled output)'}", **err)
     if interrupted:
         raise SystemExit(130)
+
+
+def _thinking_budget(m: "Model", text: str, budget: int) -> "ThinkingBudget | None":
+    """--reasoning-budget's processor (None: -1), with the chat template's marker, inside the block
+    when the prompt text leaves it open."""
+    from deltarun.apps.chat import opens_thinking
+    from deltarun.base.chat_template import ChatTemplate
+    from deltarun.runner.reasoning import NO_BUDGET, ThinkingTags, thinking_budget
+
+    if budget == NO_BUDGET:
+        return None
+    tags = ThinkingTags.of_tokenizer(m.tokenizer, ChatTemplate.from_model(m).reasoning_separator())
+    return thinking_budget(budget, tags, opens_thinking(text), m.tokenizer.token_bytes)
 
 
 def _prefill_images(m: "Model", mmproj: Path | None, image_files: tuple[Path, ...],

@@ -131,6 +131,13 @@ def sampling_options(f: F) -> F:
     ])
 
 
+def reasoning_budget_option(f: F) -> F:
+    """--reasoning-budget N, llama.cpp's name and meaning (runner.reasoning.thinking_budget)."""
+    return click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
+                        metavar="N", help="Tokens the model may think (inside <think> ... </think>) before the "
+                        "template's end-of-thinking marker is forced: -1 no limit, 0 no thinking.")(f)
+
+
 def sampling_params(temp: float = _DEFAULTS.temperature, top_k: int = _DEFAULTS.top_k,
                     top_p: float = _DEFAULTS.top_p, min_p: float = _DEFAULTS.min_p,
                     repeat_penalty: float = _DEFAULTS.repeat_penalty,

@@ -11,7 +11,7 @@ import click
 
 from deltarun.base.errors import DeltarunError
 from deltarun.cli.options import (check_draft, draft_model_options, draft_options, model_argument, model_options,
-                                  open_model, resolve_model)
+                                  open_model, reasoning_budget_option, resolve_model)
 
 
 def is_loopback(host: str) -> bool:
@@ -113,6 +113,7 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
               help="The model's vision tower (mmproj-*.gguf): chat requests may then send images (image_url "
                    "parts with data: URLs).")
 @draft_options
+@reasoning_budget_option
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True)
 @model_options
@@ -121,8 +122,11 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
           header_timeout: float, body_timeout: float, keep_alive: float, max_connections: int,
           expose_model_path: bool, max_queue: int, chunk: int | None, checkpoint_every: int, prefill_ahead: bool,
           max_body: int, alias: str | None, mmproj: Path | None,
-          draft: str | None, draft_max: int, log_level: str, **opts: object) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+          draft: str | None, draft_max: int, log_level: str, reasoning_budget: int = -1, **opts: object) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...).
+
+    --reasoning-budget is the budget of requests that name none (or -1), as llama-server's.
+    """
     api_key = _api_key(api_key, api_key_file)
     try:
         from deltarun.apps.serve.connections import ConnectionLimits
@@ -153,6 +157,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
                              rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft, mmproj=mmproj,
                              prefill_ahead=prefill_ahead, allowed_hosts=_names(allowed_hosts),
+                             reasoning_budget=reasoning_budget,
                              allowed_origins=_names(allowed_origins), expose_model_path=expose_model_path,
                              limits=ConnectionLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                                      keep_alive_s=keep_alive, max_connections=max_connections))

@@ -7,7 +7,8 @@
 `decode_tokens` owns the stopping rules (the -n limit, an end-of-generation token, a full
 context, the caller's `on_token` callback asking to stop) and the counters; each step is the
 engine's (`runner.engine`) for one sequence: the last token evaluated, and with a draft source
-(`draft`) the drafted tokens verified in the same ubatch.
+(`draft`) the drafted tokens verified in the same ubatch. `processors` change the logits before
+the sampler (`sampling.LogitsProcessors`: `--reasoning-budget`'s thinking budget).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from deltarun.runner.engine import NO_LIMIT, Engine, Running
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import Sampler
+from deltarun.runner.sampling import LogitsProcessors, Sampler
 from deltarun.runner.speculative import DraftLength, DraftSource, draft_limit
 
 
@@ -59,7 +60,8 @@ def decode_tokens(model: Model, logits: np.ndarray, n_predict: int, sampler: Sam
                   draft: DraftSource | None = None, draft_max: int = 0,
                   context: tuple[list[int], np.ndarray | None, int] | None = None,
                   on_full: Callable[[], np.ndarray | None] | None = None,
-                  on_token: Callable[[int], bool | None] | None = None) -> Iterator[int]:
+                  on_token: Callable[[int], bool | None] | None = None,
+                  processors: LogitsProcessors | None = None) -> Iterator[int]:
     """Yield up to n_predict tokens (-1: no limit) following a sequence whose prompt is evaluated.
 
     `logits` are the prompt's last row. The end-of-generation token is not yielded. The last
@@ -76,7 +78,7 @@ def decode_tokens(model: Model, logits: np.ndarray, n_predict: int, sampler: Sam
     stats = stats if stats is not None else GenerationStats()
     engine = Engine(model)
     length = DraftLength(draft_limit(model, draft_max)) if draft is not None else None
-    s = Running(seq, sampler, model.tokens(seq), draft=draft, length=length)
+    s = Running(seq, sampler, model.tokens(seq), processors, draft=draft, length=length)
     if draft is not None and draft.needs_hidden and context is None and model.last_hidden is not None:
         context = ([], model.last_hidden[0][-1:], model.n_past(seq) - 1)
     limit = n_predict if n_predict >= 0 else None
@@ -124,7 +126,8 @@ def decode_tokens(model: Model, logits: np.ndarray, n_predict: int, sampler: Sam
 def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sampler, seq: int = 0,
                     stats: GenerationStats | None = None, stop_at_eog: bool = True,
                     on_token: Callable[[int], bool | None] | None = None,
-                    draft: DraftSource | None = None, draft_max: int = 0) -> Iterator[int]:
+                    draft: DraftSource | None = None, draft_max: int = 0,
+                    processors: LogitsProcessors | None = None) -> Iterator[int]:
     """Evaluate `prompt` (appended to what the sequence holds) and yield up to n_predict new tokens.
 
     The end-of-generation token is not yielded; `stats.stop_reason` says why the loop ended. With
@@ -145,4 +148,5 @@ def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sa
     if draft is not None:
         draft.start(prompt)
     yield from decode_tokens(model, logits, n_predict, sampler, seq=seq, stats=stats, stop_at_eog=stop_at_eog,
-                             draft=draft, draft_max=draft_max, context=context, on_token=on_token)
+                             draft=draft, draft_max=draft_max, context=context, on_token=on_token,
+                             processors=processors)

@@ -14,12 +14,15 @@ half a character; llama.cpp looks at the last token's bytes alone); a block the 
 budget. The marker is the template's: what it writes between an answer's reasoning and its
 content (`"\\n</think>\\n\\n"` for Qwen3 and Qwen3.5), so a forced end renders back as the
 template renders the turn.
+
+`thinking_budget` is the one way from llama.cpp's `--reasoning-budget N` (-1 no limit, 0 the
+marker at once, N a budget) to a processor: `deltarun generate`, `chat` and `serve` take it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +49,11 @@ class ThinkingTags:
         (`ChatTemplate.reasoning_separator`), else the closing tag alone."""
         marker = separator if separator is not None and THINK_CLOSE in separator else THINK_CLOSE
         return cls(tuple(encode(THINK_OPEN)), tuple(encode(THINK_CLOSE)), tuple(encode(marker)))
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any, separator: str | None) -> "ThinkingTags":
+        """`of` with a `base.tokenizer.Tokenizer`'s encoding (special tokens parsed, no BOS)."""
+        return cls.of(lambda s: tokenizer.encode(s, add_special=False, parse_special=True), separator)
 
 
 class TokenSequence:
@@ -183,3 +191,22 @@ class ThinkingBudget:
             return 0
         room = self.remaining if self.state.inside else self.budget
         return max(0, min(n, room - 1))
+
+
+#: llama.cpp's `--reasoning-budget` value for no limit
+NO_BUDGET = -1
+
+
+def check_budget(budget: int) -> int:
+    """`budget` when it is a `--reasoning-budget` value (-1, 0 or more), else a ValueError."""
+    if budget < NO_BUDGET:
+        raise ValueError(f"a reasoning budget of {budget}; expected -1 (no limit), 0 or more tokens")
+    return budget
+
+
+def thinking_budget(budget: int, tags: ThinkingTags, inside: bool,
+                    piece: Callable[[int], bytes]) -> ThinkingBudget | None:
+    """The processor of llama.cpp's `--reasoning-budget N`: None for -1 (no limit), else a
+    `ThinkingBudget` of N tokens (0: the marker as soon as a block is open); `inside`: the prompt
+    opened the block."""
+    return None if check_budget(budget) == NO_BUDGET else ThinkingBudget(tags, budget, inside, piece)

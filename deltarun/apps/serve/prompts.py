@@ -32,7 +32,7 @@ from deltarun.apps.serve.output import QWEN_TOOLS, tool_format_of
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.base.chat_template import ChatTemplate
-from deltarun.runner.reasoning import ThinkingTags
+from deltarun.runner.reasoning import NO_BUDGET, ThinkingTags, check_budget
 from deltarun.apps.serve.images import prepare_images
 from deltarun.base.errors import ImageError, TokenizerError
 from deltarun.base.vision import VisionHParams
@@ -46,7 +46,7 @@ RENDER_CACHE = 1024
 
 class PromptBuilder:
     def __init__(self, model: Any, template: ChatTemplate, grammars: Any, checkpoint_every: int = 1024,
-                 vision: VisionHParams | None = None):
+                 vision: VisionHParams | None = None, reasoning_budget: int = NO_BUDGET):
         self.tokenizer = model.tokenizer
         #: the vision tower's hyper-parameters (serve --mmproj): images are prepared for it; None: refused
         self.vision = vision
@@ -60,8 +60,9 @@ class PromptBuilder:
         #: the tool-call format the template teaches (Qwen's or Kimi's): the answers are parsed in it
         self.tool_format = tool_format_of(template.source)
         #: the think block's tags and the end-of-thinking marker a reasoning budget forces
-        self.thinking_tags = ThinkingTags.of(lambda s: self.tokenizer.encode(s, add_special=False, parse_special=True),
-                                             template.reasoning_separator())
+        self.thinking_tags = ThinkingTags.of_tokenizer(self.tokenizer, template.reasoning_separator())
+        #: the budget of a request that names none (`serve --reasoning-budget`; None: no limit)
+        self.reasoning_budget = None if check_budget(reasoning_budget) == NO_BUDGET else reasoning_budget
         self._byte_lengths: dict[int, int] = {}     # token id -> bytes (see _token_ends)
         self._renders: collections.OrderedDict[bytes, str] = collections.OrderedDict()   # _stand_in_render
         self._lock = threading.Lock()               # chat() runs in the handlers' thread pool
@@ -210,7 +211,8 @@ class PromptBuilder:
             grammar, trigger = self.grammars.lazy_tool_call(req.tools, self.xml_tools) or (None, None)
         return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens, len(prompt)), req=req,
                          grammar=grammar, trigger=trigger, thinking_tags=self.thinking_tags,
-                         thinking_budget=req.reasoning_budget, reasoning=True,
+                         thinking_budget=req.reasoning_budget if req.reasoning_budget is not None
+                         else self.reasoning_budget, reasoning=True,
                          starts_thinking=opens_thinking(text), tools=use_tools, tool_format=self.tool_format,
                          checkpoints=self._checkpoints(len(prompt), boundaries + [answer_start], placed),
                          answer_start=answer_start, images=placed)

@@ -57,6 +57,8 @@ class ServeSettings:
     #: opens the draft GGUF with one sequence per slot (n_seq_max = parallel), when draft is a path
     open_draft: Callable[[], Any] | None = None
     mmproj: Path | None = None        # the model's vision tower (mmproj GGUF): chat requests may send images
+    #: thinking tokens of a request that names no budget (-1: no limit; llama-server's --reasoning-budget)
+    reasoning_budget: int = -1
 
 
 def _grammar_factory(m: Any) -> GrammarFactory:      # module level: it pickles (supervisor.py)
@@ -84,7 +86,8 @@ def build(open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.
         worker = Worker(open_model, metrics=Metrics(), **kwargs)
 
     def make_builder(w: Worker) -> PromptBuilder:
-        return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every, vision)
+        return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every, vision,
+                             reasoning_budget=s.reasoning_budget)
 
     state = ServerState(worker, make_builder, model_name=s.model_name, api_key=s.api_key,
                         max_body=s.max_body_mib << 20, n_parallel=s.parallel, prefill_ahead=s.prefill_ahead,
