@@ -1,9 +1,9 @@
 """ggml's CPU Q4_K and Q6_K matrix products with 1-300 columns (decode, verification steps, prompt
 chunks) against numpy.
 
-scripts/ggml-patches/k-quant-few-columns.patch gives Q4_K and Q6_K products of 2-23 columns a
+scripts/ggml-patches/k-quant-few-columns.patch gives Q4_K and Q6_K products of 1-23 columns a
 kernel of their own on AVX-512 CPUs (ggml's per-pair `ggml_vec_dot_q4_K_q8_K` / `_q6_K_q8_K`
-below 8 columns otherwise, its tiled K-quant product from 8; one column stays on vec_dot): each
+below 8 columns otherwise, its tiled K-quant product from 8): each
 row unpacked once (Q4_K's nibbles with the 6-bit scales and mins of ggml's packing, Q6_K's 4+2-bit
 values with signed 8-bit scales and the offset 32), up to 8 prepared columns per tile, chunks of
 columns sized for L2, each thread one contiguous range of rows; from 24 columns on ggml's tiled
