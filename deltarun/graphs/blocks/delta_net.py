@@ -308,10 +308,7 @@ def delta_rule_segments(g: GraphContext, q, k, v, gate, beta, state, K: int, il:
     for t in caps:
         if t > T - K:                                                # within the last K states
             capture(caps.index(t), g.view(snaps, (D, 1), (nb(snaps)[1],), (T - t) * nb(snaps)[2]))
-    out = outs[0]
-    for part in outs[1:]:
-        out = ggml.ggml_concat(c, out, part, 2)
-    return out, snaps
+    return _concat(c, outs, 2), snaps
 
 
 def store_conv_captures(g: GraphContext, conv_input: Tensor, il: int) -> None:
@@ -377,25 +374,17 @@ def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: 
       O = e^G Q M0 + (L o Q K^T) Delta        with L[t,s] = e^(G_t-G_s) (s <= t)
       M_end = e^(G_last) M0 + K^T diag(e^(G_last - G)) Delta
     Zero padding to a whole chunk adds tokens with beta = 0 and gate = 0, which change nothing.
+    The chunk-by-chunk part (Delta, O, M_end) is `_chunk_recurrence`, shared with the per-channel form.
     """
     c = g.ctx
     S, H, T, N = ne(v)
     C = CHUNK_SIZE
-    pad = (C - T % C) % C
-    nc = (T + pad) // C
-    HN = H * N
-
-    def chunked(x: Tensor, width: int) -> Tensor:  # [width, H, T, N] -> [width, C, nc, H*N]
-        x = ggml.ggml_cont(c, ggml.ggml_permute(c, x, 0, 2, 1, 3))     # [width, T, H, N]
-        if pad:
-            x = ggml.ggml_pad(c, x, 0, pad, 0, 0)
-        return ggml.ggml_reshape_4d(c, x, width, C, nc, HN)
-
-    q = chunked(ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), S)
-    k = chunked(k, S)
-    v = chunked(v, S)
-    gc = ggml.ggml_reshape_4d(c, chunked(gate, 1), C, nc, HN, 1)          # [C, nc, HN]
-    bc = chunked(beta, 1)                                              # [1, C, nc, HN]
+    q = _to_chunks(c, ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), C)
+    k = _to_chunks(c, k, C)
+    v = _to_chunks(c, v, C)
+    _, _, nc, HN = ne(v)
+    gc = ggml.ggml_reshape_4d(c, _to_chunks(c, gate, C), C, nc, HN, 1)    # [C, nc, HN]
+    bc = _to_chunks(c, beta, C)                                        # [1, C, nc, HN]
 
     G = g.cb(ggml.ggml_cumsum(c, gc), "dnet_g_cumsum", il)          # [C, nc, HN, 1]
     G_row = ggml.ggml_reshape_4d(c, G, 1, C, nc, HN)                   # G_t along ne1
@@ -416,43 +405,19 @@ def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: 
     to_end = ggml.ggml_exp(c, ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_last, 1, C, nc, HN), G_row))
     KdT = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k, to_end)))  # [C, S, nc, HN]
     eG_last = ggml.ggml_exp(c, ggml.ggml_cont(c, G_last))               # [1, 1, nc, HN]
-
-    def chunk(t: Tensor, i: int) -> Tensor:
-        return g.view(t, (ne(t)[0], ne(t)[1], 1, ne(t)[3]), nb(t)[1:], i * nb(t)[2])
-
-    m = ggml.ggml_reshape_4d(c, state, S, S, 1, HN)                     # (k, v) per head
-    outs, starts, deltas = [], [], []
-    for i in range(nc):
-        starts.append(m)
-        delta = ggml.ggml_sub(c, chunk(U, i), ggml.ggml_mul_mat(c, m, chunk(W, i)))    # [S_v, C]
-        delta_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, delta))                      # [C, S_v]
-        deltas.append(delta_t)
-        inter = ggml.ggml_mul(c, ggml.ggml_mul_mat(c, m, chunk(q, i)), chunk(eG, i))
-        intra = ggml.ggml_mul_mat(c, delta_t, chunk(QK, i))
-        outs.append(ggml.ggml_add(c, inter, intra))                                     # [S_v, C]
-        m = ggml.ggml_add(c, ggml.ggml_mul(c, m, chunk(eG_last, i)),
-                          ggml.ggml_mul_mat(c, chunk(KdT, i), delta_t))
-        g.cb(m, f"dnet_chunk{i}_state", il)
-    o = outs[0]
-    for part in outs[1:]:
-        o = ggml.ggml_concat(c, o, part, 2)                                             # [S_v, C, nc, HN]
-    o = g.view(o, (S, T, H, N), (nb(o)[1], nb(o)[2] * nc, nb(o)[2] * nc * H), 0)
-    out = ggml.ggml_cont(c, ggml.ggml_permute(c, o, 0, 2, 1, 3))                        # [S, H, T, N]
+    out, m, starts, deltas = _chunk_recurrence(g, state, U, W, q, eG, QK, KdT, eG_last, T, il)
 
     # snapshots: slot 0 is the final state; slot r is the state after token T-1-r
     snaps = [ggml.ggml_reshape_3d(c, m, S * S * H, N, 1)]
     for r in range(1, min(T, K)):
         t = T - 1 - r
         i, l = divmod(t, C)
-        decay_row = g.view(chunk(L, i), (1, C, 1, HN), (nb(L)[1] // C, nb(L)[2], nb(L)[3]), l * nb(L)[1])
-        kd_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, chunk(k, i), decay_row)))
+        decay_row = g.view(_chunk(g, L, i), (1, C, 1, HN), (nb(L)[1] // C, nb(L)[2], nb(L)[3]), l * nb(L)[1])
+        kd_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, _chunk(g, k, i), decay_row)))
         e_l = ggml.ggml_exp(c, g.view(G, (1, 1, 1, HN), (nb(G)[1], nb(G)[2], nb(G)[2]), l * 4 + i * nb(G)[1]))
         m_t = ggml.ggml_add(c, ggml.ggml_mul(c, starts[i], e_l), ggml.ggml_mul_mat(c, kd_t, deltas[i]))
         snaps.append(ggml.ggml_reshape_3d(c, m_t, S * S * H, N, 1))
-    snap = snaps[0]
-    for s in snaps[1:]:
-        snap = ggml.ggml_concat(c, snap, s, 2)
-    return out, snap
+    return out, _concat(c, snaps, 2)
 
 
 def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, K: int, il: int
@@ -465,20 +430,17 @@ def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, 
       A[t,s]  = b_t sum_i k_t[i] k_s[i] D[s,t,i] (s < t),   QK[t,s] = sum_i q_t[i] k_s[i] D[s,t,i]
       (I + A) U = B V,  (I + A) W = B (e^G o K),  Delta = U - W M0
       O = (e^G o Q) M0 + QK Delta,  M_end = e^(G_last) o M0 + (e^(G_last - G) o K)^T Delta
+    The chunk-by-chunk part is `_chunk_recurrence`, as for the per-head gate; the decays above and
+    the snapshots are this form's own.
     """
     c = g.ctx
     S, H, T, N = ne(v)
     C = KDA_CHUNK_SIZE
-    pad = (C - T % C) % C
-    nc = (T + pad) // C
-    HN = H * N
+    q = _to_chunks(c, ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), C)
+    k = _to_chunks(c, k, C)
+    v = _to_chunks(c, v, C)
+    _, _, nc, HN = ne(v)
     B = nc * HN
-
-    def chunked(x: Tensor, width: int) -> Tensor:  # [width, H, T, N] -> [width, C, nc, H*N]
-        x = ggml.ggml_cont(c, ggml.ggml_permute(c, x, 0, 2, 1, 3))
-        if pad:
-            x = ggml.ggml_pad(c, x, 0, pad, 0, 0)
-        return ggml.ggml_reshape_4d(c, x, width, C, nc, HN)
 
     def by_token(x: Tensor) -> Tensor:             # [S, C, nc, HN] -> [C, S, B]: tokens along ne0
         return ggml.ggml_reshape_3d(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_reshape_3d(c, x, S, C, B))),
@@ -491,11 +453,8 @@ def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, 
         prod = ggml.ggml_cont(c, ggml.ggml_permute(c, prod, 1, 2, 0, 3))               # [S, C(s), C(t), B]
         return ggml.ggml_reshape_4d(c, ggml.ggml_sum_rows(c, prod), C, C, nc, HN)
 
-    q = chunked(ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), S)
-    k = chunked(k, S)
-    v = chunked(v, S)
-    bc = chunked(beta, 1)                                                   # [1, C, nc, HN]
-    Gc = g.cb(ggml.ggml_cumsum(c, by_token(chunked(gate, S))), "kda_g_cumsum", il)   # [C, S, B]
+    bc = _to_chunks(c, beta, C)                                             # [1, C, nc, HN]
+    Gc = g.cb(ggml.ggml_cumsum(c, by_token(_to_chunks(c, gate, C))), "kda_g_cumsum", il)   # [C, S, B]
     G = ggml.ggml_reshape_4d(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, Gc)), S, C, nc, HN)
     kc = by_token(k)
     diff = ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, ggml.ggml_reshape_4d(c, Gc, 1, C, S, B), C, C, S, B),
@@ -514,27 +473,7 @@ def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, 
     KdT = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k, to_end)))  # [C, S, nc, HN]
     eG_last = ggml.ggml_exp(c, ggml.ggml_cont(c, G_last))                        # [S, 1, nc, HN]
     qG = ggml.ggml_mul(c, q, eG)
-
-    def chunk(t: Tensor, i: int) -> Tensor:
-        return g.view(t, (ne(t)[0], ne(t)[1], 1, ne(t)[3]), nb(t)[1:], i * nb(t)[2])
-
-    m = ggml.ggml_reshape_4d(c, state, S, S, 1, HN)                         # (k, v) per head
-    outs, starts, deltas = [], [], []
-    for i in range(nc):
-        starts.append(m)
-        delta = ggml.ggml_sub(c, chunk(U, i), ggml.ggml_mul_mat(c, m, chunk(W, i)))    # [S_v, C]
-        delta_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, delta))                      # [C, S_v]
-        deltas.append(delta_t)
-        inter = ggml.ggml_mul_mat(c, m, chunk(qG, i))
-        intra = ggml.ggml_mul_mat(c, delta_t, chunk(QK, i))
-        outs.append(ggml.ggml_add(c, inter, intra))                                     # [S_v, C]
-        m = ggml.ggml_add(c, ggml.ggml_mul(c, m, chunk(eG_last, i)), ggml.ggml_mul_mat(c, chunk(KdT, i), delta_t))
-        g.cb(m, f"dnet_chunk{i}_state", il)
-    o = outs[0]
-    for part in outs[1:]:
-        o = ggml.ggml_concat(c, o, part, 2)                                             # [S_v, C, nc, HN]
-    o = g.view(o, (S, T, H, N), (nb(o)[1], nb(o)[2] * nc, nb(o)[2] * nc * H), 0)
-    out = ggml.ggml_cont(c, ggml.ggml_permute(c, o, 0, 2, 1, 3))                        # [S, H, T, N]
+    out, m, starts, deltas = _chunk_recurrence(g, state, U, W, qG, None, QK, KdT, eG_last, T, il)
 
     # snapshots: slot 0 is the final state; slot r is the state after token T-1-r:
     # M_t = e^(G_t) o M0 + (e^(G_t - G_s) o k_s)_{s <= t}^T Delta_{s <= t}
@@ -542,16 +481,71 @@ def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, 
     for r in range(1, min(T, K)):
         t = T - 1 - r
         i, l = divmod(t, C)
-        G_l = g.view(chunk(G, i), (S, 1, 1, HN), nb(G)[1:], l * nb(G)[1])
-        G_s = g.view(chunk(G, i), (S, l + 1, 1, HN), nb(G)[1:], 0)
-        k_s = g.view(chunk(k, i), (S, l + 1, 1, HN), nb(k)[1:], 0)
+        G_l = g.view(_chunk(g, G, i), (S, 1, 1, HN), nb(G)[1:], l * nb(G)[1])
+        G_s = g.view(_chunk(g, G, i), (S, l + 1, 1, HN), nb(G)[1:], 0)
+        k_s = g.view(_chunk(g, k, i), (S, l + 1, 1, HN), nb(k)[1:], 0)
         decay = ggml.ggml_exp(c, ggml.ggml_sub(c, ggml.ggml_repeat_4d(c, G_l, S, l + 1, 1, HN), G_s))
         kd_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul(c, k_s, decay)))   # [l+1, S]
         d_s = g.view(deltas[i], (l + 1, S, 1, HN), nb(deltas[i])[1:], 0)
         m_t = ggml.ggml_add(c, ggml.ggml_mul(c, starts[i], ggml.ggml_exp(c, ggml.ggml_cont(c, G_l))),
                             ggml.ggml_mul_mat(c, kd_t, ggml.ggml_cont(c, d_s)))
         snaps.append(ggml.ggml_reshape_3d(c, m_t, S * S * H, N, 1))
-    snap = snaps[0]
-    for s_ in snaps[1:]:
-        snap = ggml.ggml_concat(c, snap, s_, 2)
-    return out, snap
+    return out, _concat(c, snaps, 2)
+
+
+def _to_chunks(c, x: Tensor, C: int) -> Tensor:
+    """[width, H, T, N] -> [width, C, nc, H*N]: the tokens in nc chunks of C, the last one
+    zero-padded (a padded token has beta = 0 and gate = 0, so it changes nothing)."""
+    width, H, T, N = ne(x)
+    pad = (C - T % C) % C
+    x = ggml.ggml_cont(c, ggml.ggml_permute(c, x, 0, 2, 1, 3))         # [width, T, H, N]
+    if pad:
+        x = ggml.ggml_pad(c, x, 0, pad, 0, 0)
+    return ggml.ggml_reshape_4d(c, x, width, C, (T + pad) // C, H * N)
+
+
+def _chunk(g: GraphContext, t: Tensor, i: int) -> Tensor:
+    """Chunk i of a chunked tensor [_, _, nc, HN]: [_, _, 1, HN]."""
+    return g.view(t, (ne(t)[0], ne(t)[1], 1, ne(t)[3]), nb(t)[1:], i * nb(t)[2])
+
+
+def _chunk_recurrence(g: GraphContext, state: Tensor, U: Tensor, W: Tensor, q: Tensor, q_decay: Tensor | None,
+                      QK: Tensor, KdT: Tensor, eG_last: Tensor, T: int, il: int
+                      ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """The chunked form's sequential part, whatever the gate's shape: chunk by chunk from M0 =
+    `state` ([S, S, H, N], (k, v) per head),
+      Delta = U - W M0,   O = (Q M0) [o e^G] + QK Delta,   M_end = e^(G_last) o M0 + KdT Delta
+    with the decays already in U, W, QK, KdT and `eG_last`, and in `q` too where they act on key
+    channels (the per-channel form passes e^G o Q and no `q_decay`); a per-head decay multiplies
+    Q M0's rows instead (`q_decay` = e^G [1, C, nc, HN]). All chunked ([_, C, nc, HN]).
+    Returns the output [S, H, T, N] (T: the tokens before padding), the final state, and per
+    chunk its start state and Delta^T [C, S_v], from which the snapshots are made."""
+    c = g.ctx
+    S, _, nc, HN = ne(U)
+    H, N = ne(state)[2], ne(state)[3]
+    m = ggml.ggml_reshape_4d(c, state, S, S, 1, HN)                     # (k, v) per head
+    outs, starts, deltas = [], [], []
+    for i in range(nc):
+        starts.append(m)
+        delta = ggml.ggml_sub(c, _chunk(g, U, i), ggml.ggml_mul_mat(c, m, _chunk(g, W, i)))    # [S_v, C]
+        delta_t = ggml.ggml_cont(c, ggml.ggml_transpose(c, delta))                          # [C, S_v]
+        deltas.append(delta_t)
+        inter = ggml.ggml_mul_mat(c, m, _chunk(g, q, i))
+        if q_decay is not None:
+            inter = ggml.ggml_mul(c, inter, _chunk(g, q_decay, i))
+        intra = ggml.ggml_mul_mat(c, delta_t, _chunk(g, QK, i))
+        outs.append(ggml.ggml_add(c, inter, intra))                                         # [S_v, C]
+        m = ggml.ggml_add(c, ggml.ggml_mul(c, m, _chunk(g, eG_last, i)),
+                          ggml.ggml_mul_mat(c, _chunk(g, KdT, i), delta_t))
+        g.cb(m, f"dnet_chunk{i}_state", il)
+    o = _concat(c, outs, 2)                                                                 # [S_v, C, nc, HN]
+    o = g.view(o, (S, T, H, N), (nb(o)[1], nb(o)[2] * nc, nb(o)[2] * nc * H), 0)
+    return ggml.ggml_cont(c, ggml.ggml_permute(c, o, 0, 2, 1, 3)), m, starts, deltas         # [S, H, T, N]
+
+
+def _concat(c, parts: list[Tensor], dim: int) -> Tensor:
+    """The tensors one after another along `dim` (left to right, as ggml_concat pairs them)."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = ggml.ggml_concat(c, out, part, dim)
+    return out
