@@ -160,6 +160,28 @@ def test_compare_page_marks_first_failing_node(driver, tiny_model_path, tmp_path
     assert console_errors(driver) == []
 
 
+def test_vision_tower_pages(driver, tmp_path):
+    """`compare --mmproj A,B --html` (F32 against Q8_0 towers): the embeddings' verdict in place of
+    the logits; `graph --mmproj --values --format html`: the image named in the summary."""
+    from deltarun.model_files import qwen35_vision as qv
+
+    text, mmproj = qv.write_vlm(tmp_path, "tiny-qwen35")
+    q8 = qv.write_mmproj(tmp_path / "mmproj-q8_0.gguf", qv.vision_for(qv.qwen35.PRESETS["tiny-qwen35"]), "q8_0")
+    page = tmp_path / "tower.html"
+    report = json.loads(invoke("compare", text, "--mmproj", f"{mmproj},{q8}", "-q", "--json", "--html", page))
+    open_page(driver, page)
+    assert driver.find_element("id", "verdict").text == "PASS: every node and the embeddings are within their limits"
+    emb = driver.find_element("id", "embeddings").text
+    assert "embeddings NMSE" in emb and "6 x 256" in emb and driver.find_elements("id", "logits") == []
+    assert "random pixels" in driver.find_element("id", "report").text and report["embeddings"]["status"] == "ok"
+    assert console_errors(driver) == []
+    graph = tmp_path / "tower-graph.html"
+    invoke("graph", text, "--mmproj", mmproj, "--values", "--format", "html", "-o", graph)
+    open_page(driver, graph)
+    assert "image random 64 x 96 (seed 0)" in driver.find_element("tag name", "body").text
+    assert console_errors(driver) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # The pages of `deltarun serve`: the chat page at / and the loaded model's graph at /graph
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ and weight files (tiny Qwen3.5 vision-language pair, as tests/test_vision_cli.py
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +112,7 @@ def test_compare_tower_backends(files) -> None:
     assert rep["embeddings"]["status"] == "ok" and rep["embeddings"]["nmse"] <= 5e-4
 
 
-def test_compare_tower_weight_files(files) -> None:
+def test_compare_tower_weight_files(files, tmp_path: Path) -> None:
     """F32 against the Q8_0 mmproj: the embeddings' error is the quantisation's (non-zero, within
     test_vision's bound for q8_0 as a relative error), reported per node; exit 0 as with --against."""
     text, mmproj, q8, _, _ = files
@@ -124,8 +125,13 @@ def test_compare_tower_weight_files(files) -> None:
     nodes = {n["name"]: n for n in rep["graphs"][0]["nodes"]}
     assert nodes["inp_pos_emb"]["nmse"] == 0 and nodes["qkv-0"]["nmse"] > 0  # the patch kernel stays F32
     assert nodes["embeddings"]["nmse"] == pytest.approx(e["nmse"], rel=1e-6)
-    r = run("compare", text, "--mmproj", f"{mmproj},{q8}", "--seed", "3")
+    page = tmp_path / "report.html"
+    r = run("compare", text, "--mmproj", f"{mmproj},{q8}", "--seed", "3", "--html", page)
     assert r.exit_code == 0 and "embeddings (6 x 256)" in r.stdout and "random pixels" in r.stdout
+    data = json.loads(re.search(r'<script type="application/json" id="graph-data">(.*?)</script>', page.read_text(),
+                                re.S).group(1))
+    assert data["mode"] == "compare" and data["compare"]["embeddings"] == e and "logits" not in data["compare"]
+    assert {t["name"] for t in data["graphs"][0]["tensors"]} >= {"layer_out-1", "embeddings"}
 
 
 def test_compare_tower_over_the_limits(files, monkeypatch) -> None:
@@ -149,8 +155,7 @@ def test_compare_tower_over_the_limits(files, monkeypatch) -> None:
     assert "embeddings: NMSE" in r.stderr and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("case", ["image-alone", "text-option", "mmproj-as-model", "no-image", "graph-text-option",
-                                  "html"])
+@pytest.mark.parametrize("case", ["image-alone", "text-option", "mmproj-as-model", "no-image", "graph-text-option"])
 def test_bad_tower_options(files, case: str) -> None:
     text, mmproj, _, picture, folder = files
     args, expect, code = {
@@ -159,7 +164,6 @@ def test_bad_tower_options(files, case: str) -> None:
         "mmproj-as-model": (["compare", mmproj, "--mmproj", mmproj], "is an mmproj file", 3),
         "no-image": (["graph", text, "--mmproj", mmproj, "--image", folder / "none.png"], "no such image", 2),
         "graph-text-option": (["graph", text, "--mmproj", mmproj, "--decode"], "drop --decode", 2),
-        "html": (["compare", text, "--mmproj", mmproj, "--html", folder / "r.html"], "drop --html", 2),
     }[case]
     r = run(*args)
     assert r.exit_code == code, r.output

@@ -253,6 +253,6 @@ def render_compare_html(report: dict[str, Any]) -> str:
     data = {"mode": "compare", "model": sa["model"], "architecture": "", "has_values": False,
             "graphs": [compare_view(g, sa, sb) for g in report["graphs"]],
             "compare": {k: report[k] for k in ("passed", "failures", "sides", "prompt", "decode_steps", "limits",
-                                              "logits", "greedy")}}
+                                              "logits", "greedy", "image", "embeddings") if k in report}}
     title = f"compare: {sa['backend']} {sa['model'].rsplit('/', 1)[-1]} vs {sb['backend']} {sb['model'].rsplit('/', 1)[-1]}"
     return render_page(data, title)

@@ -23,7 +23,7 @@ DEFAULT_TOKENS = 16
 DEFAULT_STEPS = 8
 LIMITS_EXCEEDED = 8   # exit status: the comparison ran and found a difference over a limit
 #: options of the text comparison, refused with --mmproj (which compares the vision tower)
-TEXT_ONLY = ("against", "prompt", "n_tokens", "decode_steps", "delta_net", "gpu_layers", "kv_type", "ctx", "html_path")
+TEXT_ONLY = ("against", "prompt", "n_tokens", "decode_steps", "delta_net", "gpu_layers", "kv_type", "ctx")
 
 
 def _pair(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -118,7 +118,7 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
         given = explicit_options(TEXT_ONLY)
         if given:
             raise click.UsageError(f"--mmproj compares the vision tower on an image: drop {', '.join(given)}")
-        _compare_towers(model, mmproj, backends, image_file, seed, threads, as_json, show, quiet)
+        _compare_towers(model, mmproj, backends, image_file, seed, threads, as_json, show, quiet, html_path)
         return
     if html_path is not None and not html_path.resolve().parent.is_dir():
         raise click.BadParameter(f"{html_path}: no such folder", param_hint="'--html'")
@@ -162,7 +162,8 @@ def compare(model: Path | None, backends: list[str] | None, against: Path | None
 
 
 def _compare_towers(model: Path | None, mmproj: list[str], backends: list[str] | None, image_file: Path | None,
-                    seed: int, threads: int | None, as_json: bool, show: str, quiet: bool) -> None:
+                    seed: int, threads: int | None, as_json: bool, show: str, quiet: bool,
+                    html_path: Path | None = None) -> None:
     """`compare --mmproj A[,B]`: the vision tower on two sides (backends, or two mmproj files)."""
     from deltarun.apps import vision_graph as vg
     from deltarun.runner.vision import VisionEncoder
@@ -185,6 +186,13 @@ def _compare_towers(model: Path | None, mmproj: list[str], backends: list[str] |
                                str(image_file) if image_file is not None else None, n_threads=threads, progress=say)
     from deltarun.apps import compare as cmp
 
+    if html_path is not None:
+        from deltarun.apps.graph_page import render_compare_html
+        from deltarun.runner.files import write_atomically
+
+        write_atomically(html_path, render_compare_html(report))
+        if say:
+            say(f"wrote {html_path}")
     click.echo(cmp.to_json(report) if as_json else vg.to_text(report, show=show), nl=False)
     sys.stdout.flush()
     if not report["passed"]:

@@ -556,7 +556,7 @@
       if (s.n_compared !== undefined) tb.append(row("compared", `${s.n_compared}, failed ${s.n_failed}, skipped ${s.n_skipped}; matched by ${s.matched_by}`));
     }
     if (G.splits) tb.append(row("splits", `a ${G.splits.a}, b ${G.splits.b}`));
-    if (G.values) tb.append(row("values", `${G.values.n_observed} of ${G.values.n_selected} nodes recorded; prompt ${G.values.tokens.length} tokens`));
+    if (G.values) tb.append(row("values", `${G.values.n_observed} of ${G.values.n_selected} nodes recorded; ` + (G.values.image ? `image ${G.values.image}` : `prompt ${G.values.tokens.length} tokens`)));
     box.append(tb);
   }
 
@@ -565,10 +565,11 @@
     const C = DATA.compare, box = $("report");
     box.hidden = false;
     box.replaceChildren(el("h2", {}, "comparison"));
-    box.append(el("div", { id: "verdict", class: "verdict " + (C.passed ? "good" : "bad") }, C.passed ? "PASS: every node and the logits are within their limits" : "FAIL"));
+    box.append(el("div", { id: "verdict", class: "verdict " + (C.passed ? "good" : "bad") }, C.passed ? `PASS: every node and the ${C.embeddings ? "embeddings" : "logits"} are within their limits` : "FAIL"));
     if (!C.passed) { const ul = el("ul", {}); for (const f of C.failures) ul.append(el("li", {}, f)); box.append(ul); }
     const tb = el("table", {});
-    for (const s of C.sides) tb.append(row(`side ${s.label}`, `${s.model.split("/").pop()} on ${s.backend} (${s.device}); delta-net ${s.delta_net}; ${Object.entries(s.weight_types).map(([k, v]) => `${k} x${v}`).join(", ")}`));
+    for (const s of C.sides) tb.append(row(`side ${s.label}`, `${s.model.split("/").pop()} on ${s.backend} (${s.device}); ` + (s.delta_net ? `delta-net ${s.delta_net}; ` : "") + Object.entries(s.weight_types).map(([k, v]) => `${k} x${v}`).join(", ")));
+    if (C.image) tb.append(row("image", `${C.image.file || "random pixels"}: ${C.image.image[0]} x ${C.image.image[1]} pixels, ${C.image.n_tokens} image tokens`));
     box.append(tb);
     const ff = G.first_failure ? byId.get(G.first_failure) : null;
     const fb = el("div", { id: "first-failure" });
@@ -584,6 +585,13 @@
       fb.append(el("h3", {}, `${G.name} graph`), el("div", { class: "good" }, "every compared node is within its limit"));
     }
     box.append(fb);
+    if (C.embeddings) {     // a vision tower's report (deltarun.apps.vision_graph)
+      const e = C.embeddings, et = el("table", { id: "embeddings" });
+      et.append(row("embeddings NMSE", el("span", { class: e.status === "ok" ? "good" : "bad" }, `${fmt(e.nmse)} (limit ${fmt(e.limit)}): ${e.status}`), "embeddings_nmse"),
+        row("max |a-b| / max |a|", fmt(e.max_rel_err)), row("shape", `${e.n_tokens} x ${e.dim}`));
+      box.append(el("h3", {}, "embeddings"), et);
+      return;
+    }
     const lg = C.logits, gr = C.greedy;
     const lt = el("table", { id: "logits" });
     lt.append(row("logits NMSE", el("span", { class: lg.status === "ok" ? "good" : "bad" }, `${fmt(lg.nmse)} (limit ${fmt(lg.limit)}): ${lg.status}`), "logits_nmse"),
