@@ -378,13 +378,9 @@ def _delta_net_chunked(g: GraphContext, q, k, v, gate, beta, state, K: int, il: 
     """
     c = g.ctx
     S, H, T, N = ne(v)
-    C = CHUNK_SIZE
-    q = _to_chunks(c, ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), C)
-    k = _to_chunks(c, k, C)
-    v = _to_chunks(c, v, C)
-    _, _, nc, HN = ne(v)
+    q, k, v, bc = _chunk_inputs(c, q, k, v, beta, CHUNK_SIZE)           # bc: [1, C, nc, HN]
+    _, C, nc, HN = ne(v)
     gc = ggml.ggml_reshape_4d(c, _to_chunks(c, gate, C), C, nc, HN, 1)    # [C, nc, HN]
-    bc = _to_chunks(c, beta, C)                                        # [1, C, nc, HN]
 
     G = g.cb(ggml.ggml_cumsum(c, gc), "dnet_g_cumsum", il)          # [C, nc, HN, 1]
     G_row = ggml.ggml_reshape_4d(c, G, 1, C, nc, HN)                   # G_t along ne1
@@ -435,11 +431,8 @@ def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, 
     """
     c = g.ctx
     S, H, T, N = ne(v)
-    C = KDA_CHUNK_SIZE
-    q = _to_chunks(c, ggml.ggml_scale(c, q, 1.0 / math.sqrt(S)), C)
-    k = _to_chunks(c, k, C)
-    v = _to_chunks(c, v, C)
-    _, _, nc, HN = ne(v)
+    q, k, v, bc = _chunk_inputs(c, q, k, v, beta, KDA_CHUNK_SIZE)       # bc: [1, C, nc, HN]
+    _, C, nc, HN = ne(v)
     B = nc * HN
 
     def by_token(x: Tensor) -> Tensor:             # [S, C, nc, HN] -> [C, S, B]: tokens along ne0
@@ -453,7 +446,6 @@ def _delta_net_chunked_per_channel(g: GraphContext, q, k, v, gate, beta, state, 
         prod = ggml.ggml_cont(c, ggml.ggml_permute(c, prod, 1, 2, 0, 3))               # [S, C(s), C(t), B]
         return ggml.ggml_reshape_4d(c, ggml.ggml_sum_rows(c, prod), C, C, nc, HN)
 
-    bc = _to_chunks(c, beta, C)                                             # [1, C, nc, HN]
     Gc = g.cb(ggml.ggml_cumsum(c, by_token(_to_chunks(c, gate, C))), "kda_g_cumsum", il)   # [C, S, B]
     G = ggml.ggml_reshape_4d(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, Gc)), S, C, nc, HN)
     kc = by_token(k)
@@ -502,6 +494,13 @@ def _to_chunks(c, x: Tensor, C: int) -> Tensor:
     if pad:
         x = ggml.ggml_pad(c, x, 0, pad, 0, 0)
     return ggml.ggml_reshape_4d(c, x, width, C, (T + pad) // C, H * N)
+
+
+def _chunk_inputs(c, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, C: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q (scaled by 1/sqrt(S)), k, v and beta of either chunked form, in chunks of C tokens."""
+    q = _to_chunks(c, ggml.ggml_scale(c, q, 1.0 / math.sqrt(ne(q)[0])), C)
+    return q, _to_chunks(c, k, C), _to_chunks(c, v, C), _to_chunks(c, beta, C)
 
 
 def _chunk(g: GraphContext, t: Tensor, i: int) -> Tensor:
