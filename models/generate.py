@@ -288,6 +288,18 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, wtype: str, extra: dict[
         w.add_nextn_predict_layers(cfg.n_mtp)
 
 
+def gguf_tensor_name(name: str, global_names: dict[str, str], block_names: dict[str, str]) -> str:
+    """gguf-py's tensor map for one Hugging Face tensor name, as the converters use it: a whole-model
+    tensor by `global_names`, a block's (`model.layers.N.X`) as `blk.N.` + `block_names[X]`;
+    ValueError for a name the map does not know (the converter would stop there too)."""
+    if name in global_names:
+        return global_names[name]
+    parts = name.split(".", 3)
+    if parts[:2] != ["model", "layers"] or parts[3] not in block_names:
+        raise ValueError(f"cannot map tensor {name!r}")
+    return f"blk.{parts[2]}.{block_names[parts[3]]}"
+
+
 class _HasVocab(Protocol):
     """A family's config: it names its vocabulary (models/vocab.py VOCABS)."""
 

@@ -33,7 +33,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.generate import _FILE_TYPES, chat_template, config_and_vocab, write_gguf_file
+from deltarun.model_files.generate import (_FILE_TYPES, chat_template, config_and_vocab, gguf_tensor_name,
+                                           write_gguf_file)
 
 ARCH = "kimi-linear"
 GATING_SIGMOID = 2   # gguf.ExpertGatingFuncType.SIGMOID
@@ -228,12 +229,7 @@ _BLOCK_NAMES = {
 
 
 def _gguf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".", 3)
-    if parts[:2] != ["model", "layers"] or parts[3] not in _BLOCK_NAMES:
-        raise ValueError(f"cannot map tensor {name!r}")
-    return f"blk.{parts[2]}.{_BLOCK_NAMES[parts[3]]}"
+    return gguf_tensor_name(name, _GLOBAL_NAMES, _BLOCK_NAMES)
 
 
 def convert(cfg: KimiLinearConfig, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deltarun.model_files.generate import _FILE_TYPES, config_and_vocab, write_gguf_file
+from deltarun.model_files.generate import _FILE_TYPES, config_and_vocab, gguf_tensor_name, write_gguf_file
 
 CHAT_TEMPLATE_RESOURCE = "data/qwen35-chat-template.jinja"
 
@@ -363,12 +363,7 @@ def convert(cfg: Qwen35Config, hf: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
 
 def _gguf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".", 3)
-    if parts[:2] != ["model", "layers"] or parts[3] not in _BLOCK_NAMES:
-        raise ValueError(f"cannot map tensor {name!r}")
-    return f"blk.{parts[2]}.{_BLOCK_NAMES[parts[3]]}"
+    return gguf_tensor_name(name, _GLOBAL_NAMES, _BLOCK_NAMES)
 
 
 def model_tensors(cfg: Qwen35Config, n_vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
