@@ -13,6 +13,7 @@ answers).
 from __future__ import annotations
 
 import json
+import os
 
 import anthropic
 import httpx
@@ -407,3 +408,24 @@ def test_a_call_renders_back_as_it_was_generated(served, choice):
         {"type": "function", "function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}]}]
     rendered = tmpl.render(history, add_generation_prompt=False, tools=[WEATHER], enable_thinking=False)
     assert generated in rendered
+
+
+def test_a_forced_call_without_a_tool_call_token_writes_the_tag_as_text():
+    """A vocabulary without a `<tool_call>` special token (llama.cpp's Qwen2 vocabulary): a forced
+    call's grammar writes the tags as text (it was a 400, "unknown special token"), and the call
+    as the template writes it is allowed token by token to its end."""
+    from deltarun.model_files.vocab import qwen2_vocab_path
+
+    path = qwen2_vocab_path()
+    if not os.path.exists(path):
+        pytest.skip(f"no Qwen2 vocabulary at {path}")
+    tok = GGUFFile(path).tokenizer()
+    assert len(tok.encode("<tool_call>", add_special=False, parse_special=True)) > 1
+    grammars = GrammarFactory(tok, tok.n_vocab, [tok.eos_id])
+    m = grammars.matcher(grammars.tool_call([WEATHER], xml=False))
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    x = np.zeros(tok.n_vocab, dtype=np.float32)
+    for t in tok.encode(text, add_special=False, parse_special=True):
+        assert np.isfinite(m.mask(x)[t]), tok.token_bytes(t)
+        m.accept(t)
+    assert m.done and m.error is None

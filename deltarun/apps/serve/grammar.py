@@ -146,9 +146,18 @@ class GrammarFactory:
                           "required": ["name", "arguments"], "additionalProperties": False,
                           "x-guidance": _CALL_JSON_OPTIONS}
                 alternatives.append(f"%json {json.dumps(schema)}")
-        lines = ['start: <tool_call> "\\n" call "\\n" </tool_call>', "call: " + " | ".join(alternatives)]
+        lines = [f'start: {self._tag(TOOL_CALL_TRIGGER)} "\\n" call "\\n" {self._tag("</tool_call>")}',
+                 "call: " + " | ".join(alternatives)]
         grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
         return self._checked(grammar, param)
+
+    def _tag(self, tag: str) -> str:
+        """A tool-call tag in a Lark grammar: the special token where the vocabulary has one, else
+        its text (the Qwen2 vocabulary has no `<tool_call>` token: the tag is written as text)."""
+        ids = self._tokenizer.encode(tag, add_special=False, parse_special=True)
+        if len(ids) == 1 and self._tokenizer.token_type(ids[0]) != TOKEN_TYPE_NORMAL:
+            return tag
+        return json.dumps(tag)
 
     def _checked(self, grammar: str, param: str) -> str:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
