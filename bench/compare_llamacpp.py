@@ -57,6 +57,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -125,9 +126,9 @@ def ensure_models(paths: list[str], preset: str = "bench") -> list[Path]:
 class Worker:
     """One benchmark process with the model loaded; JSON lines in and out (see the worker files)."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], stderr: Any = subprocess.DEVNULL):
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+                                     stderr=stderr, text=True, cwd=ROOT)
         self.info = self._read()
         if not self.info.get("ready"):
             raise RuntimeError(f"benchmark worker failed to start: {self.info}")

@@ -66,6 +66,12 @@ VISION_PRESETS: dict[str, VisionConfig] = {
     "tiny-vision": VisionConfig(),
     # Qwen3-VL-style deepstack taps after blocks 0 and 1 (graph tests; qwen35 text models refuse them)
     "tiny-vision-deepstack": VisionConfig(depth=3, deepstack_visual_indexes=(0, 1)),
+    # The vision shapes of Qwen/Qwen3.5-0.8B (its config.json's vision_config, quoted verbatim in
+    # public test fixtures found with the code search, e.g. find_string '"out_hidden_size": 1024'):
+    # 12 blocks of 768 (12 heads of 64), FFN 3072, patch 16, merge 2, a 48 x 48 learned position
+    # grid, projection to the text model's 1024, no deepstack. Random weights (bench/mtmd_encode.py).
+    "bench-vision": VisionConfig(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12,
+                                 out_hidden_size=1024, num_position_embeddings=2304),
 }
 
 
