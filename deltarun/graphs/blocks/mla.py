@@ -100,18 +100,24 @@ def mla(g: GraphContext, cur: Tensor, il: int, s: MlaShape) -> Tensor:
     v_view = g.cb(g.view(v_store, (n_kv, half, 1, N), (row_v, half * row_v, half * row_v),
                          ub.seq_head * half * row_v), "v_view", il)                                # [n_kv, half, 1, N]
 
+    # every head reads the same cached rows (one KV head): the heads' queries are the columns of
+    # one product per sequence ([.., T*H, 1, N]), so a decoding step reads the cache once, not once
+    # per head as a product broadcast over H does (at 4096 cached tokens that read was most of
+    # the layer's time)
     q = ggml.ggml_cont(c, ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, width, H, T, N), 0, 2, 1, 3))  # [width, T, H, N]
-    q_first = g.view(q, (half, T, H, N), nb(q)[1:], 0)
-    q_second = g.view(q, (half, T, H, N), nb(q)[1:], half * esz)
+    cols = (nb(q)[1], nb(q)[1] * T * H, nb(q)[3])
+    q_first = g.view(q, (half, T * H, 1, N), cols, 0)
+    q_second = g.view(q, (half, T * H, 1, N), cols, half * esz)
     kq = ggml.ggml_add(c, ggml.ggml_mul_mat(c, k_view, q_first),
                        ggml.ggml_mul_mat(c, ggml.ggml_cont(c, ggml.ggml_transpose(c, v_view)), q_second))
-    g.cb(kq, "kq", il)                                                                               # [n_kv, T, H, N]
+    kq = g.cb(ggml.ggml_reshape_4d(c, kq, n_kv, T, H, N), "kq", il)                                 # [n_kv, T, H, N]
     kq = g.cb(ggml.ggml_soft_max_ext(c, kq, kv.kq_mask, 1.0 / math.sqrt(s.key_length), 0.0), "kq_soft_max", il)
     # the values are the rows' latent c: the K half, and the V half's first lora - half channels
+    kq = ggml.ggml_reshape_4d(c, kq, n_kv, T * H, 1, N)
     latent_first = ggml.ggml_cont(c, ggml.ggml_transpose(c, k_view))                                # [n_kv, half, 1, N]
     latent_second = g.view(v_view, (n_kv, lora - half, 1, N), nb(v_view)[1:], 0)
     kqv = ggml.ggml_concat(c, ggml.ggml_mul_mat(c, latent_first, kq), ggml.ggml_mul_mat(c, latent_second, kq), 0)
-    g.cb(kqv, "kqv", il)                                                                             # [lora, T, H, N]
+    kqv = g.cb(ggml.ggml_reshape_4d(c, kqv, lora, T, H, N), "kqv", il)                              # [lora, T, H, N]
     kqv = ggml.ggml_mul_mat(c, w[p + "attn_v_b.weight"],
                             ggml.ggml_reshape_3d(c, ggml.ggml_cont(c, ggml.ggml_permute(c, kqv, 0, 1, 3, 2)),
                                                  lora, T * N, H))                                   # [v, T*N, H]
