@@ -1,0 +1,109 @@
+"""ggml's CPU CONCAT and SSM_CONV, the two ops that build and convolve a delta-net layer's conv
+input, against numpy on every thread count.
+
+scripts/ggml-patches/concat-rows.patch shares concat's rows between the threads (it gave them
+dimension 2 only: one sequence, one thread) and copies a dimension-0 concatenation row by row;
+the cases cross thread boundaries inside a plane, read the second source through a transposed
+view (as `concat(conv_states, transpose(qkv), 0)` does), and concatenate along dimensions 1 and 2
+(the per-row element path). scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
+channel along its window row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and
+past 16 (a second, partial group), one and several sequences. Concat reproduces its sources
+exactly; the conv sums float32 products in numpy's order below, within float32 rounding (a
+compiler may fuse a product and its sum). They hold for the stock kernels as well.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import ggml
+
+
+def _read(t, shape: tuple[int, ...]) -> np.ndarray:
+    return np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(t), ctypes.POINTER(ctypes.c_float)),
+                                 shape=shape).copy()
+
+
+def _write(t, a: np.ndarray) -> None:
+    ctypes.memmove(ggml.ggml_get_data(t), np.ascontiguousarray(a).ctypes.data, a.nbytes)
+
+
+def _compute(ctx, out, threads: int) -> None:
+    gf = ggml.ggml_new_graph(ctx)
+    ggml.ggml_build_forward_expand(gf, out)
+    ggml.ggml_graph_compute_with_ctx(ctx, gf, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs", [(3, 1, 37, 1), (3, 8, 50, 1), (3, 5, 13, 3),
+                                                              (1, 2, 7, 2), (3, 1, 1, 1)])
+def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens: int, channels: int,
+                                                          n_seqs: int, threads: int) -> None:
+    rng = np.random.default_rng(d_state * 100 + n_tokens * 10 + channels + threads)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
+    try:
+        states = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d_state, channels, n_seqs)
+        qkv = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, channels, n_tokens, n_seqs)
+        states_np = rng.standard_normal((n_seqs, channels, d_state)).astype(np.float32)
+        qkv_np = rng.standard_normal((n_seqs, n_tokens, channels)).astype(np.float32)
+        _write(states, states_np)
+        _write(qkv, qkv_np)
+        out = ggml.ggml_concat(ctx, states, ggml.ggml_transpose(ctx, qkv), 0)
+        _compute(ctx, out, threads)
+        got = _read(out, (n_seqs, channels, d_state + n_tokens))
+    finally:
+        ggml.ggml_free(ctx)
+    np.testing.assert_array_equal(got, np.concatenate([states_np, qkv_np.transpose(0, 2, 1)], axis=2))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dim", [1, 2])
+def test_concat_along_other_dimensions(dim: int, threads: int) -> None:
+    rng = np.random.default_rng(dim * 7 + threads)
+    shape_a, shape_b = [5, 4, 3, 2], [5, 4, 3, 2]
+    shape_b[dim] = 6
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
+    try:
+        a = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, *shape_a)
+        b = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, *shape_b)
+        a_np = rng.standard_normal(shape_a[::-1]).astype(np.float32)
+        b_np = rng.standard_normal(shape_b[::-1]).astype(np.float32)
+        _write(a, a_np)
+        _write(b, b_np)
+        out = ggml.ggml_concat(ctx, a, b, dim)
+        _compute(ctx, out, threads)
+        want = np.concatenate([a_np, b_np], axis=3 - dim)
+        got = _read(out, want.shape)
+    finally:
+        ggml.ggml_free(ctx)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("d_conv,n_tokens,channels,n_seqs", [(4, 1, 33, 1), (4, 2, 33, 2), (4, 8, 70, 1),
+                                                             (4, 16, 9, 1), (4, 37, 21, 2), (3, 5, 6, 1)])
+def test_ssm_conv_matches_numpy(d_conv: int, n_tokens: int, channels: int, n_seqs: int, threads: int) -> None:
+    rng = np.random.default_rng(d_conv * 1000 + n_tokens * 10 + channels + threads)
+    width = d_conv - 1 + n_tokens
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
+    try:
+        x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, width, channels, n_seqs)
+        w = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, d_conv, channels)
+        x_np = rng.standard_normal((n_seqs, channels, width)).astype(np.float32)
+        w_np = rng.standard_normal((channels, d_conv)).astype(np.float32)
+        _write(x, x_np)
+        _write(w, w_np)
+        out = ggml.ggml_ssm_conv(ctx, x, w)
+        _compute(ctx, out, threads)
+        got = _read(out, (n_seqs, n_tokens, channels))
+    finally:
+        ggml.ggml_free(ctx)
+    # float32 sums in ggml's order: ((0 + x0 w0) + x1 w1) + ...; a fused multiply-add in place of
+    # a product and a sum rounds once instead of twice, so allow a few units in the last place
+    want = np.zeros((n_seqs, n_tokens, channels), dtype=np.float32)
+    for i in range(d_conv):
+        want += x_np[:, :, i:i + n_tokens].transpose(0, 2, 1) * w_np[:, i]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
