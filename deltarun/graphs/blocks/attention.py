@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from deltarun.base.ggml_util import Tensor, c_array, ctypes, ggml, nb
+from deltarun.base.ggml_util import Tensor, c_array, ctypes, ggml, nb, ne
 from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.inputs import AttentionKVInput, OutputIdsInput, PositionsInput
@@ -123,10 +123,17 @@ def attend(g: GraphContext, q: Tensor, k_view: Tensor, v_view: Tensor, mask: Ten
     hp, ub, c = g.hp, g.ub, g.ctx
     hd, nh = hp.head_dim, hp.n_head
     T, N, n_tokens = ub.n_seq_tokens, ub.n_seqs, ub.n_tokens
-    q = ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, hd, nh, T, N), 0, 2, 1, 3)  # [hd, T, nh, N]
-    kq = g.cb(ggml.ggml_mul_mat(c, k_view, q), "kq", il)                           # [n_kv, T, nh, N]
+    # the r = nh / nkv query heads that share a KV head (consecutive, as ggml broadcasts) are the
+    # columns of one product per KV head ([.., T*r, nkv, N]): a decoding step reads each cached
+    # head once, not once per query head as a product broadcast over the heads does
+    nkv = ne(k_view)[2]
+    r = nh // nkv
+    q = ggml.ggml_cont(c, ggml.ggml_permute(c, ggml.ggml_reshape_4d(c, q, hd, nh, T, N), 0, 2, 1, 3))  # [hd, T, nh, N]
+    kq = g.cb(ggml.ggml_mul_mat(c, k_view, ggml.ggml_reshape_4d(c, q, hd, T * r, nkv, N)), "kq", il)
+    kq = ggml.ggml_reshape_4d(c, kq, ne(kq)[0], T, nh, N)                          # [n_kv, T, nh, N]
     kq = g.cb(ggml.ggml_soft_max_ext(c, kq, mask, 1.0 / math.sqrt(hd), 0.0), "kq_soft_max", il)
-    kqv = g.cb(ggml.ggml_mul_mat(c, v_view, kq), "kqv", il)                        # [hd, T, nh, N]
+    kqv = g.cb(ggml.ggml_mul_mat(c, v_view, ggml.ggml_reshape_4d(c, kq, ne(kq)[0], T * r, nkv, N)), "kqv", il)
+    kqv = ggml.ggml_reshape_4d(c, kqv, hd, T, nh, N)                               # [hd, T, nh, N]
     out = ggml.ggml_cont_2d(c, ggml.ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n_tokens)
     g.cb(out, "attn_pregate", il)
 
