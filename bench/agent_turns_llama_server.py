@@ -50,6 +50,7 @@ from _worker_protocol import cpu_has_amx  # noqa: E402
 SYSTEM = ("You are a coding agent working in a Python repository. Read files before you change them, "
           "keep changes small, run the tests after each change and report what you did. ") * 6
 TASK = "The test tests/test_parse.py::test_dates fails since yesterday's commit. Find out why and fix it."
+FOLLOW_UP = "Thanks. Now add a test for dates before 1970 and tell me whether it passes."
 
 
 def _tool(name: str, description: str, props: dict, required: list[str]) -> dict:
@@ -173,10 +174,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent_loop(server: Server, turns: int, mode: str) -> list[dict]:
+def agent_loop(server: Server, turns: int, mode: str, follow_up: bool) -> list[dict]:
     msgs: list[dict] = [{"role": "user", "content": TASK}]
-    rows = []
-    for turn in range(turns):
+    rows: list[dict] = []
+    n = turns + (1 if follow_up else 0)
+    for turn in range(n):
         server.settle()
         before = server.evaluated()
         r = httpx.post(server.url + "/v1/messages", json=request(msgs, turn, turns, mode), timeout=1800)
@@ -185,10 +187,18 @@ def agent_loop(server: Server, turns: int, mode: str) -> list[dict]:
         ans = r.json()
         u = ans["usage"]
         after = server.evaluated()
-        rows.append({"turn": turn + 1, "prompt": u["input_tokens"] + u.get("cache_read_input_tokens", 0),
+        rows.append({"turn": turn + 1, "follow_up": turn == turns,
+                     "prompt": u["input_tokens"] + u.get("cache_read_input_tokens", 0),
                      "evaluated": u["input_tokens"], "cached": u.get("cache_read_input_tokens", 0),
                      "counter": after[0] - before[0], "ahead_before": before[1] - (rows[-1]["_ahead"] if rows else 0),
                      "output": u["output_tokens"], "stop_reason": ans.get("stop_reason"), "_ahead": after[1]})
+        if turn == n - 1:
+            break
+        if turn == turns - 1:              # the agent's last answer, sent back as it came, and the user's next message
+            text = "".join(b["text"] for b in ans["content"] if b["type"] == "text")
+            msgs.append({"role": "assistant", "content": [{"type": "text", "text": text or "..."}]})
+            msgs.append({"role": "user", "content": FOLLOW_UP})
+            continue
         if mode == "scripted":
             name, args = SCRIPT[turn % len(SCRIPT)]
             call = {"type": "tool_use", "id": f"toolu_{turn:02d}", "name": name, "input": args}
@@ -245,11 +255,12 @@ def table(results: dict[str, dict[str, list[dict]]]) -> str:
     lines = []
     for mode, by_server in results.items():
         names = list(by_server)
+        first = next(iter(by_server.values()))
         lines.append(f"\n**{mode}** (per turn: prompt tokens / evaluated by usage / by the server's counter"
                      " / for deltarun, evaluated ahead while idle before it)\n")
         lines.append("| turn | " + " | ".join(names) + " |")
         lines.append("| ---: | " + " | ".join("---" for _ in names) + " |")
-        for i in range(len(next(iter(by_server.values())))):
+        for i, row in enumerate(first):
             cells = []
             for n in names:
                 r = by_server[n][i]
@@ -257,18 +268,20 @@ def table(results: dict[str, dict[str, list[dict]]]) -> str:
                 if n.startswith("deltarun"):
                     cell += f" / {r['ahead_before']:.0f}"
                 cells.append(cell)
-            lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
-        totals = {n: sum(r["evaluated"] + r["ahead_before"] for r in rows[1:])
-                  for n, rows in by_server.items()}
-        prompts = {n: sum(r["prompt"] for r in rows[1:]) for n, rows in by_server.items()}
-        lines.append("| 2-%d | " % len(next(iter(by_server.values())))
-                     + " | ".join(f"{prompts[n]} / {totals[n]}" for n in names) + " |")
-        if "llama-server" in totals and totals["llama-server"]:
-            lines.append("")
-            for n in names:
-                if n != "llama-server":
-                    lines.append(f"- {n}: turns 2+ evaluate {totals[n] / totals['llama-server']:.2f}x "
-                                 f"llama-server's tokens ({totals[n]} against {totals['llama-server']})")
+            lines.append(f"| {i + 1}{' (user)' if row['follow_up'] else ''} | " + " | ".join(cells) + " |")
+        tool_turns = [i for i, r in enumerate(first) if i > 0 and not r["follow_up"]]
+        follow = [i for i, r in enumerate(first) if r["follow_up"]]
+        for label, idx in ((f"tool turns 2-{len(tool_turns) + 1}", tool_turns), ("the user's next message", follow)):
+            if not idx:
+                continue
+            req = {n: sum(rows[i]["evaluated"] for i in idx) for n, rows in by_server.items()}
+            idle = {n: sum(rows[i]["ahead_before"] for i in idx) for n, rows in by_server.items()}
+            lines.append(f"\n{label}: evaluated at request time (+ ahead while idle): "
+                         + ", ".join(f"{n} {req[n]} (+{idle[n]:.0f})" for n in names))
+            if req.get("llama-server"):
+                lines.append("".join(f"; {n} {req[n] / req['llama-server']:.2f}x "
+                                     f"({(req[n] + idle[n]) / req['llama-server']:.2f}x with the idle work)"
+                                     for n in names if n != "llama-server").lstrip("; "))
     return "\n".join(lines)
 
 
@@ -278,6 +291,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the tiny Qwen3.5 with a real vocabulary)")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--modes", default="scripted,own")
+    ap.add_argument("--no-follow-up", action="store_true", help="leave out the user's message after the last answer")
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/agent-turns"))
@@ -292,7 +306,7 @@ def main() -> None:
         for name, (command, log) in commands(args, model).items():      # a fresh server per loop
             server = Server(name, command, free_port(), log)
             try:
-                results.setdefault(mode, {})[name] = agent_loop(server, args.turns, mode)
+                results.setdefault(mode, {})[name] = agent_loop(server, args.turns, mode, not args.no_follow_up)
             except SystemExit as e:                     # a refused request: said, and the others go on
                 errors.append(f"{mode}, {str(e)}")
             finally:
