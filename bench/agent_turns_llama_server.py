@@ -13,7 +13,11 @@ history:
   go back to where the answer began and read the call and its result from there: the test of its
   checkpoints on a hybrid model, whose recurrent state cannot be rolled back token by token.
 - `own`: each server's own answer is sent back (a forced call, `tool_choice: any`, on turns but
-  the last), as a real agent does; the prompts then differ a little between the servers.
+  the last), as a real agent does; the prompts then differ between the servers (on random weights
+  llama-server's forced calls did not close within 120 tokens: see bench/RESULTS.md).
+
+Then one more turn (unless `--no-follow-up`): the last answer sent back as it came and the user's
+next message, after which Qwen3.5's template renders the earlier assistant turns differently.
 
 Per turn: the prompt's tokens, and the tokens the server evaluated, from the answer's
 `usage.input_tokens` (both servers report the tokens not read from their cache there, with

@@ -254,7 +254,7 @@ class ChatRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: tokens the answer may think for before the template's end-of-thinking marker is forced
-    #: (llama-server's `reasoning_budget_tokens`; None: no limit)
+    #: (llama-server's `reasoning_budget_tokens`; None, also for -1: `serve --reasoning-budget`)
     reasoning_budget: int | None = None
     #: the messages' images by digest, once prepared (`serve.images.prepare_images`)
     images: dict[str, Any] = field(default_factory=dict)
