@@ -6,7 +6,9 @@ context = bench_context, ubatch = --ubatch, threads, f16 KV, fused delta-net) an
 same functions (`_time_pp`, `_time_tg`; `_time_tg_parallel` and `_time_tg_depth` for the tgp and
 tgd commands, on models opened for them on first use) on the same tokens, so a round costs no
 process start or model load and the two engines can be interleaved closely. `profile` answers
-with deltarun.apps.op_profile's profiles of a pp and a tg ubatch.
+with deltarun.apps.op_profile's profiles of a pp and a tg ubatch. `mtp` times greedy generation
+of a text prompt as `deltarun generate --draft mtp --draft-max D` runs it (depth 0: without
+drafts, on a model opened as `generate` opens one), on a model opened for each depth.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import numpy as np
 from deltarun.apps import bench as B
 from deltarun.apps.op_profile import profile_ubatch
 from deltarun.base.ggml_util import ggml
+from deltarun.runner.generation import GenerationStats, generate_tokens
 from deltarun.runner.model import Model
+from deltarun.runner.sampling import GREEDY, Sampler
+from deltarun.runner.speculative import MtpDraft
 
 from _worker_protocol import serve
 
@@ -88,9 +93,35 @@ def main() -> None:
         m.reset()
         return {"pp": pp.as_dict(with_nodes=True), "tg": tg.as_dict(with_nodes=True)}
 
+    def mtp(req: dict) -> dict:
+        n, depth = req["n"], req["depth"]
+        key = ("mtp", depth, n, req["prompt"])
+        if key not in others:
+            # what `generate --draft mtp --draft-max D` opens (cli.options.open_with_draft)
+            others[key] = Model(args.model, backend="cpu", n_ctx=4096, n_ubatch=max(args.ubatch, depth + 1),
+                                n_threads=args.threads, kv_type=args.kv_type, delta_net=cfg.delta_net,
+                                mtp=depth > 0, rs_slots=depth + 1)
+        mm = others[key]
+        prompt = mm.tokenizer.encode(req["prompt"])
+
+        def once() -> GenerationStats:
+            mm.reset()
+            stats = GenerationStats()
+            source = MtpDraft(mm, defer=True) if depth else None
+            for _ in generate_tokens(mm, prompt, n, Sampler(GREEDY), stats=stats, draft=source, draft_max=depth):
+                pass
+            if source is not None:
+                source.close()
+            return stats
+
+        once()                                                                # warm-up
+        st = once()
+        return {"s": st.generate_seconds, "n": st.n_generated, "drafted": st.n_drafted,
+                "accepted": st.n_accepted, "tokens": st.tokens}
+
     serve({"llamafile": int(ggml.ggml_cpu_has_llamafile()), "ggml": ggml.__file__}, run,
           extra=lambda: {"builds": m.stats.n_graph_builds},
-          commands={"tgp": tgp, "tgd": tgd, "profile": profile})
+          commands={"tgp": tgp, "tgd": tgd, "profile": profile, "mtp": mtp})
     for other in others.values():
         other.close()
     m.close()

@@ -10,6 +10,9 @@ Plain Python only: it runs in deltarun's environment and in bench/.venv-llamacpp
     {"cmd": "profile", "n": 512, "reps": 3, "no_ops": [...]}
         -> {"pp": {...}, "tg": {...}}: per-node times of a pp ubatch of N tokens and of a one-token
            decode after 16, each {"nodes": [[name, op, [seconds per run]], ...], "plain_s": [...]}
+    {"cmd": "mtp", "n": 128, "depth": 3, "prompt": "..."}
+        -> {"s": seconds, "n": tokens, "drafted": .., "accepted": .., "tokens": [...]} (deltarun only):
+           greedy generation with MTP drafts of the given depth (0: none)
     {"cmd": "quit"}
 
 Each pp/tg/tgp/tgd command is one warm-up run plus one timed run, as `deltarun bench -r 1`.

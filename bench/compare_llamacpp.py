@@ -41,6 +41,17 @@ sides run these through their lowest-level decode call, so llama.cpp has only it
 ubatch side by side (deltarun.apps.op_profile: the eval-callback method and its overhead).
 --preset bench-vocab151k uses the bench shape with the real 151,936-token vocabulary.
 
+--mtp 1,3 instead compares speculative decoding with the model's MTP block (a file with one, e.g.
+`make-tiny --preset bench-qwen35-echo-vocab151k`, where every draft is right, or
+`bench-qwen35-vocab151k`, where almost none is): llama.cpp as its users run it, `llama-server
+--spec-type draft-mtp --spec-draft-n-max D` (built from the sdist's tools/server by
+bench/bench_envs.py, --llama-server; one server per depth, and one without drafts), one greedy
+/completion of --tg tokens from --mtp-prompt per run (ignore_eos, no prompt cache), timed by its own
+`timings.predicted_per_second`; deltarun as `deltarun generate --draft mtp --draft-max D` runs it
+(the worker's `mtp` command: generate_tokens with an MtpDraft, generation time only). Depth 0 is
+each side's plain decoding; rounds alternate the sides per depth. Printed per depth: both t/s, the
+ratio, and each side's speed-up over its own plain decoding, with the drafts accepted.
+
 --memory instead measures peak resident memory for pp512 + tg128 at ctx 4096 in fresh processes
 (deltarun's Model API vs the llama.cpp worker) and prints the ratio.
 """
@@ -56,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +76,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from bench_envs import GGML_STOCK, LLAMACPP  # noqa: E402
+from _worker_protocol import cpu_has_amx  # noqa: E402
 
 DEFAULT_DIR = Path("/tmp/drbench")
 
@@ -293,6 +306,115 @@ def run_speed(args: argparse.Namespace, python: Path) -> dict:
     return report
 
 
+class LlamaServer:
+    """llama-server on one model (extra buffer types off on AMX CPUs), for --mtp: `depth` > 0 adds
+    `--spec-type draft-mtp --spec-draft-n-max depth`."""
+
+    def __init__(self, binary: str, model: Path, threads: int, depth: int):
+        import socket
+
+        with socket.socket() as probe:                  # a free port, picked by the kernel
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        spec = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(depth)] if depth else []
+        self.proc = subprocess.Popen([binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                                      "-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1",
+                                      *(["-nr"] if cpu_has_amx() else []), *spec],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            time.sleep(0.3)
+        self.close()
+        raise RuntimeError("llama-server did not come up in 300 s")
+
+    def complete(self, prompt: str, n: int) -> dict:
+        """One greedy completion of n tokens; its timings (predicted_per_second, draft_n, ...)."""
+        body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                           "cache_prompt": False, "stream": False}).encode()
+        req = urllib.request.Request(self.url + "/completion", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())["timings"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def run_mtp(args: argparse.Namespace) -> dict:
+    """--mtp: both engines' MTP speculative decoding at each depth and their plain decoding (depth 0)."""
+    models = ensure_models(args.model, args.preset)
+    depths = [0] + [d for d in args.mtp if d > 0]
+    report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+                    "cores": os.cpu_count(), "threads": args.threads, "tg": args.tg, "rounds": args.rounds,
+                    "prompt": args.mtp_prompt, "llama_server": args.llama_server,
+                    "llama_extra_bufts": not cpu_has_amx(), "models": {}}
+    for model in models:
+        print(f"\n== {model}: MTP depths {depths[1:]}, {args.threads} threads, {args.tg} tokens", flush=True)
+        servers = {d: LlamaServer(args.llama_server, model, args.threads, d) for d in depths}
+        dr = DeltarunWorker(sys.executable, model, args.threads, args.batch, args.pp, args.tg)
+        rows: list[dict] = []
+        try:
+            for rnd in range(args.rounds):
+                row: dict = {"round": rnd, "load_before": load1()}
+                for d in depths:
+                    if args.quiet_wait > 0:
+                        wait_quiet(args.quiet, args.quiet_wait)
+                    servers[d].complete(args.mtp_prompt, args.tg)                       # warm-up
+                    t = servers[d].complete(args.mtp_prompt, args.tg)                   # A: llama.cpp
+                    row[f"llama_d{d}"] = t["predicted_per_second"]
+                    row[f"llama_d{d}_drafted"] = t.get("draft_n", 0)
+                    row[f"llama_d{d}_accepted"] = t.get("draft_n_accepted", 0)
+                    r = dr.ask(cmd="mtp", n=args.tg, depth=d, prompt=args.mtp_prompt)    # B: deltarun
+                    row[f"deltarun_d{d}"] = r["n"] / r["s"]
+                    row[f"deltarun_d{d}_drafted"], row[f"deltarun_d{d}_accepted"] = r["drafted"], r["accepted"]
+                row["load_after"] = load1()
+                rows.append(row)
+                print(f"  round {rnd}: load {row['load_before']:.2f}->{row['load_after']:.2f}  "
+                      + "  ".join(f"{k}={v:.1f}" for k, v in row.items() if k.endswith(tuple(f"_d{d}" for d in depths))),
+                      flush=True)
+        finally:
+            dr.close()
+            for srv in servers.values():
+                srv.close()
+        summary = {}
+        for d in depths:
+            ll, de = [r[f"llama_d{d}"] for r in rows], [r[f"deltarun_d{d}"] for r in rows]
+            summary[f"d{d}"] = {
+                "llama_tps": summarize(ll), "deltarun_tps": summarize(de),
+                "ratio": summarize([a / b for a, b in zip(de, ll)]),
+                "llama_vs_plain": summarize([r[f"llama_d{d}"] / r["llama_d0"] for r in rows]),
+                "deltarun_vs_plain": summarize([r[f"deltarun_d{d}"] / r["deltarun_d0"] for r in rows]),
+                "llama_accepted": f"{sum(r[f'llama_d{d}_accepted'] for r in rows)}/"
+                                  f"{sum(r[f'llama_d{d}_drafted'] for r in rows)}",
+                "deltarun_accepted": f"{sum(r[f'deltarun_d{d}_accepted'] for r in rows)}/"
+                                     f"{sum(r[f'deltarun_d{d}_drafted'] for r in rows)}"}
+        report["models"][str(model)] = {"rounds": rows, "summary": summary}
+        print("\n| depth | llama.cpp t/s | deltarun t/s | deltarun / llama.cpp | llama.cpp x plain | "
+              "deltarun x plain | drafts accepted (llama.cpp, deltarun) |\n|---|---|---|---|---|---|---|")
+        for d in depths:
+            x = summary[f"d{d}"]
+            print(f"| {d or 'plain'} | {x['llama_tps']['median']:.1f} | {x['deltarun_tps']['median']:.1f} | "
+                  f"{x['ratio']['median']:.2f} ({x['ratio']['min']:.2f}-{x['ratio']['max']:.2f}) | "
+                  f"{x['llama_vs_plain']['median']:.2f} | {x['deltarun_vs_plain']['median']:.2f} | "
+                  f"{x['llama_accepted']}, {x['deltarun_accepted']} |", flush=True)
+        print("(medians over the rounds; llama.cpp " + ("without extra buffer types: they crash on this "
+              "AMX CPU)" if cpu_has_amx() else "with its default buffer types)"), flush=True)
+    return report
+
+
 def run_profiles(args: argparse.Namespace, llama: Worker, drs: dict[str, Worker]) -> list[dict]:
     """Per-op profiles of a pp and a tg ubatch on both engines, through each one's eval callback
     (deltarun.apps.op_profile explains the method and its overhead); printed side by side."""
@@ -432,13 +554,23 @@ def main() -> None:
     ap.add_argument("--profile-reps", type=int, default=3, help="profiled runs per ubatch")
     ap.add_argument("--memory", action="store_true", help="measure peak RSS (ctx --ctx) instead of speed")
     ap.add_argument("--ctx", type=int, default=4096, help="context size for --memory")
+    ap.add_argument("--mtp", type=int_list, default=[], metavar="D[,D...]",
+                    help="instead: MTP speculative decoding at these draft depths, against llama-server's draft-mtp")
+    ap.add_argument("--mtp-prompt", default="Hello world, this is a test", help="the prompt of the --mtp runs")
+    ap.add_argument("--llama-server", default=str(ROOT / "build" / "llama-server" / "bin" / "llama-server"),
+                    help="llama-server binary for --mtp (bench/bench_envs.py llama-server builds it)")
     ap.add_argument("--json", help="also write the full results here")
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu needs --threads 1 (CPU time would count the threads' barrier spinning)")
 
-    python = LLAMACPP.ensure()
-    report = run_memory(args, python) if args.memory else run_speed(args, python)
+    if args.mtp:
+        if not Path(args.llama_server).is_file():
+            raise SystemExit(f"no llama-server at {args.llama_server}: build it (bench/bench_envs.py) or give --llama-server")
+        report = run_mtp(args)
+    else:
+        python = LLAMACPP.ensure()
+        report = run_memory(args, python) if args.memory else run_speed(args, python)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

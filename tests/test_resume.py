@@ -160,13 +160,15 @@ def test_the_rollback_limit_is_what_memory_rolls_back(tiny_model_path):
 
 
 
-def test_a_decoding_step_leaves_the_start_state_out_and_undoes_all_but_its_first_token(tiny_model_path):
-    """`keep_start=False` (the engine's steps): the graph does not copy the state the ubatch
-    started from to slot T, and Memory lets a rollback undo T-1 tokens, which land on the states
-    the step computed (equal to evaluating the kept tokens alone); the engine steps that way."""
+def test_a_verification_step_leaves_the_start_state_out_and_undoes_all_but_its_first_token(tiny_model_path):
+    """`keep_start=False` (the engine's verification steps): the graph does not copy the state the
+    ubatch started from to slot T, and Memory lets a rollback undo T-1 tokens, which land on the
+    states the step computed (equal to evaluating the kept tokens alone). The engine steps with
+    drafts that way; a one-token step keeps the start, so its token can still be undone."""
     from deltarun.base.ggml_util import ggml, name_of
     from deltarun.runner.engine import Engine, Running
     from deltarun.runner.sampling import GREEDY, Sampler
+    from deltarun.runner.speculative import DraftLength, NgramDraft
 
     def start_copies(m: Model, keep_start: bool) -> int:
         g = next(g for s, g in m._graphs.items() if s.n_seq_tokens == 3 and s.keep_start is keep_start)
@@ -190,10 +192,18 @@ def test_a_decoding_step_leaves_the_start_state_out_and_undoes_all_but_its_first
         assert m.memory.rollback_limit(0) == 3
         assert start_copies(m, True) == len(m.hp.linear_layers) and start_copies(m, False) == 0
 
+        engine = Engine(m, max_rows=64)
         m.reset()
         m.eval(prompt)
-        Engine(m).step([Running(seq=0, sampler=Sampler(GREEDY), history=prompt + [5])])
-        assert m.tokens() == prompt + [5] and m.memory.rollback_limit(0) == 0
+        engine.step([Running(seq=0, sampler=Sampler(GREEDY), history=prompt + [5])])
+        assert m.tokens() == prompt + [5] and m.memory.rollback_limit(0) == 1
+        m.reset()
+        motif = prompt[:4] * 3                        # repeats: the n-gram source drafts
+        m.eval(motif)
+        s = Running(seq=0, sampler=Sampler(GREEDY), history=motif + motif[:1], draft=NgramDraft(),
+                    length=DraftLength(2))       # 3 rows, fewer than the 4 slots: the start could be kept
+        o = engine.step([s])[0]
+        assert o.n_drafted == 2 and m.memory.rollback_limit(0) == o.n_accepted
 
 def test_memory_advance_is_the_bookkeeping_of_an_evaluation(tiny_model_path):
     with Model(tiny_model_path("tiny"), n_ctx=64, rs_slots=3, n_threads=1, n_seq_max=2) as m:

@@ -191,12 +191,16 @@ class Engine:
         in_graph = only is not None and only.draft is not None and \
             bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
             (bool(proposals[id(only)].tokens) or not getattr(only.draft, "defer", False))
+        # a verification ubatch undoes at most its drafted rows: the state it started from is not
+        # saved (UbatchShape.keep_start); a one-token step keeps it, so that the token it evaluated
+        # can still be undone (a stop string's leftover, chat.py) within the rollback slots
+        keep_start = width == 1
         try:
             if only is not None:
                 out = {only.seq: model.eval(batch[only.seq], only.seq, all_logits=width > 1 or in_graph,
-                                            mtp_argmax=in_graph, keep_start=False)}
+                                            mtp_argmax=in_graph, keep_start=keep_start)}
             else:
-                out = model.eval_batch(batch, all_logits=width > 1, keep_start=False)
+                out = model.eval_batch(batch, all_logits=width > 1, keep_start=keep_start)
         except Exception as e:  # noqa: BLE001 - the run's sequences fail, not the others
             for s in run:
                 outcomes[id(s)].error = e
