@@ -163,8 +163,9 @@ def test_the_rollback_limit_is_what_memory_rolls_back(tiny_model_path):
 def test_a_verification_step_leaves_the_start_state_out_and_undoes_all_but_its_first_token(tiny_model_path):
     """`keep_start=False` (the engine's verification steps): the graph does not copy the state the
     ubatch started from to slot T, and Memory lets a rollback undo T-1 tokens, which land on the
-    states the step computed (equal to evaluating the kept tokens alone). The engine steps with
-    drafts that way; a one-token step keeps the start, so its token can still be undone."""
+    states the step computed (equal to evaluating the kept tokens alone). The engine steps
+    sequences with a draft source that way, drafted or not; a one-token step of a sequence without
+    one keeps the start, so its token can still be undone (a stop string's leftover)."""
     from deltarun.base.ggml_util import ggml, name_of
     from deltarun.runner.engine import Engine, Running
     from deltarun.runner.sampling import GREEDY, Sampler
@@ -197,6 +198,11 @@ def test_a_verification_step_leaves_the_start_state_out_and_undoes_all_but_its_f
         m.eval(prompt)
         engine.step([Running(seq=0, sampler=Sampler(GREEDY), history=prompt + [5])])
         assert m.tokens() == prompt + [5] and m.memory.rollback_limit(0) == 1
+        m.reset()                                     # a source that drafts nothing this step: its
+        m.eval(prompt)                                # one-token step leaves the start out as well
+        o = engine.step([Running(seq=0, sampler=Sampler(GREEDY), history=prompt + [5], draft=NgramDraft(),
+                                 length=DraftLength(2))])[0]
+        assert o.n_drafted == 0 and m.tokens() == prompt + [5] and m.memory.rollback_limit(0) == 0
         m.reset()
         motif = prompt[:4] * 3                        # repeats: the n-gram source drafts
         m.eval(motif)

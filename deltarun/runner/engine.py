@@ -192,9 +192,11 @@ class Engine:
             bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
             (bool(proposals[id(only)].tokens) or not getattr(only.draft, "defer", False))
         # a verification ubatch undoes at most its drafted rows: the state it started from is not
-        # saved (UbatchShape.keep_start); a one-token step keeps it, so that the token it evaluated
-        # can still be undone (a stop string's leftover, chat.py) within the rollback slots
-        keep_start = width == 1
+        # saved (UbatchShape.keep_start), nor by a one-token step of sequences that draft (their
+        # slots serve the drafts: a paused source's steps then cost what plain decoding costs); a
+        # one-token step without drafts keeps it, so that the token it evaluated can still be
+        # undone within the rollback slots (a stop string's leftover, chat.py)
+        keep_start = width == 1 and all(s.draft is None for s in run)
         try:
             if only is not None:
                 out = {only.seq: model.eval(batch[only.seq], only.seq, all_logits=width > 1 or in_graph,
