@@ -31,9 +31,12 @@ from deltarun.graphs.inputs import RecurrentStateInput
 
 CHUNK_SIZE = 64  # chunk length of the primitive (chunked) delta rule
 #: ubatches of at least this many tokens per sequence run the short convolution channel-major
-#: (`conv_channel_major`); shorter ones (decoding, verification of drafts) run ggml_ssm_conv,
-#: one node where the channel-major form takes ten
-CONV_CHANNEL_MAJOR_MIN_TOKENS = 16
+#: (`conv_channel_major`); shorter ones (decoding, verification of drafts, short prompt chunks)
+#: run ggml_ssm_conv, one node where the channel-major form takes ten. With the
+#: ssm-conv-tokens kernel patch ssm_conv is the faster one up to about 64 tokens (0.8B shapes,
+#: Q8_0, 2 threads: a 16-token ubatch 153-161 t/s against 120-136, 64 tokens equal, 512 tokens
+#: 156-160 against 163-169; bench/RESULTS.md)
+CONV_CHANNEL_MAJOR_MIN_TOKENS = 64
 #: chunk length of the per-channel-decay form (Kimi's KDA), whose pairwise decays take
 #: S x C x C floats per chunk and head
 KDA_CHUNK_SIZE = 16
