@@ -163,12 +163,10 @@ class Server:
             last = now
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from serve_load import stop_server
+
+        stop_server(self.proc)
         self._log.close()
 
 

@@ -345,12 +345,9 @@ class LlamaServer:
             return json.loads(r.read())["timings"]
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        from serve_load import stop_server
+
+        stop_server(self.proc)
 
 
 def run_mtp(args: argparse.Namespace) -> dict:
