@@ -46,9 +46,10 @@ class UbatchShape:
     #: sequence's last row only: a prompt chunk whose rows an MTP block reads
     logits_last: bool = False
     #: with fewer tokens than rollback slots (T < K), also copy the state the ubatch started from
-    #: to slot T, so that a rollback may undo all T tokens (a prompt's); a verification step,
-    #: which keeps at least its first row, leaves it out: one recurrent state less read and written
-    #: per sequence and linear-attention layer (`Memory.advance` then allows T-1)
+    #: to slot T, so that a rollback may undo all T tokens (a prompt's); an engine step that keeps
+    #: at least its first row (a verification ubatch, or any step of a drafting sequence) leaves
+    #: it out: one recurrent state less read and written per sequence and linear-attention layer
+    #: (`Memory.advance` then allows T-1)
     keep_start: bool = True
 
     @property

@@ -207,8 +207,9 @@ class Memory:
         overwritten) and the recurrent state is restored from slot r.
 
         After a ubatch of m tokens slot r holds the state r tokens back for r <= min(m, K-1)
-        (slot m, when m < K, is the state the ubatch started from, unless a decoding step left it
-        out), so at most min(m, K-1) tokens can be undone in total (min(m-1, K-1) after such a step).
+        (slot m, when m < K, is the state the ubatch started from, unless the step left it out:
+        `UbatchShape.keep_start`), so at most min(m, K-1) tokens can be undone in total
+        (min(m-1, K-1) after such a step).
         """
         state = self.seqs[seq]
         if n_tokens == 0:

@@ -284,7 +284,7 @@ class Model:
         runs the MTP block on every row's (argmax token, hidden state) and leaves them in
         `last_mtp` (a greedy speculative step's next draft without a separate evaluation).
 
-        `keep_start=False`: a decoding step that keeps at least its first token; the graph does not
+        `keep_start=False`: an engine step that keeps at least its first token; the graph does not
         save the state it started from, so a rollback may undo all but that token
         (`UbatchShape.keep_start`).
         """
