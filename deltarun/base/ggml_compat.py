@@ -35,4 +35,11 @@ def _apply_fixes() -> list[str]:
 
 FIXED_FUNCTIONS: list[str] = _apply_fixes()
 
-__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES"]
+
+def cpu_writes_slots_in_place() -> bool:
+    """Whether this ggml's CPU gated delta net can write its snapshot slots into the state's own
+    buffer (op param 1; the ggml patch gated-delta-net-slots-in-place exports a marker)."""
+    return hasattr(ggml.ggml.lib, "deltarun_gdn_slots_in_place")
+
+
+__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place"]

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from deltarun.base.errors import BackendError, RollbackError
+from deltarun.base.ggml_compat import cpu_writes_slots_in_place
 from deltarun.base.ggml_util import (Tensor, ggml, new_context, numpy_to_tensor, set_name,
                                      tensor_to_numpy)
 from deltarun.base.interface import HParams
@@ -138,6 +139,11 @@ class Memory:
                 self.capture_ssm[il] = set_name(ggml.ggml_new_tensor_2d(
                     self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_capture), f"capture_s_l{il}")
         self.buffers = self._allocate(backend, placement)
+        #: the CPU kernel writes the delta net's rollback snapshots into `ssm` itself (graphs then
+        #: leave out the copy): only when every layer computes on the CPU backend, the one kernel
+        #: that does (a device's would write its snapshots to its output and the cache would miss them)
+        on_cpu = all(b.is_cpu for b in placement.sched_backends) if placement is not None else backend.is_cpu
+        self.ssm_slots_in_place = on_cpu and cpu_writes_slots_in_place()
         self.buffer = self.buffers[0]
         self.seqs = [SeqState() for _ in range(n_seq_max)]
         #: (seq, new length) each time a sequence got shorter: what makes a checkpoint stale

@@ -220,6 +220,10 @@ def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tens
     if ub.captures:
         store_conv_captures(g, conv_input, channel_major, il)
         out, snaps = delta_rule_segments(g, q, k, v, gate, beta, state, K, il)
+    elif ub.delta_net == "fused" and g.mem.ssm_slots_in_place:
+        # the kernel writes the snapshots into the cache's slots itself: no store below
+        out, _ = delta_net_fused(g, q, k, v, gate, beta, state, K, slot_stride=nb(ssm_all)[2])
+        return g.cb(out, "attn_output", il)
     else:
         out, snaps = delta_rule(g, q, k, v, gate, beta, state, K, il)
     # the output before the snapshot store: the primitive form reads slot 0 (the start state)
@@ -367,11 +371,23 @@ def store_conv_captures(g: GraphContext, conv_input: Tensor, channel_major: bool
         g.expand(g.cb(ggml.ggml_cpy(c, src, dst), f"conv_capture{i}", il))
 
 
-def delta_net_fused(g: GraphContext, q, k, v, gate, beta, state, K: int) -> tuple[Tensor, Tensor]:
-    """ggml's fused op; returns the output [S, H, T, N] and the snapshots [D, N, min(T, K)]."""
+def delta_net_fused(g: GraphContext, q, k, v, gate, beta, state, K: int,
+                    slot_stride: int = 0) -> tuple[Tensor, Tensor]:
+    """ggml's fused op; returns the output [S, H, T, N] and the snapshots [D, N, min(T, K)].
+
+    `slot_stride` (bytes between two rollback slots of the cache `state` is slot 0 of): the CPU
+    kernel writes the snapshots there itself (`Memory.ssm_slots_in_place`), instead of into the
+    op's output for a copy to the cache afterwards, which read and wrote K states per layer (at
+    Qwen3.5-0.8B's shapes 3.5 ms of a 4-token verification step's 50); the returned snapshots are
+    then the op's unused rows."""
     c = g.ctx
     S, H, T, N = ne(v)
     res = ggml.ggml_gated_delta_net(c, q, k, v, gate, beta, state, K)
+    if slot_stride:
+        floats = slot_stride // 4
+        if not 0 < floats < 2**31:
+            raise ValueError(f"rollback slots {slot_stride} bytes apart: too far for the kernel's op param")
+        res.contents.op_params[1] = floats
     f32 = 4
     out = g.view(res, (S, H, T, N), (S * f32, S * H * f32, S * H * T * f32), 0)
     D = S * S * H
