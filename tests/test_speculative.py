@@ -605,7 +605,7 @@ class TableDraft:
         pass
 
 
-@pytest.mark.parametrize("source", ["table", "mtp"])
+@pytest.mark.parametrize("source", ["table", "mtp", "mtp-draft-vocab"])
 def test_sampling_with_drafts_keeps_the_targets_distribution(tiny_model_path, source):
     """temperature 1, top-k 4: the first token is drawn from the target, the second goes through a
     drafted token and speculative sampling's min(1, p/q) rule with the residual max(p - q, 0).
@@ -613,13 +613,19 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(tiny_model_path, so
     distribution p(t1) p(t2 | t1), computed from its logits (a chi-square test at p = 0.001, cells
     under 5 expected draws pooled). "table" drafts from a q that overlaps p in part (p's tokens
     weighted in reverse, plus a token p never draws), so keeping drafts too often, or resampling a
-    rejection from p or q instead of the residual, fails; "mtp" drafts with the MTP block."""
+    rejection from p or q instead of the residual, fails; "mtp" drafts with the MTP block,
+    "mtp-draft-vocab" with its LM head over the first half of the vocabulary (runner.draft_vocab):
+    a q that is zero on the tokens past it, some of which the target draws."""
     from deltarun.runner.sampling import Sampler, SamplingParams
 
     path = tiny_model_path("tiny-mtp")
     toks = prompt(6, 14)
     params = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
-    with Model(path, n_ctx=64, kv_type="f32", rs_slots=2, mtp=True) as m:
+    draft_vocab = None
+    if source == "mtp-draft-vocab":
+        with Model(path, n_ctx=16) as probe_model:
+            draft_vocab = probe_model.hp.n_vocab // 2
+    with Model(path, n_ctx=64, kv_type="f32", rs_slots=2, mtp=True, draft_vocab=draft_vocab) as m:
         probe = Sampler(params)
         p1 = probe.distribution(m.eval(toks), toks)
         joint, table = {}, {}
@@ -645,9 +651,82 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(tiny_model_path, so
             drafted += st.n_drafted
             counts[(out[0], out[1])] = counts.get((out[0], out[1]), 0) + 1
     assert drafted == n and set(counts) <= set(joint)
+    if draft_vocab:       # the target draws second tokens on both sides of the draft vocabulary
+        assert {t2 >= draft_vocab for _, t2 in joint} == {True, False}
     expected = {c: n * p for c, p in joint.items()}
     small = [c for c, e in expected.items() if e < 5]
     cells = [([c], e) for c, e in expected.items() if e >= 5] + ([(small, sum(expected[c] for c in small))] if small else [])
     chi2 = sum((sum(counts.get(c, 0) for c in group) - e) ** 2 / e for group, e in cells)
     assert len(cells) >= 6
     assert chi2 < CHI2_CRITICAL_0001[len(cells) - 2], (chi2, len(cells) - 1)
+
+
+def test_a_draft_vocabulary_gives_the_mtp_logits_of_its_first_ids(tiny_model_path):
+    """`draft_vocab` N: the MTP block's LM head is a view of its first N rows, so a separate MTP
+    evaluation and the rows computed in a verification graph (mtp_argmax) give the whole head's
+    logits for ids < N and -inf past them (never drafted); the trunk's logits do not change."""
+    path = tiny_model_path("tiny-mtp")
+    toks = prompt(10, 4)
+    got = {}
+    for dv in (0, 200):
+        with Model(path, n_ctx=64, kv_type="f32", mtp=True, rs_slots=4, draft_vocab=dv) as m:
+            assert m.draft_vocab == dv
+            trunk = m.eval(toks, all_logits=True)
+            sep, _ = m.mtp_eval(toks[1:] + [3], m.last_hidden[0], 0)
+            verify = m.eval([5, 6, 7], all_logits=True, mtp_argmax=True)
+            got[dv] = trunk, sep, verify, m.last_mtp.logits
+    assert 200 < m.hp.n_vocab
+    for full, sub in zip(got[0], got[200]):
+        assert full.shape == sub.shape
+    np.testing.assert_array_equal(got[0][0], got[200][0])
+    np.testing.assert_array_equal(got[0][2], got[200][2])
+    for full, sub in ((got[0][1], got[200][1]), (got[0][3], got[200][3])):
+        np.testing.assert_allclose(sub[..., :200], full[..., :200], rtol=1e-6, atol=1e-6)
+        assert np.all(np.isneginf(sub[..., 200:])) and np.all(np.isfinite(full))
+
+
+def test_mtp_drafts_over_a_draft_vocabulary_keep_greedy_output(tiny_model_path):
+    """The echo preset repeats the prompt's last token, and its MTP block drafts it: over the first
+    256 ids only, a token past them is never drafted (each draft rejected) and one below them is
+    (each accepted); the greedy output is that of plain decoding either way."""
+    path = tiny_model_path("tiny-echo")
+    for last, acceptance in ((5, 1.0), (420, 0.0)):
+        toks = [3, 400, 9, 410, 7, last]
+        base = _plain(path, toks, 16)
+        assert set(base) == {last}
+        out, st = _speculative(path, toks, 16, lambda m: MtpDraft(m), 3, mtp=True, draft_vocab=256)
+        assert out == base
+        assert st.n_drafted > 0 and st.acceptance == acceptance
+
+
+def test_the_draft_vocabulary_is_chosen_where_the_lm_head_costs_most(tiny_model_path):
+    """Automatic choice: DEFAULT_DRAFT_VOCAB ids when the head is at least MIN_HEAD_SHARE of the
+    bytes a token reads and the vocabulary is larger than twice that; 0 (every id) otherwise, for
+    an explicit 0, or for N at or past the vocabulary; negative N is an error."""
+    import dataclasses
+
+    from deltarun.base.errors import DeltarunError
+    from deltarun.base.gguf_file import TensorInfo
+    from deltarun.runner.draft_vocab import DEFAULT_DRAFT_VOCAB, head_share, resolve_draft_vocab
+
+    def info(name, nbytes, ne=(1, 1)):
+        return TensorInfo(name, 8, ne, 0, nbytes)
+
+    with Model(tiny_model_path("tiny-mtp"), n_ctx=16) as m:
+        hp = dataclasses.replace(m.hp, n_vocab=151936, n_expert=8, n_expert_used=2)
+    tensors = {"token_embd.weight": info("token_embd.weight", 150_000, (1, 1000)),
+               "output.weight": info("output.weight", 150_000),
+               "blk.0.attn_qkv.weight": info("blk.0.attn_qkv.weight", 500_000),
+               "blk.0.ffn_up_exps.weight": info("blk.0.ffn_up_exps.weight", 800_000)}
+    # a token reads one embedding row, the matrices, 2 of 8 experts and the head
+    assert head_share(hp, tensors, "output.weight") == pytest.approx(150_000 / (150 + 500_000 + 200_000 + 150_000))
+    assert head_share(hp, {**tensors, "output.weight": info("output.weight", 10_000)}, "output.weight") < 0.1
+    assert resolve_draft_vocab(None, hp, tensors, "output.weight") == DEFAULT_DRAFT_VOCAB
+    small_head = {**tensors, "output.weight": info("output.weight", 50_000)}
+    assert resolve_draft_vocab(None, hp, small_head, "output.weight") == 0
+    assert resolve_draft_vocab(None, dataclasses.replace(hp, n_vocab=60000), tensors, "output.weight") == 0
+    assert resolve_draft_vocab(0, hp, tensors, "output.weight") == 0
+    assert resolve_draft_vocab(151936, hp, tensors, "output.weight") == 0
+    assert resolve_draft_vocab(4096, hp, small_head, "output.weight") == 4096
+    with pytest.raises(DeltarunError, match="draft-vocab"):
+        resolve_draft_vocab(-1, hp, tensors, "output.weight")

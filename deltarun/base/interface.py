@@ -51,6 +51,9 @@ class UbatchShape:
     #: it out: one recurrent state less read and written per sequence and linear-attention layer
     #: (`Memory.advance` then allows T-1)
     keep_start: bool = True
+    #: MTP graphs (mtp, mtp_argmax): the MTP block's LM head over the first draft_vocab token ids
+    #: only (0: every one; see runner.draft_vocab)
+    draft_vocab: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -214,6 +217,10 @@ class GraphFamily(Protocol):
 
     def gathered_weights(self) -> frozenset[str]:
         """Names of the weights the graph reads rows of (get_rows) rather than multiplies by."""
+
+    def mtp_lm_head(self) -> str:
+        """Name of the weight the MTP block's LM head multiplies by (a draft vocabulary is a view
+        of its first rows)."""
 
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
         """Add the forward pass of one ubatch of shape `ub` to `gf`."""

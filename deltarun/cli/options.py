@@ -26,6 +26,7 @@ import click
 from deltarun.base.errors import DeltarunError
 from deltarun.base.interface import DELTA_NET_MODES
 from deltarun.runner.devices import physical_cores
+from deltarun.runner.draft_vocab import DEFAULT_DRAFT_VOCAB, MIN_HEAD_SHARE
 from deltarun.runner.memory import KV_TYPES
 from deltarun.runner.sampling import SamplingParams
 
@@ -212,7 +213,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                gpu_layers: int | None = MODEL_DEFAULTS["gpu_layers"], n_seq_max: int = 1, quiet: bool = False,
                mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, capture_slots: int = 0,
                repack: bool = MODEL_DEFAULTS["repack"], pin_threads: bool | None = MODEL_DEFAULTS["pin_threads"],
-               **_other: Any):
+               draft_vocab: int | None = None, **_other: Any):
     """Open `model` (or the built-in model when None) with the model options' values."""
     from deltarun.runner.model import Model
 
@@ -223,7 +224,7 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
     return Model(path, backend=backend, n_ctx=ctx, n_ubatch=ubatch, n_threads=threads, rs_slots=rs_slots,
                  n_seq_max=n_seq_max, kv_type=kv_type, delta_net=delta_net, gpu_layers=gpu_layers, mtp=mtp,
                  rpc=rpc, tensor_split=tensor_split, capture_slots=capture_slots, repack=repack,
-                 pin_threads=pin_threads)
+                 pin_threads=pin_threads, draft_vocab=draft_vocab)
 
 
 #: --draft-max when not given: llama.cpp's MTP depth (each MTP draft runs the block and its LM head
@@ -251,12 +252,20 @@ def draft_options(f: F) -> F:
                           f"automatically) [default: {DRAFT_MAX_DEFAULTS['mtp']} with mtp, {DRAFT_MAX_DEFAULT} "
                           f"otherwise]. The length adapts to how many are accepted, and drafting pauses while "
                           f"drafts are mostly wrong."),
+        click.option("--draft-vocab", type=click.IntRange(min=0), default=None, metavar="N",
+                     help=f"With --draft mtp: the MTP block's LM head over the first N token ids only (BPE "
+                          f"ids run most frequent first; drafts of later ids are never made, the output does "
+                          f"not change); 0: the whole vocabulary [default: {DEFAULT_DRAFT_VOCAB} where the LM "
+                          f"head is at least {MIN_HEAD_SHARE:.0%} of a token's weight reads, else 0]."),
     ])
 
 
-def check_draft(model: Path, draft: str | None) -> None:
+def check_draft(model: Path, draft: str | None, draft_vocab: int | None = None) -> None:
     """Refuse a --draft that cannot work from the GGUF headers alone, before any model loads: a
-    missing draft file, a draft model with another vocabulary, mtp on a model without an MTP block."""
+    missing draft file, a draft model with another vocabulary, mtp on a model without an MTP block,
+    --draft-vocab without --draft mtp."""
+    if draft_vocab is not None and draft != "mtp":
+        raise DeltarunError("--draft-vocab sets the MTP block's LM head: it needs --draft mtp")
     if draft is None or draft == "ngram":
         return
     from deltarun.runner.speculative import check_draft_vocab
@@ -285,8 +294,9 @@ def open_with_draft(model: str | Path | None, draft: str | None, draft_max: int,
     from deltarun.runner.speculative import ModelDraft, MtpDraft, NgramDraft
 
     if draft is None:
+        check_draft(Path(), draft, opts.get("draft_vocab"))
         return open_model(model, **opts), None
-    check_draft(resolve_model(model, quiet=True), draft)
+    check_draft(resolve_model(model, quiet=True), draft, opts.get("draft_vocab"))
     opts = dict(opts)
     opts["rs_slots"] = max(int(opts.get("rs_slots") or 1), draft_max + 1)
     opts["ubatch"] = max(int(opts.get("ubatch") or MODEL_DEFAULTS["ubatch"]), draft_max + 1)

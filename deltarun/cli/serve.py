@@ -142,7 +142,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
     if not is_loopback(host):
         click.secho(f"warning: listening on {host}: anyone who can reach this address can use the model"
                     + ("" if api_key else " (no --api-key set)"), fg="yellow", err=True)
-    check_draft(path, draft)
+    check_draft(path, draft, opts.get("draft_vocab"))
     if mmproj is not None and not mmproj.is_file():
         raise DeltarunError(f"{mmproj}: no such mmproj file")
     open_draft = None

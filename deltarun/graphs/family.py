@@ -88,6 +88,9 @@ class HybridFamily:
         the MTP block), which must keep the file's layout (no repacking, see Weights)."""
         return frozenset(n for n in self.tensor_names() if head.is_gathered(n))
 
+    def mtp_lm_head(self) -> str:
+        return head.mtp_lm_head_name(self.hp.n_layer, self.file.tensors)
+
     def build(self, ctx: Any, gf: Any, w: dict[str, Tensor], mem: Any, ub: UbatchShape) -> BuiltGraph:
         """Add the forward pass of one ubatch (the trunk, or the MTP block when ub.mtp; the trunk and
         then the MTP block on its argmax rows when ub.mtp_argmax) to `gf`."""

@@ -24,6 +24,7 @@ from deltarun.base.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, Ub
 from deltarun.base.registry import graph_family_for
 from deltarun.runner import layer_split
 from deltarun.runner.backend import Backend, init_backend
+from deltarun.runner.draft_vocab import resolve_draft_vocab
 from deltarun.runner.memory import Memory, RecurrentState, Checkpoint
 from deltarun.runner.repack import RepackMode
 from deltarun.runner.scheduler import Scheduler
@@ -181,7 +182,8 @@ class Model:
                  n_threads: int | None = None, rs_slots: int = 1, n_seq_max: int = 1, kv_type: str = "f16",
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
                  rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
-                 capture_slots: int = 0, repack: RepackMode = True, pin_threads: bool | None = None):
+                 capture_slots: int = 0, repack: RepackMode = True, pin_threads: bool | None = None,
+                 draft_vocab: int | None = None):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_ubatch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
@@ -205,14 +207,20 @@ class Model:
         except BaseException:
             self.backend.free()
             raise
+        if mtp and not self.hp.n_mtp:
+            self.backend.free()
+            raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
         names = [n for n in self.family.tensor_names() if n in self.file.tensors]
+        # the MTP block's LM head over the first ids only (runner.draft_vocab); a view of its rows,
+        # so that weight keeps the file's layout (not repacked)
+        mtp_head = self.family.mtp_lm_head()
+        self.draft_vocab = resolve_draft_vocab(draft_vocab, self.hp, self.file.tensors, mtp_head) if mtp else 0
+        kept = self.family.gathered_weights() | ({mtp_head} if self.draft_vocab else set())
         # repack: on a CPU-only model, the matrices ggml's CPU_REPACK kernels take are laid out
         # for them at load (Q4_0 / IQ4_NL on x86; Q4_K too where ggml has no tiled K-quant product, or
         # with "all": see Weights)
         self.weights = Weights(self.file, names, self.backend, self.placement, repack=repack,
-                               gathered=self.family.gathered_weights())
-        if mtp and not self.hp.n_mtp:
-            raise DeltarunError(f"{self.path}: the model has no MTP block (nextn_predict_layers is 0)")
+                               gathered=kept)
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
                              placement=self.placement, n_capture=capture_slots)
         self.placement.on_loaded()
@@ -474,14 +482,14 @@ class Model:
         n_seqs, n = len(tokens), len(tokens[0])
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv, seq_head=seq_head,
-                            delta_net=self.delta_net, mtp=True)
+                            delta_net=self.delta_net, mtp=True, draft_vocab=self.draft_vocab)
         g = self.graph(shape)
         sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
         sched.allocate(g.gf, g.ctx)
         pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, hidden=hidden.reshape(n_seqs * n, -1)))
         sched.compute(g.gf)
-        logits = tensor_to_numpy(g.outputs["result_output"]).reshape(n_seqs, n_out, self.hp.n_vocab)
+        logits = self._whole_vocab(tensor_to_numpy(g.outputs["result_output"]).reshape(n_seqs, n_out, -1))
         out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_seqs, n_out, self.hp.n_embd)
         return logits, out
 
@@ -496,7 +504,7 @@ class Model:
         """
         if self._mtp_sched is None:
             largest = UbatchShape(n_seq_tokens=self.memory.rs_slots, n_seqs=1, n_outputs=self.memory.rs_slots,
-                                  n_kv=self.n_ctx, delta_net=self.delta_net, mtp=True)
+                                  n_kv=self.n_ctx, delta_net=self.delta_net, mtp=True, draft_vocab=self.draft_vocab)
             self._mtp_sched = self._scheduler_for(largest)
         return self._mtp_sched
 
@@ -672,7 +680,8 @@ class Model:
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
                             embeddings=embd is not None, logits_last=logits_last,
-                            keep_start=keep_start or n >= self.memory.rs_slots)
+                            keep_start=keep_start or n >= self.memory.rs_slots,
+                            draft_vocab=self.draft_vocab if mtp_argmax else 0)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)
@@ -696,11 +705,23 @@ class Model:
         hp = self.hp
         tokens = np.empty(n, dtype=np.int32)
         _tensor_get(g.outputs["mtp_tokens"], tokens.ctypes.data, 0, tokens.nbytes)
-        logits = np.empty((n, hp.n_vocab), dtype=np.float32)
-        _tensor_get(g.outputs["mtp_result_output"], logits.ctypes.data, 0, logits.nbytes)
+        rows = g.outputs["mtp_result_output"]
+        logits = np.empty((n, int(rows.contents.ne[0])), dtype=np.float32)
+        _tensor_get(rows, logits.ctypes.data, 0, logits.nbytes)
+        logits = self._whole_vocab(logits)
         out = np.empty((n, hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["mtp_out"], out.ctypes.data, 0, out.nbytes)
         return MtpRows(seq, start, tokens.tolist(), logits, out)
+
+    def _whole_vocab(self, logits: np.ndarray) -> np.ndarray:
+        """MTP logits [..., draft_vocab] as [..., n_vocab]: the ids past the draft vocabulary at -inf
+        (never drafted; a draft distribution with zeros there, see runner.draft_vocab)."""
+        n = logits.shape[-1]
+        if n == self.hp.n_vocab:
+            return logits
+        whole = np.full(logits.shape[:-1] + (self.hp.n_vocab,), -np.inf, dtype=np.float32)
+        whole[..., :n] = logits
+        return whole
 
     def _input_plan(self, g: _Graph, shape: UbatchShape) -> _InputPlan:
         """The input plan of allocated graph `g`, made on its first step."""

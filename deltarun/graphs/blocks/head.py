@@ -8,6 +8,8 @@ the family (its own KV cache), then shared_head_norm (or output_norm) and the LM
 
 from __future__ import annotations
 
+from typing import Container
+
 from deltarun.base.ggml_util import Tensor, ggml
 from deltarun.base.interface import HParams
 from deltarun.graphs.blocks.base import GraphContext
@@ -84,14 +86,27 @@ def mtp_input(g: GraphContext, il: int, tokens: Tensor | None = None, hidden: Te
     return g.cb(g.mm(w[p + "eh_proj.weight"], ggml.ggml_concat(c, e, h, 0)), "mtp_eh_proj", il)
 
 
+def mtp_lm_head_name(il: int, names: Container[str]) -> str:
+    """The weight the LM head of MTP block `il` reads: its own shared_head_head, or the trunk's."""
+    for name in (f"blk.{il}.nextn.shared_head_head.weight", "output.weight"):
+        if name in names:
+            return name
+    return "token_embd.weight"
+
+
 def mtp_output(g: GraphContext, x: Tensor, il: int, prefix: str = "") -> None:
     """`mtp_out` (before the final norm: what a chained draft feeds back as the next hidden
-    state), then the MTP block's norm and LM head (outputs named with `prefix`, see `output`)."""
+    state), then the MTP block's norm and LM head (outputs named with `prefix`, see `output`).
+    With `ub.draft_vocab` the head computes the logits of the first draft_vocab token ids only
+    (a view of its first rows: runner.draft_vocab)."""
     w = g.w
     p = f"blk.{il}.nextn."
     g.output(g.cb(x, "mtp_out"), "mtp_out")
     norm = w.get(p + "shared_head_norm.weight", w["output_norm.weight"])
-    lm_head = w.get(p + "shared_head_head.weight", w.get("output.weight", w["token_embd.weight"]))
+    lm_head = w[mtp_lm_head_name(il, w)]
+    if g.ub.draft_vocab:
+        lm_head = ggml.ggml_view_2d(g.ctx, lm_head, int(lm_head.contents.ne[0]), g.ub.draft_vocab,
+                                    lm_head.contents.nb[1], 0)
     output(g, x, norm, lm_head, prefix)
 
 
