@@ -11,6 +11,10 @@ shapes cover an odd block count (the tail), a single block, row counts that leav
 and rows that end where the read-ahead runs past the matrix, column counts of every tile shape,
 several blocks with a short last one, more columns than one chunk holds (2,048 x 200: chunks of
 168), and thread counts that split the rows unevenly. They hold for the stock kernels as well.
+scripts/ggml-patches/q8_0-tiles-amx.patch takes 4-16 columns on CPUs with AMX: tiles of 16 rows
+per thread (130 rows: 8 tiles and 2 rows left to the AVX-512 kernel; 9, 10, 11 rows: none), every
+column count 4-16; `test_q8_0_products_without_amx_tiles` runs the same shapes with it switched
+off (DELTARUN_Q8_0_AMX=0), so that both kernels stay checked on such a CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def _on_q8_0_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
                                             (160, 40, 2), (32, 3, 2), (96, 37, 3), (1024, 130, 4), (64, 9, 5),
                                             (3200, 11, 6), (224, 66, 7), (1056, 45, 8), (96, 21, 9),
                                             (64, 10, 16), (1056, 45, 13), (3200, 11, 37), (2048, 6, 200),
-                                            (32, 3, 700)])
+                                            (32, 3, 700), (512, 64, 16), (32, 16, 12), (4096, 35, 10)])
 def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows + threads)
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
@@ -57,3 +61,17 @@ def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int
     assert np.array_equal(x_q, x)
     want = x_q @ dequantize(w_q, Q8_0).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_q8_0_products_without_amx_tiles() -> None:
+    """The shapes above with the AMX tiles switched off (a process of its own: ggml reads the
+    switch once): the AVX-512 kernel alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, DELTARUN_Q8_0_AMX="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                        "-k", "matches_numpy"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
