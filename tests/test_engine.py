@@ -174,6 +174,35 @@ def test_drafts_fit_the_row_budget(tiny_model_path, n_seqs, most_drafts):
 
 
 
+def test_q8_0_models_step_sixteen_rows_where_ggml_has_amx_tiles(tiny_model_path, monkeypatch):
+    """Engine.max_rows on the CPU: AMX_Q8_0_ROWS (16) for a model whose layer matrices are Q8_0
+    when ggml multiplies Q8_0 by 16 columns on AMX tiles (then 4 sequences draft 3 each), else
+    CPU_ROWS (8): other weight types, or without the tiles."""
+    import deltarun.runner.engine as engine_module
+    from deltarun.base.ggml_compat import q8_0_amx_columns
+
+    motif = _prompts()[0]
+    with Model(tiny_model_path("tiny", "f32"), n_ctx=32) as m:
+        assert Engine(m).max_rows == Engine.CPU_ROWS
+    with Model(tiny_model_path("tiny-echo", "q8_0"), n_ctx=128, n_seq_max=4, rs_slots=4) as m:
+        want = Engine.AMX_Q8_0_ROWS if q8_0_amx_columns() >= 16 else Engine.CPU_ROWS
+        assert Engine(m).max_rows == want
+        monkeypatch.setattr(engine_module, "q8_0_amx_columns", lambda: 16)
+        engine = Engine(m)
+        assert engine.max_rows == Engine.AMX_Q8_0_ROWS
+        running = [Running(i, Sampler(GREEDY), list(motif), draft=NgramDraft(), length=DraftLength(3))
+                   for i in range(4)]
+        for s in running:
+            engine.first(s, m.eval(motif, s.seq))
+        widths = []
+        for _ in range(4):
+            engine.step(running)
+            widths += [w for _, w in engine.last_runs]
+        assert max(widths) == 4
+        monkeypatch.setattr(engine_module, "q8_0_amx_columns", lambda: 0)
+        assert Engine(m).max_rows == Engine.CPU_ROWS
+
+
 def _reference_mtp_chain(path, history: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
     """The greedy MTP chain the float64 reference drafts after `history` (its last token not yet
     evaluated), and the logits each draft after the first was drawn from: the block over rows

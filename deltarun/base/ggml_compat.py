@@ -42,4 +42,14 @@ def cpu_writes_slots_in_place() -> bool:
     return hasattr(ggml.ggml.lib, "deltarun_gdn_slots_in_place")
 
 
-__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place"]
+def q8_0_amx_columns() -> int:
+    """The most columns this ggml's CPU multiplies Q8_0 weights by on AMX tiles (0: none; the ggml
+    patch q8_0-tiles-amx exports the count, asking Linux for the tile permission first)."""
+    fn = getattr(ggml.ggml.lib, "deltarun_q8_0_amx_columns", None)
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
+__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place", "q8_0_amx_columns"]

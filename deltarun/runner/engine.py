@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deltarun.base.ggml_compat import ggml, q8_0_amx_columns
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import LogitsProcessors, Sampler, sample_rows
 from deltarun.runner.speculative import (Draft, DraftLength, DraftSource, MtpDraft, commit_held, commit_kept,
@@ -86,15 +87,19 @@ class Outcome:
 class Engine:
     """Decoding steps on one model (see the module docstring)."""
 
-    #: rows of one step (sequences x tokens each) a CPU evaluates for about the cost of one: the
-    #: matrix kernels read the weights once for up to 8 columns (bench/RESULTS.md, "Small ubatches")
+    #: rows of one step (sequences x tokens each) a CPU evaluates for at most about twice the
+    #: cost of one: the AVX-512 matrix kernels read the weights once for up to 8 columns (8 cost
+    #: 1.5x one at Qwen3.5-0.8B's shapes, bench/RESULTS.md "Small ubatches"), and where a model's
+    #: matrices are Q8_0 and ggml multiplies them on AMX tiles (q8_0-tiles-amx.patch) 16 columns
+    #: cost 1.8x one (`cpu_step_rows`)
     CPU_ROWS = 8
+    AMX_Q8_0_ROWS = 16
 
     def __init__(self, model: Model, max_rows: int | None = None):
         self.model = model
         #: drafts are cut so that a step's ubatch holds at most this many rows, when several
         #: sequences share it (None: no limit; default CPU_ROWS on the CPU, none on a GPU)
-        self.max_rows = max_rows if max_rows is not None else (self.CPU_ROWS if model.backend.is_cpu else None)
+        self.max_rows = max_rows if max_rows is not None else (cpu_step_rows(model) if model.backend.is_cpu else None)
         #: the last step's ubatches: (its sequences, tokens per row), for traces and tests
         self.last_runs: list[tuple[list[Running], int]] = []
 
@@ -271,6 +276,19 @@ class Engine:
             s.history.append(t)
             if s.processors is not None and not self.model.tokenizer.is_eog(t):
                 s.processors.accept(t)
+
+
+def cpu_step_rows(model: Model) -> int:
+    """`Engine.max_rows` on a CPU: AMX_Q8_0_ROWS when most of the layers' matrix bytes are Q8_0
+    and this ggml multiplies Q8_0 by that many columns on AMX tiles, else CPU_ROWS."""
+    by_type: dict[int, int] = {}
+    for name, info in model.file.tensors.items():
+        if name.startswith("blk.") and len(info.ne) >= 2:
+            by_type[info.ggml_type] = by_type.get(info.ggml_type, 0) + info.nbytes
+    q8_0 = by_type.get(int(ggml.GGML_TYPE_Q8_0), 0)
+    if q8_0 * 2 > sum(by_type.values()) and q8_0_amx_columns() >= Engine.AMX_Q8_0_ROWS:
+        return Engine.AMX_Q8_0_ROWS
+    return Engine.CPU_ROWS
 
 
 def _runs(running: list[Running]) -> list[list[Running]]:
