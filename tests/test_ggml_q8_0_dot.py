@@ -11,10 +11,11 @@ shapes cover an odd block count (the tail), a single block, row counts that leav
 and rows that end where the read-ahead runs past the matrix, column counts of every tile shape,
 several blocks with a short last one, more columns than one chunk holds (2,048 x 200: chunks of
 168), and thread counts that split the rows unevenly. They hold for the stock kernels as well.
-scripts/ggml-patches/q8_0-tiles-amx.patch takes 4-16 columns on CPUs with AMX: tiles of 16 rows
-per thread (130 rows: 8 tiles and 2 rows left to the AVX-512 kernel; 9, 10, 11 rows: none), every
-column count 4-16; `test_q8_0_products_without_amx_tiles` runs the same shapes with it switched
-off (DELTARUN_Q8_0_AMX=0), so that both kernels stay checked on such a CPU.
+scripts/ggml-patches/q8_0-tiles-amx.patch takes 5 or more columns on CPUs with AMX: groups of 16
+rows per thread (130 rows: 8 groups and 2 rows left to the AVX-512 kernel; 9, 10, 11 rows: none),
+tiles of 16 columns with a shorter last one (37, 200, 700 columns; 700 spans three sets of 256);
+`test_q8_0_products_without_amx_tiles` runs the same shapes with it switched off
+(DELTARUN_Q8_0_AMX=0), so that both kernels stay checked on such a CPU.
 """
 
 from __future__ import annotations
