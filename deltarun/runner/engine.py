@@ -281,14 +281,11 @@ class Engine:
 def cpu_step_rows(model: Model) -> int:
     """`Engine.max_rows` on a CPU: AMX_Q8_0_ROWS when most of the layers' matrix bytes are Q8_0
     and this ggml multiplies Q8_0 by that many columns on AMX tiles, else CPU_ROWS."""
-    by_type: dict[int, int] = {}
-    for name, info in model.file.tensors.items():
-        if name.startswith("blk.") and len(info.ne) >= 2:
-            by_type[info.ggml_type] = by_type.get(info.ggml_type, 0) + info.nbytes
-    q8_0 = by_type.get(int(ggml.GGML_TYPE_Q8_0), 0)
-    if q8_0 * 2 > sum(by_type.values()) and q8_0_amx_columns() >= Engine.AMX_Q8_0_ROWS:
-        return Engine.AMX_Q8_0_ROWS
-    return Engine.CPU_ROWS
+    if q8_0_amx_columns() < Engine.AMX_Q8_0_ROWS:
+        return Engine.CPU_ROWS
+    matrices = [info for name, info in model.file.tensors.items() if name.startswith("blk.") and len(info.ne) >= 2]
+    q8_0 = sum(info.nbytes for info in matrices if info.ggml_type == ggml.GGML_TYPE_Q8_0)
+    return Engine.AMX_Q8_0_ROWS if 2 * q8_0 > sum(info.nbytes for info in matrices) else Engine.CPU_ROWS
 
 
 def _runs(running: list[Running]) -> list[list[Running]]:
