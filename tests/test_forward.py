@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from deltarun.base.errors import RollbackError
 from deltarun.graphs.qwen3next import CHUNK_SIZE
 from deltarun.runner.model import Model
 
@@ -259,6 +260,53 @@ def test_rollback_slots_hold_past_states(tiny_model_path, reference_of, delta_ne
             if n_tokens < K:                         # the state before the ubatch lands in slot n
                 np.testing.assert_allclose(conv[n_tokens], hist[-1 - n_tokens][0], rtol=1e-5, atol=1e-5)
                 np.testing.assert_allclose(ssm[n_tokens], hist[-1 - n_tokens][1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("delta_net", ["fused", "primitive"])
+@pytest.mark.parametrize("n_first", [2, 9])
+def test_a_continued_chunk_writes_the_newest_state_only_and_no_logits(tiny_model_path, reference_of, delta_net,
+                                                                      n_first):
+    """`eval(..., continued=True)` (a prompt chunk the next one continues): no LM head in its graph,
+    the delta rule asked for one state (op param 0), one conv window written (rs_s_slot_rev = {0}),
+    no start-state copy; slot 0 then holds the reference's state after the chunk, nothing can be
+    rolled back, and the next chunk's logits and rollback slots are the reference's."""
+    from deltarun.base.ggml_util import ggml, name_of, tensor_to_numpy
+
+    ref = reference_of("tiny")
+    ref.reset()
+    first, rest = prompt(n_first, seed=20), prompt(6, seed=21)
+    ref.forward(first)
+    expected = ref.forward(rest)[-1]
+    K = 4
+    with Model(tiny_model_path("tiny"), n_ctx=128, kv_type="f32", rs_slots=K, delta_net=delta_net) as m:
+        assert m.eval(first, continued=True) is None
+        assert m.memory.rollback_limit(0) == 0 and m.tokens() == first
+        with pytest.raises(RollbackError):
+            m.rollback(1)
+        shape, g = next((s, g) for s, g in m._graphs.items() if s.continued)
+        nodes = [ggml.ggml_graph_node(g.gf, i) for i in range(ggml.ggml_graph_n_nodes(g.gf))]
+        names = [name_of(t) for t in nodes]
+        assert "result_output" not in g.outputs and "result_norm" in g.outputs
+        assert not any(n.startswith("ssm_state_store_start") for n in names)
+        if delta_net == "fused":
+            gdn = [t for t in nodes if t.contents.op == ggml.GGML_OP_GATED_DELTA_NET]
+            assert len(gdn) == len(m.hp.linear_layers) and all(t.contents.op_params[0] == 1 for t in gdn)
+        m._set_inputs(g, [first], [0], shape)
+        assert tensor_to_numpy(g.io["rs_s_slot_rev"]).tolist() == [0]
+        for il in m.hp.linear_layers:
+            conv, ssm = m.memory.conv_slots(il), m.memory.ssm_slots(il)
+            ref_conv, ref_ssm = ref.history(il)[n_first - 1]      # after the first chunk
+            np.testing.assert_allclose(conv[0], ref_conv, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(ssm[0], ref_ssm, rtol=1e-4, atol=1e-5)
+        got = m.eval(rest)
+        assert rel_err(got, expected) < F32_TOL
+        assert m.memory.rollback_limit(0) == K - 1
+        for il in m.hp.linear_layers:
+            hist = ref.history(il)
+            conv, ssm = m.memory.conv_slots(il), m.memory.ssm_slots(il)
+            for r in range(K):
+                np.testing.assert_allclose(conv[r], hist[-1 - r][0], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(ssm[r], hist[-1 - r][1], rtol=1e-4, atol=1e-5)
 
 
 def test_decode_reuses_graphs(tiny_model_path):

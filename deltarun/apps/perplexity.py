@@ -256,7 +256,7 @@ def window_logits(model: Model, window: list[int]) -> np.ndarray:
     first = len(window) // 2
     model.reset()
     if first:
-        model.eval(window[:first])
+        model.eval(window[:first], continued=True)
     return model.eval(window[first:], all_logits=True)
 
 

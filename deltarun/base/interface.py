@@ -54,6 +54,11 @@ class UbatchShape:
     #: MTP graphs (mtp, mtp_argmax): the MTP block's LM head over the first draft_vocab token ids
     #: only (0: every one; see runner.draft_vocab)
     draft_vocab: int = 0
+    #: the caller evaluates more of these sequences next (a prompt's earlier ubatches, a prompt
+    #: chunk the next chunk continues): no LM head (`result_norm` is still an output) and the
+    #: recurrent layers write their newest state only, no rollback slots (`Memory.advance` then
+    #: allows no rollback): at the 0.8B bench shapes the head alone is a fifth of a small chunk
+    continued: bool = False
 
     @property
     def n_tokens(self) -> int:

@@ -238,15 +238,16 @@ class Memory:
         state = self.seqs[seq]
         return min(state.undoable, self.rs_slots - 1) - state.rolled_back
 
-    def advance(self, seq: int, tokens: list[int], keep_start: bool = True) -> None:
+    def advance(self, seq: int, tokens: list[int], keep_start: bool = True, undoable: bool = True) -> None:
         """Bookkeeping after a ubatch appended `tokens` to `seq` (its KV rows and rollback slots
         written by the graph): n_past, tokens, and what a rollback may undo from now on: every
-        token, or all but the first when the graph left the start state out
-        (`UbatchShape.keep_start`)."""
+        token, all but the first when the graph left the start state out
+        (`UbatchShape.keep_start`), none when it wrote no rollback slots (`undoable=False`:
+        `UbatchShape.continued`)."""
         st = self.seqs[seq]
         st.n_past += len(tokens)
         st.tokens.extend(tokens)
-        st.undoable = len(tokens) if keep_start else len(tokens) - 1
+        st.undoable = 0 if not undoable else len(tokens) if keep_start else len(tokens) - 1
         st.rolled_back = 0
 
     def copy_seq(self, src: int, dst: int) -> None:

@@ -275,9 +275,14 @@ class Model:
         self.memory.restore(cp)
 
     def eval(self, tokens: Iterable[int], seq: int = 0, all_logits: bool = False, mtp_argmax: bool = False,
-             captures: Sequence[int] = (), all_hidden: bool = False, keep_start: bool = True) -> np.ndarray:
+             captures: Sequence[int] = (), all_hidden: bool = False, keep_start: bool = True,
+             continued: bool = False) -> np.ndarray | None:
         """Evaluate tokens appended to sequence `seq`; logits of the last token [vocab], or of every
         token [n, vocab].
+
+        Every ubatch but the last, and with `continued` (the caller evaluates more of the sequence
+        next: a prompt chunk; returns None) the last too, runs without the LM head and writes no
+        rollback slots (`UbatchShape.continued`); after a continued call nothing can be rolled back.
 
         `all_hidden`: `last_hidden` holds every token's hidden state (as with all_logits) while the
         LM head runs for the last token only (a prompt whose rows an MTP block reads: with a large
@@ -297,6 +302,8 @@ class Model:
         (`UbatchShape.keep_start`).
         """
         toks = [int(t) for t in tokens]
+        if continued and (all_logits or mtp_argmax):
+            raise DeltarunError("a continued evaluation computes no logits (all_logits, mtp_argmax)")
         self._check_tokens(toks, seq)
         caps = sorted({int(t) for t in captures})
         if caps and (caps[0] < 1 or caps[-1] >= len(toks)):
@@ -322,19 +329,22 @@ class Model:
         for size in sizes:
             last = done + size == len(toks)
             inner = tuple(t - done for t in caps if done < t < done + size)
-            logits = self._eval_ubatch([toks[done:done + size]], seq, all_logits, captures=inner,
-                                       all_hidden=all_hidden and not all_logits, keep_start=keep_start)[0]
+            out = self._eval_ubatch([toks[done:done + size]], seq, all_logits, captures=inner,
+                                    all_hidden=all_hidden and not all_logits, keep_start=keep_start,
+                                    continued=not all_logits and (continued or not last))
             for i, t in enumerate(inner):
                 self.last_captures[start + done + t] = self.memory.read_capture(i, start + done + t)
             done += size
             if done in caps:
                 self.last_captures[start + done] = self.memory.read_recurrent(seq)
-            if all_logits or last:
-                outs.append(logits)
+            if out is not None and (all_logits or last):
+                outs.append(out[0])
             if all_logits or all_hidden or last:
                 hiddens.append(self.last_hidden[0])
         if (all_logits or all_hidden) and len(hiddens) > 1:   # hidden states of every token, across ubatches
             self.last_hidden = np.concatenate(hiddens, axis=0)[None]
+        if continued:
+            return None
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
     def eval_image(self, rows: np.ndarray, grid: tuple[int, int], pad_token: int, seq: int = 0, *,
@@ -666,10 +676,11 @@ class Model:
     def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
                      mtp_argmax: bool = False, captures: tuple[int, ...] = (),
                      embd: np.ndarray | None = None, rope: np.ndarray | None = None,
-                     all_hidden: bool = False, keep_start: bool = True) -> np.ndarray:
+                     all_hidden: bool = False, keep_start: bool = True, continued: bool = False) -> np.ndarray | None:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab].
         With `embd` (one sequence) the rows are given instead of looked up (an image), at rope
-        streams `rope` [3, n]. `all_hidden`: every row's hidden state, the last row's logits."""
+        streams `rope` [3, n]. `all_hidden`: every row's hidden state, the last row's logits.
+        `continued` (`UbatchShape.continued`): no logits (None), no rollback slots."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
         starts = [self.memory.seqs[seq_head + i].n_past for i in range(n_seqs)]
@@ -681,20 +692,22 @@ class Model:
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
                             embeddings=embd is not None, logits_last=logits_last,
                             keep_start=keep_start or n >= self.memory.rs_slots,
-                            draft_vocab=self.draft_vocab if mtp_argmax else 0)
+                            draft_vocab=self.draft_vocab if mtp_argmax else 0, continued=continued)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)
         self._set_inputs(g, tokens, starts, shape, embd, rope)
         sched.compute(g.gf)
         self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
-        logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
-        _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
+        logits = None
+        if not continued:
+            logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
+            _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
         hidden = np.empty((n_seqs, n_hidden, self.hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
         self.last_hidden = hidden
         for i, toks in enumerate(tokens):
-            self.memory.advance(seq_head + i, toks, keep_start)
+            self.memory.advance(seq_head + i, toks, keep_start, undoable=not continued)
         self.stats.n_eval_tokens += n * n_seqs
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0

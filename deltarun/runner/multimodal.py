@@ -60,7 +60,7 @@ def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images:
     pending: list[int] = []
     for piece, img, emb in zip(pieces, images, rows):
         pending += model.tokenizer.encode(piece) + [start]
-        model.eval(pending, seq)
+        model.eval(pending, seq, continued=True)
         model.eval_image(np.asarray(emb), img.merged_hw, pad, seq, token=image_token(img.digest))
         pending = [end]
     return pending + model.tokenizer.encode(pieces[-1])

@@ -579,7 +579,7 @@ class Worker:
                                self._image_pad)
         else:
             logits = self.model.eval(p.prompt[job.pos:end], job.seq, all_hidden=wants_hidden,
-                                     captures=[c - job.pos for c in inside])
+                                     captures=[c - job.pos for c in inside], continued=end < n)
         for c in inside:
             self.cache.checkpoint(job.seq, state=self.model.last_captures[c])
         if wants_hidden:                   # the MTP block's KV rows follow the prompt chunk by chunk

@@ -208,7 +208,9 @@ def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tens
     D = hp.ssm_state_size
     slot0 = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), ub.seq_head * nb(ssm_all)[1])   # in place, contiguous
     state = g.cb(ggml.ggml_reshape_4d(c, slot0, S, S, nv, N), "state_predelta", il)
-    if T < K and ub.keep_start:
+    # the delta rule's snapshots: the K newest states, or (a `continued` ubatch) the newest only
+    n_snap = 1 if ub.continued else K
+    if T < K and ub.keep_start and not ub.continued:
         # slot T: the state the ubatch started from (its conv window is slot T too), so that the
         # whole ubatch can be rolled back; slots beyond stay unwritten. Expanded before the delta
         # rule: it reads slot 0, which the snapshot store below overwrites. (A decoding step
@@ -219,17 +221,17 @@ def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tens
 
     if ub.captures:
         store_conv_captures(g, conv_input, channel_major, il)
-        out, snaps = delta_rule_segments(g, q, k, v, gate, beta, state, K, il)
+        out, snaps = delta_rule_segments(g, q, k, v, gate, beta, state, n_snap, il)
     elif ub.delta_net == "fused" and g.mem.ssm_slots_in_place:
         # the kernel writes the snapshots into the cache's slots itself: no store below
-        out, _ = delta_net_fused(g, q, k, v, gate, beta, state, K, slot_stride=nb(ssm_all)[2])
+        out, _ = delta_net_fused(g, q, k, v, gate, beta, state, n_snap, slot_stride=nb(ssm_all)[2])
         return g.cb(out, "attn_output", il)
     else:
-        out, snaps = delta_rule(g, q, k, v, gate, beta, state, K, il)
+        out, snaps = delta_rule(g, q, k, v, gate, beta, state, n_snap, il)
     # the output before the snapshot store: the primitive form reads slot 0 (the start state)
     # in branches the snapshots do not depend on, and the store overwrites slot 0
     g.expand(g.cb(out, "attn_output", il))
-    n_written = min(T, K)
+    n_written = min(T, n_snap)
     dst = g.view(ssm_all, (D, N, n_written), (nb(ssm_all)[1], nb(ssm_all)[2]), ub.seq_head * nb(ssm_all)[1])
     g.expand(g.cb(ggml.ggml_cpy(c, snaps, dst), "ssm_state_store", il))
     return out

@@ -62,6 +62,8 @@ def logits(g: GraphContext, x: Tensor, lm_head: Tensor | None = None, prefix: st
     lm_head = w.get("output.weight", w["token_embd.weight"]) if lm_head is None else lm_head
     x = g.output(g.cb(x, prefix + "result_norm"), prefix + "result_norm")
     g.expand(x)
+    if g.ub.continued and not prefix:        # the evaluation goes on: nobody reads these logits
+        return
     if g.ub.logits_last and not prefix:      # the LM head for each sequence's last row only
         ub = g.ub
         last = ggml.ggml_view_2d(g.ctx, x, int(x.contents.ne[0]), ub.n_seqs, x.contents.nb[1] * ub.n_seq_tokens,
