@@ -471,23 +471,37 @@ def test_sigterm_ends_streams_cleanly(model_path, tmp_path):
 
 
 def test_long_prompt_prefills_in_chunks_between_decode_steps(model_path):
-    """While a long prompt is evaluated, a running stream gets a token after every chunk."""
+    """While a long prompt is evaluated, a running stream gets a token after every chunk; each
+    chunk, the last one with the prompt's logits too, rides along the stream's decode step (one
+    graph, `Worker._ride`), and the answer is the one the prompt gets alone."""
+    with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        alone = _ask(c, [{"role": "user", "content": "long " * 400}], max_tokens=4, temperature=0)
     with _server(model_path, parallel=2, chunk=32, checkpoint_every=0) as h:
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
         stream = iter(_ask(c, [{"role": "user", "content": "keep going"}], max_tokens=900, ignore_eos=True,
                            stream=True))
         next(stream), next(stream)
         h.worker.trace = trace = []
-        long = _ask(c, [{"role": "user", "content": "long " * 400}], max_tokens=1)
+        before = _metric_value(h, "deltarun_prompt_tokens_ridden_total")
+        long = _ask(c, [{"role": "user", "content": "long " * 400}], max_tokens=4, temperature=0)
+        ridden = _metric_value(h, "deltarun_prompt_tokens_ridden_total") - before
         h.worker.trace = None
         stream.close()
+    assert long.choices[0].message.content == alone.choices[0].message.content
     steps = [t for t in trace if t[0] == "prefill"]
     assert sum(n for _, _, n in steps) == long.usage.prompt_tokens and all(n <= 32 for _, _, n in steps)
+    assert ridden == long.usage.prompt_tokens
     first = trace.index(steps[0])
     last = trace.index(steps[-1])
     between = trace[first:last + 1]
     # prefill, decode, prefill, decode, ...: the other stream never waits for more than one chunk
     assert all(a[0] != b[0] for a, b in zip(between, between[1:]))
+
+
+def _metric_value(h: ServeHandle, name: str) -> float:
+    text = httpx.get(h.base_url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def test_cli_bad_model_is_one_line_error(tmp_path):

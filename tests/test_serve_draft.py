@@ -24,6 +24,9 @@ from deltarun.runner.model import Model
 
 N_CTX = 512
 DRAFT_MAX = 3
+#: tokens per answer: long enough that the four requests of `_together` decode side by side while
+#: the later prompts ride along the earlier requests' steps a few tokens at a time (`Worker._ride`)
+N_TOKENS = 48
 PROMPTS = [f"say {' '.join(['one two three four'] * (i + 1))} {i} one two" for i in range(4)]
 
 
@@ -45,7 +48,7 @@ def _client(h: ServeHandle) -> openai.OpenAI:
 
 
 def _ask(c: openai.OpenAI, text: str, **kw):
-    kw.setdefault("max_tokens", 20)
+    kw.setdefault("max_tokens", N_TOKENS)
     kw.setdefault("temperature", 0)
     return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
                                      extra_body={"ignore_eos": True}, **kw)
@@ -90,7 +93,7 @@ def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_
         together = _together(h, c, PROMPTS)
         h.worker.trace = None
         assert [r.choices[0].message.content for r in together] == plain_answers[preset]
-        assert all(r.usage.completion_tokens == 20 for r in together)
+        assert all(r.usage.completion_tokens == N_TOKENS for r in together)
         # several sequences verified in one ubatch, each with its own drafts
         assert any(len(ids) > 1 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
         verified = [e for e in trace if e[0] == "verify"]
@@ -98,7 +101,7 @@ def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_
         steps = [e[1] for e in trace if e[0] == "batch"]
         jobs = {j for ids in steps for j in ids}
         assert len(jobs) == len(PROMPTS)        # fewer verification steps than tokens, for each request
-        assert all(sum(j in ids for ids in steps) < 20 for j in jobs), [sum(j in ids for ids in steps) for j in jobs]
+        assert all(sum(j in ids for ids in steps) < N_TOKENS for j in jobs), [sum(j in ids for ids in steps) for j in jobs]
         drafted = _metric(h, "deltarun_draft_tokens_total")
         accepted = _metric(h, "deltarun_draft_tokens_accepted_total")
         assert drafted > 0 and 0 < accepted <= drafted
@@ -106,7 +109,7 @@ def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_
         assert spec["n_drafted"] == drafted and spec["n_accepted"] == accepted and spec["draft_max"] == DRAFT_MAX
         # sampled decoding with drafts (min(1, p/q) acceptance) runs alongside
         sampled = _together(h, c, PROMPTS[:2], temperature=0.9, seed=3)
-        assert all(r.usage.completion_tokens == 20 for r in sampled)
+        assert all(r.usage.completion_tokens == N_TOKENS for r in sampled)
 
 
 def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_path, plain_answers):
@@ -123,7 +126,7 @@ def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_pat
         h.worker.trace = None
     assert a.choices[0].message.content == plain_answers["tiny-echo"][0]
     assert b.choices[0].message.content == plain_answers["tiny-echo"][1]
-    assert len(a.choices[0].logprobs.content) == 20
+    assert len(a.choices[0].logprobs.content) == N_TOKENS
     assert "draft_n" not in a.model_extra["timings"] and b.model_extra["timings"]["draft_n"] > 0
     assert any(len(ids) == 2 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
 

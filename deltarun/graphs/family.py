@@ -26,6 +26,9 @@ class HybridFamily:
     """Base of the graph builders of hybrid gated-delta-net / gated-attention families."""
 
     arch = "?"
+    #: whether the graphs take a riding prompt chunk (`UbatchShape.ride`); the runner evaluates
+    #: the chunk apart where not
+    rides = False
 
     def __init__(self, gguf_file: GGUFFile):
         self.file = gguf_file
@@ -77,7 +80,8 @@ class HybridFamily:
             chunks = len(hp.linear_layers) * (32 * n_chunks + 16 * min(ub.n_seq_tokens, 64))
         # each capture point: two copies, a delta-rule segment (a chunk more in the primitive form)
         captures = len(ub.captures) * len(hp.linear_layers) * (64 if ub.delta_net == "primitive" else 8)
-        return 2048 + per_layer + chunks + captures
+        ride = self.graph_size(ub.ride_shape()) if ub.ride else 0   # a riding chunk's part, and more
+        return 2048 + per_layer + chunks + captures + ride
 
     def tensor_names(self) -> list[str]:
         """Names of every weight the graph may read (optional ones included)."""
@@ -103,4 +107,4 @@ class HybridFamily:
                 if ub.n_outputs != ub.n_tokens or not self.hp.n_mtp:
                     raise ValueError("an MTP-on-argmax graph needs every row's logits and a model with an MTP block")
                 self.forward_mtp_argmax(g)
-        return BuiltGraph(list(g.inputs.values()), g.outputs)
+        return BuiltGraph(list(g.inputs.values()), g.outputs, list(g.ride.inputs.values()) if g.ride else [])

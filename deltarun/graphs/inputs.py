@@ -76,18 +76,21 @@ class TokensInput(GraphInput):
     def __init__(self, ctx: Any, ub: UbatchShape, name: str = "inp_tokens"):
         super().__init__()
         self.name = name
-        self.tokens = self.new(ctx, name, ggml.GGML_TYPE_I32, ub.n_tokens)
+        self.tokens = self.new(ctx, name, ggml.GGML_TYPE_I32, ub.n_rows)   # a riding chunk's after
 
     def prepare(self, shape: UbatchShape) -> None:
         self.arr = self.host[self.name]
         self.shape2d = (shape.n_seqs, shape.n_seq_tokens)
-        self.single = shape.n_tokens == 1
+        self.single = shape.n_rows == 1
+        self.n = shape.n_tokens
 
     def set_input(self, data: UbatchData) -> None:
         if self.single:
             self.arr[0] = data.tokens[0][0]
         else:
-            self.arr.reshape(self.shape2d)[...] = data.tokens
+            self.arr[:self.n].reshape(self.shape2d)[...] = data.tokens
+            if data.ride is not None:
+                self.arr[self.n:] = data.ride.tokens[0]
 
 
 class HiddenInput(GraphInput):

@@ -22,7 +22,7 @@ from deltarun.base.gguf_file import GGUFFile
 from deltarun.base.interface import HParams
 from deltarun.graphs import spec
 from deltarun.graphs.blocks import attention, delta_net, ffn, head
-from deltarun.graphs.blocks.attention import full_attention, output_ids
+from deltarun.graphs.blocks.attention import full_attention, output_rows
 from deltarun.graphs.blocks.base import GraphContext
 from deltarun.graphs.blocks.delta_net import CHUNK_SIZE, DeltaNet, linear_attention
 from deltarun.graphs.family import HybridFamily, Spec
@@ -37,6 +37,7 @@ class Qwen3NextFamily(HybridFamily):
     delta_net_layout = DeltaNet(beta_alpha="fused", broadcast="grouped", legacy_ssm_in=True)
     moe = True              # MoE + shared expert in every block (else a dense SwiGLU FFN)
     rope_sections = False   # NEOX rope (else IMRoPE with rope.dimension_sections)
+    rides = True            # a prompt chunk may ride along a ubatch (UbatchShape.ride)
 
     # --- spec ---------------------------------------------------------------------------------
     @classmethod
@@ -92,10 +93,8 @@ class Qwen3NextFamily(HybridFamily):
             cur = linear_attention(g, cur, il, self.delta_net_layout)
         else:
             cur = full_attention(g, cur, il)
-        rows = output_ids(g) if last else None
-        if rows is not None:     # only the rows whose logits are asked for go on
-            cur = ggml.ggml_get_rows(c, cur, rows.out_ids)
-            residual = ggml.ggml_get_rows(c, residual, rows.out_ids)
+        if last:                 # only the rows whose logits are asked for go on
+            cur, residual = output_rows(g, cur), output_rows(g, residual)
         cur = g.cb(ggml.ggml_add(c, cur, residual), "attn_residual", il)
         ffn_in = g.rms_norm(cur, g.w[f"blk.{il}.post_attention_norm.weight"], "attn_post_norm", il)
         return g.cb(ggml.ggml_add(c, self.feed_forward(g, ffn_in, il), cur), "l_out", il)

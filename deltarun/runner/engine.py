@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltarun.base.ggml_compat import ggml, q8_0_amx_columns
-from deltarun.runner.model import Model
+from deltarun.runner.model import Model, PromptChunk
 from deltarun.runner.sampling import LogitsProcessors, Sampler, sample_rows
 from deltarun.runner.speculative import (Draft, DraftLength, DraftSource, MtpDraft, commit_held, commit_kept,
                                          draft_count, propose_mtp, verify)
@@ -118,8 +118,13 @@ class Engine:
                 s.draft.commit(follow + [token], rows, start)
         return token
 
-    def step(self, running: list[Running]) -> list[Outcome]:
-        """One step for every sequence (see the module docstring); outcomes in `running`'s order."""
+    def step(self, running: list[Running], ride: PromptChunk | None = None) -> list[Outcome]:
+        """One step for every sequence (see the module docstring); outcomes in `running`'s order.
+
+        `ride`: a prompt chunk of another sequence (`Model.eval_batch(..., ride=...)`): it goes into
+        the first ubatch that can take it (every weight read once for both), else it is evaluated
+        apart; its logits, when asked for, are then in `Model.last_ride_logits`. An error evaluating
+        it leaves its sequence short of the chunk (the caller checks `Model.n_past`)."""
         model = self.model
         outcomes = {id(s): Outcome() for s in running}
         proposals: dict[int, Draft] = {}
@@ -156,7 +161,9 @@ class Engine:
             s.draft.hold = True
         try:
             for run in _runs(live):
-                self._run(run, proposals, outcomes)
+                ride = self._run(run, proposals, outcomes, ride)
+            if ride is not None:
+                self._ride_apart(ride)
         finally:
             for s in held:
                 s.draft.hold = False
@@ -180,8 +187,16 @@ class Engine:
         return {id(s): d for s, d in zip(mtp, drafts)}
 
     # --- one ubatch ------------------------------------------------------------------------------
-    def _run(self, run: list[Running], proposals: dict[int, Draft], outcomes: dict[int, Outcome]) -> None:
-        """Evaluate a run of consecutive sequences in one ubatch and settle each."""
+    def _ride_apart(self, ride: PromptChunk) -> None:
+        try:
+            self.model.eval_chunk(ride)
+        except Exception:  # noqa: BLE001 - reported through the sequence's length (see step)
+            pass
+
+    def _run(self, run: list[Running], proposals: dict[int, Draft], outcomes: dict[int, Outcome],
+             ride: PromptChunk | None = None) -> PromptChunk | None:
+        """Evaluate a run of consecutive sequences in one ubatch and settle each; `ride` with it
+        where it can go along (returned when it did not)."""
         model = self.model
         width = 1 + max(len(proposals[id(s)].tokens) for s in run)
         width = min([width] + [model.n_ctx - model.n_past(s.seq) for s in run])
@@ -202,16 +217,20 @@ class Engine:
         # one-token step without drafts keeps it, so that the token it evaluated can still be
         # undone within the rollback slots (a stop string's leftover, chat.py)
         keep_start = width == 1 and all(s.draft is None for s in run)
+        if ride is not None and in_graph:
+            self._ride_apart(ride)
+            ride = None
         try:
-            if only is not None:
+            if only is not None and ride is None:
                 out = {only.seq: model.eval(batch[only.seq], only.seq, all_logits=width > 1 or in_graph,
                                             mtp_argmax=in_graph, keep_start=keep_start)}
             else:
-                out = model.eval_batch(batch, all_logits=width > 1, keep_start=keep_start)
+                out = model.eval_batch(batch, all_logits=width > 1, keep_start=keep_start, ride=ride)
         except Exception as e:  # noqa: BLE001 - the run's sequences fail, not the others
             for s in run:
                 outcomes[id(s)].error = e
-            return
+            return None
+        ride = None
         hidden = model.last_hidden
         rows = {s.seq: np.atleast_2d(out[s.seq]) for s in run}
         plain = [s for s in run if not proposals[id(s)].tokens]

@@ -20,7 +20,7 @@ import numpy as np
 from deltarun.base.errors import ContextFullError, DeltarunError
 from deltarun.base.ggml_util import ggml, new_context, tensor_to_numpy
 from deltarun.base.gguf_file import GGUFFile
-from deltarun.base.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, UbatchData, UbatchShape
+from deltarun.base.interface import DELTA_NET_MODES, BuiltGraph, GraphFamily, Ride, UbatchData, UbatchShape
 from deltarun.base.registry import graph_family_for
 from deltarun.runner import layer_split
 from deltarun.runner.backend import Backend, init_backend
@@ -59,7 +59,7 @@ class _InputPlan:
     and one ggml_backend_tensor_set per used tensor, whatever the number of layers.
     """
 
-    __slots__ = ("fill", "transfers")
+    __slots__ = ("fill", "ride_fill", "transfers")
 
     def __init__(self, built: BuiltGraph, shape: UbatchShape):
         #: (tensor, host address, nbytes) of every used input tensor, the shape-only ones included:
@@ -71,11 +71,19 @@ class _InputPlan:
             self.transfers.extend(inp.bind(shape))
             if inp.used and not inp.constant:
                 self.fill.append(inp.set_input)
+        #: those of a riding chunk's inputs (`UbatchShape.ride`), filled from `UbatchData.ride`
+        self.ride_fill: list[Any] = []
+        for inp in built.ride_inputs:
+            self.transfers.extend(inp.bind(shape.ride_shape()))
+            if inp.used and not inp.constant:
+                self.ride_fill.append(inp.set_input)
 
     def set(self, data: UbatchData) -> None:
         """Fill every input from this step's values and copy them all to the backend."""
         for fill in self.fill:
             fill(data)
+        for fill in self.ride_fill:
+            fill(data.ride)
         for t, addr, size in self.transfers:
             _tensor_set(t, addr, 0, size)
 
@@ -95,6 +103,17 @@ class _Graph:
     def io(self) -> dict[str, Any]:
         """Every input and output tensor by name (graph dumps, tests)."""
         return self.built.tensors
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A prompt chunk of sequence `seq` to evaluate along a decode step (`Model.eval_batch(...,
+    ride=...)`, `Engine.step(..., ride=...)`): the prompt goes on after it, or, with `logits`, it
+    ends there and its last row's logits are wanted (`Model.last_ride_logits`)."""
+
+    seq: int
+    tokens: list[int]
+    logits: bool = False
 
 
 @dataclass
@@ -237,6 +256,8 @@ class Model:
         self._step_scheds: list[Scheduler] = []    # see keep_step_graphs (most recently used first)
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
+        #: the last row's logits of a prompt chunk that rode along with `logits` (`eval_batch`)
+        self.last_ride_logits: np.ndarray | None = None
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
         self.last_captures: dict[int, RecurrentState] = {}   # eval(captures=...): length -> state
         #: the merged grid of each image token a sequence may hold (eval_image's `token`)
@@ -635,19 +656,37 @@ class Model:
         ggml.ggml_free(g.ctx)
 
     def eval_batch(self, batch: dict[int, list[int]], all_logits: bool = False,
-                   keep_start: bool = True) -> dict[int, np.ndarray]:
+                   keep_start: bool = True, ride: PromptChunk | None = None) -> dict[int, np.ndarray]:
         """Evaluate several sequences at once: equal-length token lists for consecutive sequence ids
         share ubatches (one graph with n_seqs > 1); other batches are evaluated sequence by sequence.
-        `keep_start` as in `eval`."""
+        `keep_start` as in `eval`.
+
+        `ride`: a prompt chunk of another sequence, evaluated as `eval(tokens, seq, continued=True)`
+        is (with `ride.logits` as `eval(tokens, seq)`, its last logits in `last_ride_logits`); where
+        the family's graphs take it and the batch is one ubatch, in the same graph
+        (`UbatchShape.ride`: every weight read once for both), else first, apart."""
         seqs = sorted(batch)
         lengths = {len(batch[s]) for s in seqs}
         consecutive = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        per_ubatch = max(self.memory.rs_slots, self.n_ubatch // len(seqs))
+        self.last_ride_logits = None
+        if ride is not None:
+            if ride.seq in batch:
+                raise DeltarunError(f"sequence {ride.seq} cannot ride along a batch that holds it")
+            if self.family.rides and len(lengths) == 1 and consecutive and max(lengths) <= per_ubatch \
+                    and len(ride.tokens) <= self.n_ubatch:
+                self._check_tokens(ride.tokens, ride.seq)
+                for s in seqs:
+                    self._check_tokens(batch[s], s)
+                logits = self._eval_ubatch([batch[s] for s in seqs], seqs[0], all_logits,
+                                           keep_start=keep_start, ride=ride)
+                return {s: logits[i] if all_logits else logits[i][-1] for i, s in enumerate(seqs)}
+            self.eval_chunk(ride)
         if len(seqs) == 1 or len(lengths) != 1 or not consecutive:
             return {s: self.eval(batch[s], s, all_logits, keep_start=keep_start) for s in seqs}
         n = lengths.pop()
         for s in seqs:
             self._check_tokens(batch[s], s)
-        per_ubatch = max(self.memory.rs_slots, self.n_ubatch // len(seqs))
         outs: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
         done = 0
         for size in self._split(n, per_ubatch):
@@ -659,6 +698,12 @@ class Model:
                 for i, s in enumerate(seqs):
                     outs[s].append(logits[i])
         return {s: (np.concatenate(outs[s]) if all_logits else outs[s][-1][-1]) for s in seqs}
+
+    def eval_chunk(self, chunk: PromptChunk) -> np.ndarray | None:
+        """Evaluate a prompt chunk apart (what `eval_batch` does with one that cannot ride along):
+        its last logits with `chunk.logits` (also in `last_ride_logits`), else None."""
+        self.last_ride_logits = self.eval(chunk.tokens, chunk.seq, continued=not chunk.logits)
+        return self.last_ride_logits
 
     def _check_tokens(self, toks: list[int], seq: int) -> None:
         if not toks:
@@ -676,11 +721,13 @@ class Model:
     def _eval_ubatch(self, tokens: list[list[int]], seq_head: int, want_all: bool,
                      mtp_argmax: bool = False, captures: tuple[int, ...] = (),
                      embd: np.ndarray | None = None, rope: np.ndarray | None = None,
-                     all_hidden: bool = False, keep_start: bool = True, continued: bool = False) -> np.ndarray | None:
+                     all_hidden: bool = False, keep_start: bool = True, continued: bool = False,
+                     ride: PromptChunk | None = None) -> np.ndarray | None:
         """One ubatch of equal-length token lists for sequences seq_head.. ; logits [n_seqs, rows, vocab].
         With `embd` (one sequence) the rows are given instead of looked up (an image), at rope
         streams `rope` [3, n]. `all_hidden`: every row's hidden state, the last row's logits.
-        `continued` (`UbatchShape.continued`): no logits (None), no rollback slots."""
+        `continued` (`UbatchShape.continued`): no logits (None), no rollback slots. `ride`: a prompt
+        chunk evaluated in the same graph (`UbatchShape.ride`; its logits in `last_ride_logits`)."""
         t0 = time.perf_counter()
         n_seqs, n = len(tokens), len(tokens[0])
         starts = [self.memory.seqs[seq_head + i].n_past for i in range(n_seqs)]
@@ -688,26 +735,41 @@ class Model:
         n_out = n if want_all else 1
         logits_last = all_hidden and not want_all and n > 1
         n_hidden = n if logits_last else n_out
+        ride_shape = None
+        if ride is not None:
+            ride_start = self.memory.seqs[ride.seq].n_past
+            ride_shape = Ride(ride.seq, len(ride.tokens), padded_n_kv(ride_start + len(ride.tokens), self.n_ctx),
+                              ride.logits)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
                             embeddings=embd is not None, logits_last=logits_last,
                             keep_start=keep_start or n >= self.memory.rs_slots,
-                            draft_vocab=self.draft_vocab if mtp_argmax else 0, continued=continued)
+                            draft_vocab=self.draft_vocab if mtp_argmax else 0, continued=continued,
+                            ride=ride_shape)
         g = self.graph(shape)
         sched = self._sched_for(g, shape)
         sched.allocate(g.gf, g.ctx)
-        self._set_inputs(g, tokens, starts, shape, embd, rope)
+        data = self._ubatch_data(tokens, starts, shape, embd, rope)
+        if ride is not None:
+            data.ride = self._ubatch_data([list(ride.tokens)], [ride_start], shape.ride_shape())
+        self._input_plan(g, shape).set(data)
         sched.compute(g.gf)
         self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
+        extra = 1 if ride is not None and ride.logits else 0      # the riding chunk's last row
         logits = None
         if not continued:
-            logits = np.empty((n_seqs, n_out, self.hp.n_vocab), dtype=np.float32)   # F32 outputs, read whole
-            _tensor_get(g.outputs["result_output"], logits.ctypes.data, 0, logits.nbytes)
-        hidden = np.empty((n_seqs, n_hidden, self.hp.n_embd), dtype=np.float32)
+            rows = np.empty((n_seqs * n_out + extra, self.hp.n_vocab), dtype=np.float32)   # F32, read whole
+            _tensor_get(g.outputs["result_output"], rows.ctypes.data, 0, rows.nbytes)
+            logits = rows[:n_seqs * n_out].reshape(n_seqs, n_out, -1)
+            self.last_ride_logits = rows[-1] if extra else None
+        hidden = np.empty((n_seqs * n_hidden + extra, self.hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
-        self.last_hidden = hidden
+        self.last_hidden = hidden[:n_seqs * n_hidden].reshape(n_seqs, n_hidden, -1)
         for i, toks in enumerate(tokens):
             self.memory.advance(seq_head + i, toks, keep_start, undoable=not continued)
+        if ride is not None:
+            self.memory.advance(ride.seq, list(ride.tokens), undoable=ride.logits)
+            self.stats.n_eval_tokens += len(ride.tokens)
         self.stats.n_eval_tokens += n * n_seqs
         self.stats.n_eval_calls += 1
         self.stats.eval_seconds += time.perf_counter() - t0
@@ -744,7 +806,12 @@ class Model:
 
     def _set_inputs(self, g: _Graph, tokens: list[list[int]], starts: list[int], shape: UbatchShape,
                     embd: np.ndarray | None = None, rope: np.ndarray | None = None) -> None:
-        """Fill the graph's inputs for token lists of sequences seq_head.. starting at positions `starts`
+        """Fill the graph's inputs for token lists of sequences seq_head.. starting at positions `starts`."""
+        self._input_plan(g, shape).set(self._ubatch_data(tokens, starts, shape, embd, rope))
+
+    def _ubatch_data(self, tokens: list[list[int]], starts: list[int], shape: UbatchShape,
+                     embd: np.ndarray | None = None, rope: np.ndarray | None = None) -> UbatchData:
+        """The step's values of token lists of sequences seq_head.. starting at positions `starts`
         (rope positions shifted after the images a sequence holds; see `eval_image`)."""
         n = shape.n_seq_tokens
         if n * shape.n_seqs == 1:
@@ -756,4 +823,4 @@ class Model:
             if any(shifts):
                 text = (pos + np.asarray(shifts, dtype=np.int32)[:, None]).reshape(1, -1)
                 rope = np.repeat(text, 3, axis=0)
-        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, embd=embd, rope=rope))
+        return UbatchData(pos=pos, tokens=tokens, embd=embd, rope=rope)

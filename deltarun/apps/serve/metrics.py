@@ -26,6 +26,9 @@ class Metrics:
         self.ahead_tokens = Counter("deltarun_prompt_tokens_ahead",
                                     "Prompt tokens evaluated ahead of their request, while idle (the likely "
                                     "start of a conversation's next prompt)", registry=r)
+        self.ridden_tokens = Counter("deltarun_prompt_tokens_ridden",
+                                     "Prompt tokens evaluated in the graph of a decode step (their rows share "
+                                     "its reads of the weights)", registry=r)
         self.generated_tokens = Counter("deltarun_tokens_predicted", "Generated tokens", registry=r)
         self.requests = Counter("deltarun_requests", "Requests admitted to the model", registry=r)
         self.running = Gauge("deltarun_requests_processing", "Requests holding a sequence slot", registry=r)
@@ -47,8 +50,11 @@ class Metrics:
         self.prompt_tokens.inc(n_prompt)
         self.cached_tokens.inc(n_cached)
 
-    def prefill_step(self, n_tokens: int, seconds: float, ahead: bool = False) -> None:
+    def prefill_step(self, n_tokens: int, seconds: float, ahead: bool = False, ridden: bool = False) -> None:
+        """A prompt chunk evaluated in `seconds` (`ridden`: along a decode step, the time it added)."""
         (self.ahead_tokens if ahead else self.evaluated_tokens).inc(n_tokens)
+        if ridden:
+            self.ridden_tokens.inc(n_tokens)
         with self._lock:
             self._prompt[0] += n_tokens
             self._prompt[1] += seconds

@@ -71,6 +71,7 @@ from deltarun.apps.serve.prompt_cache import PromptCache
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
 from deltarun.runner.engine import Engine, Outcome, Running
+from deltarun.runner.model import PromptChunk
 from deltarun.runner.reasoning import ThinkingBudget, ThinkingTags
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
 from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
@@ -84,6 +85,9 @@ _ids = itertools.count(1)
 #: prefill") the streams' inter-token p99 over idle was 3.1x with 16, 2.2x with 8, 2.0x with 4,
 #: and the prompt took 28.5 s, 41.9 s, 72.9 s: 8 is the balance
 MIN_CHUNK = 8
+#: the smallest prompt chunk riding along a decode step (`Worker._ride`): what it adds to the
+#: step is the rows' share of the products, not a second pass over the weights
+RIDE_MIN = 4
 #: Capture slots `serve` opens its model with: the checkpoints a prompt chunk takes inside one graph
 #: evaluation (a turn's new user message and answer start are two; each slot holds one sequence's
 #: recurrent state on the device)
@@ -175,6 +179,9 @@ class Worker:
         self.cache_bytes = cache_bytes
         self.chunk = chunk
         self._shared_chunk = min(chunk, MIN_CHUNK)   # chunk size while others decode: grows as it can
+        self._ride_chunk: int | None = None          # a riding chunk's size, once adapted (`_ride_size`)
+        self._ride_planned = 0                       # the size the last riding chunk was cut to
+        self._ride_ceiling: int | None = None        # the smallest riding size found too costly
         self._decode_s = 0.0              # moving average of one decode step's wall time
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
@@ -397,11 +404,15 @@ class Worker:
         self._admitting = False
         self.metrics.running.set(self.counts[0])
         prefilling = [j for j in self._active if j.state == "prefill"]
-        if prefilling:
+        decoding = [j for j in self._active if j.state == "decode"]
+        riding = None                     # a prompt chunk that goes into the decode step's graph
+        if prefilling and decoding and not prefilling[0].cancelled:
+            riding = self._ride(prefilling[0])
+        if prefilling and riding is None:
             self._guard(prefilling[0], self._prefill_chunk)
         decoding = [j for j in self._active if j.state == "decode"]
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding, prefilling[0] if riding is not None else None)
         if not self._active:
             self._copy_ahead()
         return True
@@ -556,13 +567,18 @@ class Worker:
         token = self.engine.first(job.running, logits, context)
         self._take(job, token, self._logprobs(job, logits, token))
 
-    def _prefill_chunk(self, job: Job) -> None:
+    def _chunk_bounds(self, job: Job, riding: bool = False) -> tuple[int, list[int], PlacedImage | None]:
+        """The end of `job`'s next prompt chunk (`riding`: one that rides along the decode step),
+        the checkpoints inside it to capture, and the image it evaluates (None for text)."""
         p = job.params
         n = len(p.prompt)
         # work ahead takes the chunks a prompt gets while others decode (about one decode step):
         # a request arriving meanwhile waits for one such chunk, not for a whole `chunk`
         others = p.ahead or any(j.state == "decode" for j in self._active)
-        end = min(job.pos + (self._shared_chunk if others else self.chunk), n)
+        size = self._ride_size() if riding else self._shared_chunk if others else self.chunk
+        if riding:
+            self._ride_planned = size
+        end = min(job.pos + size, n)
         inside = [c for c in p.checkpoints if job.pos < c < end]
         slots = self.model.memory.n_capture
         if len(inside) > slots:            # the chunk ends at the first checkpoint it cannot capture
@@ -571,10 +587,32 @@ class Worker:
         if image is None:                  # text chunks end where an image starts
             end = min([end] + [img.start for img in p.images if img.start > job.pos])
             inside = [c for c in inside if c < end]
+        else:                              # an image (or the rest of one) is one step, its rows from the tower
+            end, inside = image.end, []
+        return end, inside, image
+
+    def _ride(self, job: Job) -> PromptChunk | None:
+        """`job`'s next prompt chunk when it can ride along the decode step (`Engine.step(...,
+        ride=...)`: the layers read each weight once for both): text, ending at the first
+        checkpoint inside it (taken from the live state afterwards, not captured), without rows an
+        MTP block reads, on a family whose graphs take it; else None (evaluated apart)."""
+        if not self.model.family.rides or job.params.ahead or (job.draft is not None and job.draft.needs_hidden):
+            return None
+        end, inside, image = self._chunk_bounds(job, riding=True)
+        if image is not None:
+            return None
+        end = min([end] + inside)
+        n = len(job.params.prompt)
+        return PromptChunk(job.seq, job.params.prompt[job.pos:end], logits=end == n)
+
+    def _prefill_chunk(self, job: Job) -> None:
+        p = job.params
+        n = len(p.prompt)
+        others = p.ahead or any(j.state == "decode" for j in self._active)
+        end, inside, image = self._chunk_bounds(job)
         t0 = time.perf_counter()
         wants_hidden = job.draft is not None and job.draft.needs_hidden
-        if image is not None:              # an image (or the rest of one) is one step, its rows from the tower
-            end, inside = image.end, []
+        if image is not None:
             logits = eval_step(self.model, p.prompt, (job.pos, end, image), job.seq, self.vision.encode,
                                self._image_pad)
         else:
@@ -588,9 +626,17 @@ class Worker:
             self.cache.note_hidden(job.seq, rows)
         if others and self._decode_s > 0 and image is None:
             self._adapt_chunk(end - job.pos, time.perf_counter() - t0)
+        self._chunk_done(job, end, logits, time.perf_counter() - t0)
+
+    def _chunk_done(self, job: Job, end: int, logits: np.ndarray | None, seconds: float,
+                    ridden: bool = False) -> None:
+        """Bookkeeping after `job`'s prompt was evaluated up to `end` (apart, or `ridden` along a
+        decode step)."""
+        p = job.params
+        n = len(p.prompt)
         if self.trace is not None:
             self.trace.append(("ahead" if p.ahead else "prefill", job.id, end - job.pos))
-        self.metrics.prefill_step(end - job.pos, time.perf_counter() - t0, ahead=p.ahead)
+        self.metrics.prefill_step(end - job.pos, seconds, ahead=p.ahead, ridden=ridden)
         job.n_evaluated += end - job.pos
         job.pos = end
         if end in p.checkpoints or end == n:
@@ -600,15 +646,52 @@ class Worker:
             self._release(job)
         elif end == n:
             job.state = "decode"
+            self._ride_chunk = self._ride_ceiling = None   # the next prompt's rides start afresh
             self._first(job, logits)
 
     def _adapt_chunk(self, n: int, seconds: float) -> None:
         """Halve or double the shared chunk so that one takes about STALL_FACTOR decode steps."""
+        self._shared_chunk = self._adapted(self._shared_chunk, n, seconds, MIN_CHUNK)
+
+    def _adapted(self, size: int, n: int, seconds: float, least: int) -> int:
+        """A chunk size after a chunk of n tokens (of `size`, else it stays) took `seconds` (its own
+        time, or what riding added to a step): halved (not below `least`) past STALL_FACTOR decode
+        steps, doubled (up to `chunk`) below 1/2.2 of that."""
         target = STALL_FACTOR * self._decode_s
-        if n == self._shared_chunk and seconds > target and n > MIN_CHUNK:
-            self._shared_chunk //= 2
-        elif n == self._shared_chunk and seconds * 2.2 < target and 2 * n <= self.chunk:
-            self._shared_chunk *= 2
+        if n == size and seconds > target and n > least:
+            return max(least, size // 2)
+        if n == size and seconds * 2.2 < target and 2 * n <= self.chunk:
+            return 2 * n
+        return size
+
+    def _ride_size(self) -> int:
+        """Tokens of a prompt chunk riding along the decode step: first those that fill the
+        engine's row budget beside the last step's rows (a step of up to `Engine.max_rows` rows
+        costs little more than one of a few: at the 0.8B bench shapes, Q8_0 on AMX tiles, 3
+        decoding rows take 40 ms, with 2 prompt rows riding 52 ms, with 13 64 ms, with 16 87 ms),
+        or the shared chunk where no rows are budgeted (a GPU); then as `_adapt_ride` leaves it."""
+        if self._ride_chunk is not None:
+            return self._ride_chunk
+        if not self.engine.max_rows:
+            return self._shared_chunk
+        rows = sum(len(run) * width for run, width in self.engine.last_runs) or \
+            sum(j.state == "decode" for j in self._active)
+        return max(RIDE_MIN, self.engine.max_rows - rows)
+
+    def _adapt_ride(self, n: int, added: float) -> None:
+        """After a riding chunk of n tokens added `added` seconds to its step: halved (and that
+        size never tried again for this prompt) past STALL_FACTOR decode steps (the attention over
+        a long prompt's positions grows), doubled below 1/2.2 of that (a small model's rows cost
+        little), kept else. The ceiling keeps a size that costs a second pass over the weights
+        (past the row budget) from being tried again and again."""
+        if n != self._ride_planned:       # cut short (a checkpoint, the prompt's end): says nothing
+            return
+        adapted = self._adapted(n, n, added, RIDE_MIN)
+        if adapted < n:
+            self._ride_ceiling = n
+        elif adapted > n and self._ride_ceiling is not None and adapted >= self._ride_ceiling:
+            adapted = n
+        self._ride_chunk = adapted
 
     # --- decoding ----------------------------------------------------------------------------------
     def _compact(self) -> None:
@@ -650,9 +733,10 @@ class Worker:
         if self.trace is not None:
             self.trace.append(("move", job.id, target))
 
-    def _decode(self, jobs: list[Job]) -> None:
+    def _decode(self, jobs: list[Job], rider: Job | None = None) -> None:
         """One engine step for every generating job (see the module docstring): their seqs made
-        consecutive first, then each job's budget, the step, and each job's kept tokens streamed."""
+        consecutive first, then each job's budget, the step, and each job's kept tokens streamed.
+        `rider`: a job whose next prompt chunk rides along the step (`_ride`)."""
         for j in list(jobs):
             if j.cancelled:
                 self._release(j)
@@ -665,13 +749,19 @@ class Worker:
                     self._fail(j, _server_error(e))
                 return
         jobs = sorted((j for j in jobs if j.state == "decode"), key=lambda j: j.seq)
+        ride = self._ride(rider) if rider is not None and rider in self._active else None
         if not jobs:
+            if ride is not None:
+                self._guard(rider, self._prefill_chunk)
             return
         for j in jobs:
             j.running.budget = j.params.max_tokens - len(j.generated)
+        before_ride = self.model.n_past(ride.seq) if ride is not None else 0
         t0 = time.perf_counter()
-        outcomes = self.engine.step([j.running for j in jobs])
+        outcomes = self.engine.step([j.running for j in jobs], ride=ride)
         seconds = time.perf_counter() - t0
+        if ride is not None:
+            self._ridden(rider, ride, before_ride, seconds)
         if self.trace is not None:
             by_seq = {j.seq: j.id for j in jobs}
             self.trace.extend(("batch", tuple(by_seq[s.seq] for s in run), width)
@@ -680,7 +770,21 @@ class Worker:
         for j, o in zip(jobs, outcomes):
             self._guard(j, lambda job, o=o: self._settle(job, o))
         self.metrics.decode_step(sum(len(j.generated) for j in jobs) - before, seconds)
-        self._decode_s = seconds if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * seconds
+        if ride is None:                  # the plain step's time: what a chunk's cost is weighed by
+            self._decode_s = seconds if self._decode_s == 0 else 0.8 * self._decode_s + 0.2 * seconds
+
+    def _ridden(self, job: Job, ride: PromptChunk, before: int, seconds: float) -> None:
+        """After a step `job`'s chunk rode along: its bookkeeping (the first token when it ended
+        the prompt), and where rows are not budgeted the shared chunk adapted to the time the chunk
+        added to the step; an evaluation that failed fails the job."""
+        if self.model.n_past(ride.seq) != before + len(ride.tokens):
+            self._fail(job, ApiError("evaluating the prompt failed", status=500, type="server_error"))
+            return
+        added = max(0.0, seconds - self._decode_s)
+        if self._decode_s > 0:
+            self._adapt_ride(len(ride.tokens), added)
+        logits = self.model.last_ride_logits
+        self._guard(job, lambda j: self._chunk_done(j, j.pos + len(ride.tokens), logits, added, ridden=True))
 
     def _settle(self, job: Job, o: Outcome) -> None:
         """A job's outcome of an engine step: counted, its MTP rows noted for the prompt cache, its

@@ -45,6 +45,20 @@ def output_ids(g: GraphContext) -> OutputIdsInput | None:
     return g.input(OutputIdsInput, lambda: OutputIdsInput(g.ctx, g.ub))
 
 
+def output_rows(g: GraphContext, x: Tensor) -> Tensor:
+    """The rows of x [width, rows] whose outputs are asked for: the ubatch's last n_outputs /
+    n_seqs of each sequence, then a riding chunk's last row where it asks for its logits."""
+    whole = x
+    if g.ride is not None:
+        x = g.view(whole, (ne(whole)[0], g.ub.n_tokens), (nb(whole)[1],), 0)
+    rows = output_ids(g)
+    x = x if rows is None else ggml.ggml_get_rows(g.ctx, x, rows.out_ids)
+    if g.ride is not None and g.ub.ride.logits:
+        last = g.view(whole, (ne(whole)[0], 1), (nb(whole)[1],), (g.ub.n_rows - 1) * nb(whole)[1])
+        x = ggml.ggml_concat(g.ctx, x, last, 1)
+    return x
+
+
 def kv_input(g: GraphContext) -> AttentionKVInput:
     width = g.hp.head_dim * g.hp.n_head_kv
     return g.input(AttentionKVInput, lambda: AttentionKVInput(g.ctx, g.ub, width, g.mem.n_ctx))
@@ -64,19 +78,32 @@ def rope(g: GraphContext, x: Tensor, pos: Tensor | None = None) -> Tensor:
 
 
 def full_attention(g: GraphContext, cur: Tensor, il: int) -> Tensor:
-    q, k, v, gate = project(g, cur, il)
-    hp, n_tokens = g.hp, g.ub.n_tokens
-    k_view, v_view, _ = store(g, ggml.ggml_reshape_2d(g.ctx, k, hp.head_dim * hp.n_head_kv, n_tokens), v, il)
-    return attend(g, q, k_view, v_view, kv_input(g).kq_mask, gate, il)
+    """Products on all rows; rope, the cache and attention per part (`GraphContext.per_part`)."""
+    q, k, v, gate = project_rows(g, cur, il)
+
+    def part(p: GraphContext, take) -> Tensor:
+        qp, kp = p.cb(rope(p, take(q, 2)), "Qcur", il), p.cb(rope(p, take(k, 2)), "Kcur", il)
+        k_row = ggml.ggml_reshape_2d(p.ctx, kp, p.hp.head_dim * p.hp.n_head_kv, p.ub.n_tokens)
+        k_view, v_view, _ = store(p, k_row, take(v, 1), il)
+        return attend_rows(p, qp, k_view, v_view, kv_input(p).kq_mask, il)
+
+    return gate_output(g, g.per_part(part, dim=1, split=False), gate, il)
 
 
 def project(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Normed, roped q [hd, nh, n_tokens] and k [hd, nkv, n_tokens], v [hd * nkv, n_tokens] and the
-    gate (a view of the query projection: per head hd query rows, then hd gate rows)."""
-    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    """`project_rows` with q and k roped at the ubatch's positions."""
+    q, k, v, gate = project_rows(g, cur, il)
+    return g.cb(rope(g, q), "Qcur", il), g.cb(rope(g, k), "Kcur", il), v, gate
+
+
+def project_rows(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Normed q [hd, nh, n_tokens] and k [hd, nkv, n_tokens] (not roped), v [hd * nkv, n_tokens]
+    and the gate (a view of the query projection: per head hd query rows, then hd gate rows), for
+    every row of the graph (`GraphContext.grid`)."""
+    hp, c, w = g.hp, g.ctx, g.w
     p = f"blk.{il}."
     hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
-    n_tokens = ub.n_tokens
+    n_tokens = g.grid[0] * g.grid[1]
 
     qg = g.cb(g.mm(w[p + "attn_q.weight"], cur), "Qcur_full", il)
     qg = ggml.ggml_reshape_4d(c, qg, hd * 2, nh, n_tokens, 1)
@@ -87,10 +114,7 @@ def project(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tens
 
     q = g.rms_norm(q, w[p + "attn_q_norm.weight"], "Qcur_normed", il)
     k = g.rms_norm(k, w[p + "attn_k_norm.weight"], "Kcur_normed", il)
-    q = ggml.ggml_reshape_3d(c, q, hd, nh, n_tokens)
-    q = g.cb(rope(g, q), "Qcur", il)
-    k = g.cb(rope(g, k), "Kcur", il)
-    return q, k, v, gate
+    return ggml.ggml_reshape_3d(c, q, hd, nh, n_tokens), k, v, gate
 
 
 def store(g: GraphContext, k_row: Tensor, v: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -120,6 +144,11 @@ def store(g: GraphContext, k_row: Tensor, v: Tensor, il: int) -> tuple[Tensor, T
 
 def attend(g: GraphContext, q: Tensor, k_view: Tensor, v_view: Tensor, mask: Tensor, gate: Tensor, il: int) -> Tensor:
     """softmax(k q / sqrt(hd) + mask) v, times sigmoid(gate), through the output projection."""
+    return gate_output(g, attend_rows(g, q, k_view, v_view, mask, il), gate, il)
+
+
+def attend_rows(g: GraphContext, q: Tensor, k_view: Tensor, v_view: Tensor, mask: Tensor, il: int) -> Tensor:
+    """softmax(k q / sqrt(hd) + mask) v of the ubatch's queries, [hd * nh, n_tokens]."""
     hp, ub, c = g.hp, g.ub, g.ctx
     hd, nh = hp.head_dim, hp.n_head
     T, N, n_tokens = ub.n_seq_tokens, ub.n_seqs, ub.n_tokens
@@ -135,8 +164,12 @@ def attend(g: GraphContext, q: Tensor, k_view: Tensor, v_view: Tensor, mask: Ten
     kqv = g.cb(ggml.ggml_mul_mat(c, v_view, ggml.ggml_reshape_4d(c, kq, ne(kq)[0], T * r, nkv, N)), "kqv", il)
     kqv = ggml.ggml_reshape_4d(c, kqv, hd, T, nh, N)                               # [hd, T, nh, N]
     out = ggml.ggml_cont_2d(c, ggml.ggml_permute(c, kqv, 0, 2, 1, 3), hd * nh, n_tokens)
-    g.cb(out, "attn_pregate", il)
+    return g.cb(out, "attn_pregate", il)
 
-    gate = ggml.ggml_sigmoid(c, ggml.ggml_cont_2d(c, gate, hd * nh, n_tokens))
+
+def gate_output(g: GraphContext, out: Tensor, gate: Tensor, il: int) -> Tensor:
+    """The attention rows [hd * nh, n] times sigmoid(gate), through the output projection."""
+    c = g.ctx
+    gate = ggml.ggml_sigmoid(c, ggml.ggml_cont_2d(c, gate, ne(out)[0], ne(out)[1]))
     out = g.cb(ggml.ggml_mul(c, out, gate), "attn_gated", il)
     return g.cb(g.mm(g.w[f"blk.{il}.attn_output.weight"], out), "attn_output", il)

@@ -24,6 +24,42 @@ class GraphContext:
         self.ctx, self.gf, self.hp, self.w, self.mem, self.ub = ctx, gf, hp, w, mem, ub
         self.inputs: dict[type, GraphInput] = {}
         self.outputs: dict[str, Tensor] = {}
+        #: the riding prompt chunk's context (`UbatchShape.ride`): same graph, its own shape and inputs
+        self.ride = GraphContext(ctx, gf, hp, w, mem, ub.ride_shape()) if ub.ride else None
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(T, N) of the rows the row-wise ops (norms, products, FFN) see: the ubatch's tokens per
+        sequence and sequences, or, with a riding chunk, all rows as one (n_rows, 1)."""
+        return (self.ub.n_rows, 1) if self.ride else (self.ub.n_seq_tokens, self.ub.n_seqs)
+
+    def per_part(self, build: Callable[["GraphContext", Callable[[Tensor, int], Tensor]], Tensor],
+                 dim: int, split: bool = True) -> Tensor:
+        """`build(part, take)` for the ubatch (this context), and with a riding chunk also for it,
+        joined along the token axis `dim`. `take(x, d)` gives a part its rows of x (token axis d,
+        laid out by `grid`): with `split` its (T, N) at axes d, d+1, else its T*N rows at d. The
+        per-sequence ops (conv, delta rule, attention) run per part; everything else on all rows
+        (one read of each weight)."""
+        if self.ride is None:
+            return build(self, lambda x, d: x)
+        parts = ((self, 0, self.ub.n_seq_tokens, self.ub.n_seqs),
+                 (self.ride, self.ub.n_tokens, self.ride.ub.n_seq_tokens, 1))
+        outs = []
+        for part, first, T, N in parts:
+            def take(x: Tensor, d: int, first: int = first, T: int = T, N: int = N) -> Tensor:
+                shape = [int(x.contents.ne[i]) for i in range(4)]
+                shape[d] = T * N
+                rows = self.view(x, tuple(shape), tuple(int(x.contents.nb[i]) for i in range(1, 4)),
+                                 first * int(x.contents.nb[d]))
+                if split:
+                    shape[d], shape[d + 1] = T, N
+                return ggml.ggml_reshape_4d(self.ctx, rows, *shape)
+            out = build(part, take)
+            shape = [int(out.contents.ne[i]) for i in range(4)]
+            n = shape[dim] * (shape[dim + 1] if split else 1)
+            flat = shape[:dim] + [n] + [1] * (3 - dim)
+            outs.append(ggml.ggml_reshape_4d(self.ctx, out, *flat) if split else out)
+        return ggml.ggml_concat(self.ctx, outs[0], outs[1], dim)
 
     def input(self, kind: type[In], make: Callable[[], In]) -> In:
         """The graph's input of this kind, made on first request (one per graph, as in llama.cpp)."""

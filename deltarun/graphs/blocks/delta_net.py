@@ -82,12 +82,12 @@ def recurrent_input(g: GraphContext) -> RecurrentStateInput:
 
 def beta_and_gate(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> tuple[Tensor, Tensor]:
     """beta = sigmoid(x W_beta) and the decay gate = softplus(x W_alpha + dt_bias) * ssm_a, each
-    [1, H_v, T, N]."""
-    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    [1, H_v, T, N] (`GraphContext.grid`)."""
+    hp, c, w = g.hp, g.ctx, g.w
     p = f"blk.{il}."
     nk, nv = hp.ssm_n_k_heads, hp.ssm_n_v_heads
     r = nv // nk
-    T, N = ub.n_seq_tokens, ub.n_seqs
+    T, N = g.grid
     f32 = 4
     if kind.beta_alpha == "fused":
         # ssm_ba rows grouped per key head: [beta (r heads), alpha (r heads)]
@@ -133,14 +133,16 @@ def repeat_tiled(g: GraphContext, q: Tensor, k: Tensor, il: int) -> tuple[Tensor
 
 
 def linear_attention(g: GraphContext, cur: Tensor, il: int, kind: DeltaNet) -> Tensor:
-    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    hp, c, w = g.hp, g.ctx, g.w
     p = f"blk.{il}."
     S, nv = hp.ssm_d_state, hp.ssm_n_v_heads
-    T, N = ub.n_seq_tokens, ub.n_seqs
+    T, N = g.grid
 
     qkv, z = qkvz(g, cur, il)                               # [conv_dim, T, N], [value_dim, T*N]
     beta, gate = beta_and_gate(g, cur, il, kind)
-    out = recurrent_core(g, qkv, w[p + "ssm_conv1d.weight"], gate, beta, il, kind.broadcast)
+    # the recurrence per part (the ubatch, a riding prompt chunk), the products on all rows
+    out = g.per_part(lambda part, take: recurrent_core(part, take(qkv, 1), w[p + "ssm_conv1d.weight"], take(gate, 2),
+                                                       take(beta, 2), il, kind.broadcast), dim=2)
 
     z4 = ggml.ggml_reshape_4d(c, z, S, nv, T, N)
     normed = g.rms_norm(out, w[p + "ssm_norm.weight"], "attn_norm_gated", il)
@@ -239,9 +241,9 @@ def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tens
 
 def qkvz(g: GraphContext, cur: Tensor, il: int) -> tuple[Tensor, Tensor]:
     """The conv input channels q|k|v per token, and the gate z, from either projection form."""
-    hp, ub, c, w = g.hp, g.ub, g.ctx, g.w
+    hp, c, w = g.hp, g.ctx, g.w
     p = f"blk.{il}."
-    T, N = ub.n_seq_tokens, ub.n_seqs
+    T, N = g.grid
     if p + "attn_qkv.weight" in w:
         qkv = g.cb(g.mm(w[p + "attn_qkv.weight"], cur), "linear_attn_qkv_mixed", il)
         z = g.cb(g.mm(w[p + "attn_gate.weight"], cur), "z", il)
