@@ -60,9 +60,10 @@ def _weight_products(m: Model, gf) -> list[str]:
 
 @pytest.mark.parametrize("preset, delta_net", [("tiny", "fused"), ("tiny-legacy", "fused"), ("tiny", "primitive"),
                                                ("tiny-qwen35", "fused"), ("tiny-qwen35moe", "fused")])
-@pytest.mark.parametrize("width, n_ride, ends", [(1, 9, False), (3, 5, True), (1, 1, True)])
+@pytest.mark.parametrize("width, n_ride, ends, hidden", [(1, 9, False, False), (3, 5, True, True), (1, 1, True, False),
+                                                          (1, 6, False, True)])
 def test_riding_chunk_matches_the_references_and_evaluating_it_apart(tiny_model_path, reference_of, preset, delta_net,
-                                                                     width, n_ride, ends):
+                                                                     width, n_ride, ends, hidden):
     prompts = [prompt(12, seed=30 + s) for s in range(3)]
     steps = [prompt(width, seed=40), prompt(width, seed=41)]
     chunk = prompt(n_ride, seed=42)
@@ -74,7 +75,7 @@ def test_riding_chunk_matches_the_references_and_evaluating_it_apart(tiny_model_
             for s in range(3):
                 m.eval(prompts[s], s)
             calls = m.stats.n_eval_calls
-            ride = PromptChunk(2, chunk, logits=ends)
+            ride = PromptChunk(2, chunk, logits=ends, hidden=hidden)
             if mode == "apart":
                 apart = m.eval_chunk(ride)
                 out = m.eval_batch({0: steps[0], 1: steps[1]}, all_logits=width > 1)
@@ -88,8 +89,10 @@ def test_riding_chunk_matches_the_references_and_evaluating_it_apart(tiny_model_
             states = [x for il in m.hp.linear_layers for s in range(3)
                       for x in (m.memory.ssm_slots(il, s)[:kept if s == 2 else 1].copy(),
                                 m.memory.conv_slots(il, s)[:kept if s == 2 else 1].copy())]
+            rows = m.last_ride_hidden
+            assert (rows is not None and rows.shape == (n_ride, m.hp.n_embd)) if hidden else rows is None
             after = m.eval([7], 2)                   # the chunk's KV rows and state, read by the next token
-            results.append((out, apart, states, after))
+            results.append((out, apart, states, after, rows))
             if mode == "ride":           # each weight in as many products as without the chunk: read once
                 m.eval_batch({0: steps[0], 1: steps[1]}, all_logits=width > 1)
                 ride_graph, plain = ([g for s, g in m._graphs.items() if (s.ride is not None) is r and s.n_seqs == 2]
@@ -110,6 +113,8 @@ def test_riding_chunk_matches_the_references_and_evaluating_it_apart(tiny_model_
     for a, b in zip(results[0][2], results[1][2]):
         assert rel_err(b, a) < APART_TOL
     assert rel_err(results[1][3], _reference_rows(ref, prompts[2] + chunk, [7])[-1]) < F32_TOL
+    if hidden:                                       # the rows an MTP block reads
+        assert rel_err(results[1][4], results[0][4]) < APART_TOL
 
 
 def test_a_family_without_riding_graphs_evaluates_the_chunk_apart(tiny_model_path):

@@ -94,6 +94,7 @@ def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_
         h.worker.trace = None
         assert [r.choices[0].message.content for r in together] == plain_answers[preset]
         assert all(r.usage.completion_tokens == N_TOKENS for r in together)
+        assert _metric(h, "deltarun_prompt_tokens_ridden_total") > 0   # later prompts rode along (MTP: with their rows)
         # several sequences verified in one ubatch, each with its own drafts
         assert any(len(ids) > 1 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
         verified = [e for e in trace if e[0] == "verify"]
@@ -189,6 +190,40 @@ def test_prompt_cache_with_drafts_evaluates_only_new_tokens_and_keeps_the_mtp_ro
             assert r2.choices[0].message.content == msgs[-1]["content"]
         n_fresh, fresh_rows = _mtp_rows(fresh, held)
     assert n_cached == n_fresh == len(held)
+    for a, b in zip(rows, fresh_rows):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_riding_along_another_streams_steps_keeps_the_mtp_rows_of_a_fresh_evaluation(tiny_model_path):
+    """With --draft mtp a prompt read while another stream decodes rides along that stream's steps
+    with its hidden rows (`Worker._ride`); the MTP block's KV rows of its positions, and its
+    answer, are those of the same request on a fresh server, alone."""
+    from deltarun.base.chat_template import ChatTemplate
+    from deltarun.base.gguf_file import GGUFFile
+
+    path = tiny_model_path("tiny-mtp")
+    f = GGUFFile(path)
+    msgs = [{"role": "user", "content": "riding " + "one two three " * 30}]
+    prompt = f.tokenizer().encode(ChatTemplate(f.get("tokenizer.chat_template")).render(
+        msgs, add_generation_prompt=True), parse_special=True)
+    with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0) as h:
+        c = _client(h)
+        stream = iter(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "keep going"}],
+                                                max_tokens=400, stream=True, extra_body={"ignore_eos": True}))
+        next(stream), next(stream)
+        before = _metric(h, "deltarun_prompt_tokens_ridden_total")
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        ridden = _metric(h, "deltarun_prompt_tokens_ridden_total") - before
+        stream.close()
+        h.wait_settled()
+        n, rows = _mtp_rows(h, prompt)
+    assert r.usage.prompt_tokens == len(prompt) and ridden == len(prompt)
+    with _server(path, draft="mtp", parallel=2, chunk=32, checkpoint_every=0) as fresh:
+        r2 = _client(fresh).chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        assert _metric(fresh, "deltarun_prompt_tokens_ridden_total") == 0
+        n_fresh, fresh_rows = _mtp_rows(fresh, prompt)
+    assert r.choices[0].message.content == r2.choices[0].message.content
+    assert n == n_fresh == len(prompt)
     for a, b in zip(rows, fresh_rows):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 

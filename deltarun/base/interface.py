@@ -91,6 +91,7 @@ class Ride:
     n_tokens: int
     n_kv: int                # KV positions its attention sees (padded)
     logits: bool = False     # its last row's logits and hidden state are outputs too (the prompt's end)
+    hidden: bool = False     # every row's hidden state is an output (rows an MTP block reads)
 
 
 @dataclass

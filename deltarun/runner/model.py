@@ -114,6 +114,7 @@ class PromptChunk:
     seq: int
     tokens: list[int]
     logits: bool = False
+    hidden: bool = False     # every row's hidden state too (`Model.last_ride_hidden`: an MTP block reads them)
 
 
 @dataclass
@@ -256,8 +257,10 @@ class Model:
         self._step_scheds: list[Scheduler] = []    # see keep_step_graphs (most recently used first)
         self.stats = EvalStats()
         self.last_hidden: np.ndarray | None = None   # [n_seqs, rows, n_embd] of the last ubatch
-        #: the last row's logits of a prompt chunk that rode along with `logits` (`eval_batch`)
+        #: the last row's logits of a prompt chunk that rode along with `logits` (`eval_batch`), and
+        #: its rows' hidden states [n, n_embd] with `hidden`
         self.last_ride_logits: np.ndarray | None = None
+        self.last_ride_hidden: np.ndarray | None = None
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
         self.last_captures: dict[int, RecurrentState] = {}   # eval(captures=...): length -> state
         #: the merged grid of each image token a sequence may hold (eval_image's `token`)
@@ -669,8 +672,8 @@ class Model:
         lengths = {len(batch[s]) for s in seqs}
         consecutive = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         per_ubatch = max(self.memory.rs_slots, self.n_ubatch // len(seqs))
-        self.last_ride_logits = None
         if ride is not None:
+            self.last_ride_logits = self.last_ride_hidden = None
             if ride.seq in batch:
                 raise DeltarunError(f"sequence {ride.seq} cannot ride along a batch that holds it")
             if self.family.rides and len(lengths) == 1 and consecutive and max(lengths) <= per_ubatch \
@@ -701,8 +704,10 @@ class Model:
 
     def eval_chunk(self, chunk: PromptChunk) -> np.ndarray | None:
         """Evaluate a prompt chunk apart (what `eval_batch` does with one that cannot ride along):
-        its last logits with `chunk.logits` (also in `last_ride_logits`), else None."""
-        self.last_ride_logits = self.eval(chunk.tokens, chunk.seq, continued=not chunk.logits)
+        its last logits with `chunk.logits` (also in `last_ride_logits`), else None; its rows'
+        hidden states in `last_ride_hidden` with `chunk.hidden`."""
+        self.last_ride_logits = self.eval(chunk.tokens, chunk.seq, continued=not chunk.logits, all_hidden=chunk.hidden)
+        self.last_ride_hidden = self.last_hidden[0] if chunk.hidden else None
         return self.last_ride_logits
 
     def _check_tokens(self, toks: list[int], seq: int) -> None:
@@ -739,7 +744,7 @@ class Model:
         if ride is not None:
             ride_start = self.memory.seqs[ride.seq].n_past
             ride_shape = Ride(ride.seq, len(ride.tokens), padded_n_kv(ride_start + len(ride.tokens), self.n_ctx),
-                              ride.logits)
+                              ride.logits, ride.hidden)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
                             embeddings=embd is not None, logits_last=logits_last,
@@ -755,16 +760,21 @@ class Model:
         self._input_plan(g, shape).set(data)
         sched.compute(g.gf)
         self.last_mtp = self._read_mtp_rows(g, n, seq_head, starts[0]) if mtp_argmax else None
-        extra = 1 if ride is not None and ride.logits else 0      # the riding chunk's last row
+        # a riding chunk's rows after the ubatch's: its last row's logits, its hidden rows
+        extra = 1 if ride is not None and ride.logits else 0
+        extra_hidden = len(ride.tokens) if ride is not None and ride.hidden else extra
         logits = None
         if not continued:
             rows = np.empty((n_seqs * n_out + extra, self.hp.n_vocab), dtype=np.float32)   # F32, read whole
             _tensor_get(g.outputs["result_output"], rows.ctypes.data, 0, rows.nbytes)
             logits = rows[:n_seqs * n_out].reshape(n_seqs, n_out, -1)
-            self.last_ride_logits = rows[-1] if extra else None
-        hidden = np.empty((n_seqs * n_hidden + extra, self.hp.n_embd), dtype=np.float32)
+            if ride is not None:
+                self.last_ride_logits = rows[-1] if extra else None
+        hidden = np.empty((n_seqs * n_hidden + extra_hidden, self.hp.n_embd), dtype=np.float32)
         _tensor_get(g.outputs["result_norm"], hidden.ctypes.data, 0, hidden.nbytes)
         self.last_hidden = hidden[:n_seqs * n_hidden].reshape(n_seqs, n_hidden, -1)
+        if ride is not None:
+            self.last_ride_hidden = hidden[n_seqs * n_hidden:] if ride.hidden else None
         for i, toks in enumerate(tokens):
             self.memory.advance(seq_head + i, toks, keep_start, undoable=not continued)
         if ride is not None:

@@ -5,13 +5,18 @@ the model. The worker loops over steps; each step
 
 1. admits waiting jobs into idle sequences, resuming each from the prompt cache;
 2. evaluates one prompt chunk of the oldest job still prefilling, so a long prompt delays the
-   running streams by one chunk. The checkpoint positions inside a chunk (message boundaries)
-   are captured by the same graph evaluation when the model has capture slots (`serve` opens it
-   with CAPTURE_SLOTS; a chunk then ends early only past that many), else the chunk ends there.
-   With nobody decoding a chunk is `chunk` tokens; while others decode, its size (a power of
-   two, >= MIN_CHUNK, so few graph shapes) is adjusted after each chunk so that it takes about
-   STALL_FACTOR decode steps: the streams' inter-token latency stays within about
-   (1 + STALL_FACTOR) x what it is without the prefill;
+   running streams by one chunk. While others decode the chunk rides along their decode step
+   (step 3: one graph, `Worker._ride`, `Engine.step(..., ride=...)`): its rows share the step's
+   reads of the weights, sized first to fill the engine's row budget, then halved or doubled
+   with what riding adds to the step (`_adapt_ride`), and the prompt's last chunk brings its
+   logits (the first token); riding chunks end at the checkpoint positions (taken from the live
+   state after the step). Chunks apart (nobody decoding, an image, rows an MTP block reads): the
+   checkpoint positions inside one (message boundaries) are captured by the same graph evaluation
+   when the model has capture slots (`serve` opens it with CAPTURE_SLOTS; a chunk then ends early
+   only past that many), else the chunk ends there. With nobody decoding a chunk is `chunk`
+   tokens; while others decode, its size (a power of two, >= MIN_CHUNK, so few graph shapes) is
+   adjusted after each chunk so that it takes about STALL_FACTOR decode steps: the streams'
+   inter-token latency stays within about (1 + STALL_FACTOR) x what it is without the prefill;
 3. decodes one token for every generating job: their last tokens go into one ubatch
    (`Model.eval_batch` evaluates equal-length token lists of consecutive seqs together; when
    they are not consecutive, because a finished job left a hole or a job reading its prompt sits
@@ -594,16 +599,18 @@ class Worker:
     def _ride(self, job: Job) -> PromptChunk | None:
         """`job`'s next prompt chunk when it can ride along the decode step (`Engine.step(...,
         ride=...)`: the layers read each weight once for both): text, ending at the first
-        checkpoint inside it (taken from the live state afterwards, not captured), without rows an
-        MTP block reads, on a family whose graphs take it; else None (evaluated apart)."""
-        if not self.model.family.rides or job.params.ahead or (job.draft is not None and job.draft.needs_hidden):
+        checkpoint inside it (taken from the live state afterwards, not captured), with its hidden
+        rows when an MTP block reads them, on a family whose graphs take it; else None (evaluated
+        apart)."""
+        if not self.model.family.rides or job.params.ahead:
             return None
         end, inside, image = self._chunk_bounds(job, riding=True)
         if image is not None:
             return None
         end = min([end] + inside)
         n = len(job.params.prompt)
-        return PromptChunk(job.seq, job.params.prompt[job.pos:end], logits=end == n)
+        return PromptChunk(job.seq, job.params.prompt[job.pos:end], logits=end == n,
+                           hidden=job.draft is not None and job.draft.needs_hidden)
 
     def _prefill_chunk(self, job: Job) -> None:
         p = job.params
@@ -783,8 +790,15 @@ class Worker:
         added = max(0.0, seconds - self._decode_s)
         if self._decode_s > 0:
             self._adapt_ride(len(ride.tokens), added)
-        logits = self.model.last_ride_logits
-        self._guard(job, lambda j: self._chunk_done(j, j.pos + len(ride.tokens), logits, added, ridden=True))
+        logits, rows = self.model.last_ride_logits, self.model.last_ride_hidden
+
+        def done(j: Job) -> None:
+            if ride.hidden:                # the MTP block's KV rows follow the prompt chunk by chunk
+                self._feed_mtp(j, rows, j.pos)
+                self.cache.note_hidden(j.seq, rows)
+            self._chunk_done(j, j.pos + len(ride.tokens), logits, added, ridden=True)
+
+        self._guard(job, done)
 
     def _settle(self, job: Job, o: Outcome) -> None:
         """A job's outcome of an engine step: counted, its MTP rows noted for the prompt cache, its

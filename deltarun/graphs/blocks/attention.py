@@ -47,15 +47,18 @@ def output_ids(g: GraphContext) -> OutputIdsInput | None:
 
 def output_rows(g: GraphContext, x: Tensor) -> Tensor:
     """The rows of x [width, rows] whose outputs are asked for: the ubatch's last n_outputs /
-    n_seqs of each sequence, then a riding chunk's last row where it asks for its logits."""
+    n_seqs of each sequence, then a riding chunk's rows where it asks for their hidden states,
+    else its last row where it asks for its logits."""
     whole = x
     if g.ride is not None:
         x = g.view(whole, (ne(whole)[0], g.ub.n_tokens), (nb(whole)[1],), 0)
     rows = output_ids(g)
     x = x if rows is None else ggml.ggml_get_rows(g.ctx, x, rows.out_ids)
-    if g.ride is not None and g.ub.ride.logits:
-        last = g.view(whole, (ne(whole)[0], 1), (nb(whole)[1],), (g.ub.n_rows - 1) * nb(whole)[1])
-        x = ggml.ggml_concat(g.ctx, x, last, 1)
+    ride = g.ub.ride
+    if ride is not None and (ride.hidden or ride.logits):
+        n = ride.n_tokens if ride.hidden else 1
+        tail = g.view(whole, (ne(whole)[0], n), (nb(whole)[1],), (g.ub.n_rows - n) * nb(whole)[1])
+        x = ggml.ggml_concat(g.ctx, x, tail, 1)
     return x
 
 

@@ -69,6 +69,12 @@ def logits(g: GraphContext, x: Tensor, lm_head: Tensor | None = None, prefix: st
         last = ggml.ggml_view_2d(g.ctx, x, int(x.contents.ne[0]), ub.n_seqs, x.contents.nb[1] * ub.n_seq_tokens,
                                  x.contents.nb[1] * (ub.n_seq_tokens - 1))
         x = ggml.ggml_cont(g.ctx, last)
+    ride = g.ub.ride
+    if ride is not None and ride.hidden and not prefix:   # a riding chunk's rows: the head for its last
+        width, rows, row = int(x.contents.ne[0]), int(x.contents.ne[1]), x.contents.nb[1]
+        ubatch_rows = ggml.ggml_view_2d(g.ctx, x, width, rows - ride.n_tokens, row, 0)
+        x = ubatch_rows if not ride.logits else \
+            ggml.ggml_concat(g.ctx, ubatch_rows, ggml.ggml_view_2d(g.ctx, x, width, 1, row, (rows - 1) * row), 1)
     out = g.output(g.cb(g.mm(lm_head, x), prefix + "result_output"), prefix + "result_output")
     g.expand(out)
 
