@@ -673,17 +673,18 @@ class Worker:
 
     def _ride_size(self) -> int:
         """Tokens of a prompt chunk riding along the decode step: first those that fill the
-        engine's row budget beside the last step's rows (a step of up to `Engine.max_rows` rows
+        engine's row budget beside one row per decoding job (a step of up to `Engine.max_rows` rows
         costs little more than one of a few: at the 0.8B bench shapes, Q8_0 on AMX tiles, 3
-        decoding rows take 40 ms, with 2 prompt rows riding 52 ms, with 13 64 ms, with 16 87 ms),
-        or the shared chunk where no rows are budgeted (a GPU); then as `_adapt_ride` leaves it."""
+        decoding rows take 40 ms, with 2 prompt rows riding 52 ms, with 13 64 ms, with 16 87 ms;
+        the engine cuts the jobs' drafts to leave the chunk its rows: a queued request's first token
+        waits for its prompt, while drafts only speed up tokens that come anyway), or the shared
+        chunk where no rows are budgeted (a GPU); then as `_adapt_ride` leaves it."""
         if self._ride_chunk is not None:
             return self._ride_chunk
         if not self.engine.max_rows:
             return self._shared_chunk
-        rows = sum(len(run) * width for run, width in self.engine.last_runs) or \
-            sum(j.state == "decode" for j in self._active)
-        return max(RIDE_MIN, self.engine.max_rows - rows)
+        decoding = sum(j.state == "decode" for j in self._active)
+        return max(RIDE_MIN, self.engine.max_rows - decoding)
 
     def _adapt_ride(self, n: int, added: float) -> None:
         """After a riding chunk of n tokens added `added` seconds to its step: halved (and that
