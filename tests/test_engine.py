@@ -174,6 +174,46 @@ def test_drafts_fit_the_row_budget(tiny_model_path, n_seqs, most_drafts):
 
 
 
+@pytest.mark.parametrize("n_seqs,ride,most_drafts", [(1, 4, 3), (1, 6, 1), (2, 4, 1), (2, 6, 0)])
+def test_a_riding_prompt_chunk_takes_its_rows_first(tiny_model_path, n_seqs, ride, most_drafts):
+    """`Engine.step(..., ride=...)`: the prompt chunk's rows come out of the row budget before the
+    drafts (8 rows: a 4-token chunk leaves one sequence 3 drafts, two 1 each), it is evaluated in
+    the step (its sequence grows by it), and the decoding sequences keep what they keep without it."""
+    from deltarun.runner.model import PromptChunk
+
+    path = tiny_model_path("tiny-echo", "f32")
+    motif = _prompts()[0]
+    kept = []
+    for with_ride in (False, True):
+        with Model(path, n_ctx=128, n_seq_max=n_seqs + 1, rs_slots=4) as m:
+            engine = Engine(m)
+            running = [Running(i, Sampler(GREEDY), list(motif), draft=NgramDraft(), length=DraftLength(3))
+                       for i in range(n_seqs)]
+            for s in running:
+                engine.first(s, m.eval(motif, s.seq))
+            prompt = list(range(100, 140))
+            m.eval(prompt[:5], n_seqs)
+            widths = []
+            for step in range(3):
+                chunk = PromptChunk(n_seqs, prompt[5 + ride * step:5 + ride * (step + 1)]) if with_ride else None
+                outcomes = engine.step(running, ride=chunk)
+                assert all(o.error is None for o in outcomes)
+                widths += [w for _, w in engine.last_runs]
+            if with_ride:
+                assert max(widths) == 1 + most_drafts
+                assert m.tokens(n_seqs) == prompt[:5 + 3 * ride]
+                engine.step(running, ride=PromptChunk(n_seqs, []))          # not evaluable: left out alone
+                engine.step(running, ride=PromptChunk(n_seqs, [10**9]))
+                assert m.tokens(n_seqs) == prompt[:5 + 3 * ride]
+            else:
+                for _ in range(2):
+                    engine.step(running)
+            kept.append([s.history for s in running])
+    for a, b in zip(*kept):                     # fewer drafts, the same greedy tokens
+        n = min(len(a), len(b))
+        assert a[:n] == b[:n] and n >= len(_prompts()[0]) + 1 + 5
+
+
 def test_q8_0_models_step_sixteen_rows_where_ggml_has_amx_tiles(tiny_model_path, monkeypatch):
     """Engine.max_rows on the CPU: AMX_Q8_0_ROWS (16) for a model whose layer matrices are Q8_0
     when ggml multiplies Q8_0 by 16 columns on AMX tiles (then 4 sequences draft 3 each), else

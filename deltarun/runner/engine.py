@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deltarun.base.errors import DeltarunError
 from deltarun.base.ggml_compat import ggml, q8_0_amx_columns
 from deltarun.runner.model import Model, PromptChunk
 from deltarun.runner.sampling import LogitsProcessors, Sampler, sample_rows
@@ -127,6 +128,11 @@ class Engine:
         it leaves its sequence short of the chunk (the caller checks `Model.n_past`)."""
         model = self.model
         outcomes = {id(s): Outcome() for s in running}
+        if ride is not None:
+            try:
+                model.check_chunk(ride)
+            except DeltarunError:         # not evaluated: its sequence stays short of it
+                ride = None
         proposals: dict[int, Draft] = {}
         # drafts per sequence within the row budget: 4 sequences on a CPU draft 1 each, 8 none; a
         # riding prompt chunk's rows come first (a queued request's first token waits for them)

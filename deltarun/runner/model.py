@@ -702,6 +702,11 @@ class Model:
                     outs[s].append(logits[i])
         return {s: (np.concatenate(outs[s]) if all_logits else outs[s][-1][-1]) for s in seqs}
 
+    def check_chunk(self, chunk: PromptChunk) -> None:
+        """A DeltarunError when the chunk cannot be evaluated (no tokens, ids outside the
+        vocabulary, a sequence out of range, a full context), before anything is."""
+        self._check_tokens([int(t) for t in chunk.tokens], chunk.seq)
+
     def eval_chunk(self, chunk: PromptChunk) -> np.ndarray | None:
         """Evaluate a prompt chunk apart (what `eval_batch` does with one that cannot ride along):
         its last logits with `chunk.logits` (also in `last_ride_logits`), else None; its rows'
