@@ -187,6 +187,7 @@ class Worker:
         self._ride_chunk: int | None = None          # a riding chunk's size, once adapted (`_ride_size`)
         self._ride_planned = 0                       # the size the last riding chunk was cut to
         self._ride_ceiling: int | None = None        # the smallest riding size found too costly
+        self._ride_job = 0                           # the job whose prompt those are about
         self._decode_s = 0.0              # moving average of one decode step's wall time
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics or Metrics()
@@ -604,6 +605,8 @@ class Worker:
         apart)."""
         if not self.model.family.rides or job.params.ahead:
             return None
+        if job.id != self._ride_job:      # another prompt: its rides start afresh
+            self._ride_job, self._ride_chunk, self._ride_ceiling = job.id, None, None
         end, inside, image = self._chunk_bounds(job, riding=True)
         if image is not None:
             return None
@@ -653,7 +656,6 @@ class Worker:
             self._release(job)
         elif end == n:
             job.state = "decode"
-            self._ride_chunk = self._ride_ceiling = None   # the next prompt's rides start afresh
             self._first(job, logits)
 
     def _adapt_chunk(self, n: int, seconds: float) -> None:
@@ -783,8 +785,8 @@ class Worker:
 
     def _ridden(self, job: Job, ride: PromptChunk, before: int, seconds: float) -> None:
         """After a step `job`'s chunk rode along: its bookkeeping (the first token when it ended
-        the prompt), and where rows are not budgeted the shared chunk adapted to the time the chunk
-        added to the step; an evaluation that failed fails the job."""
+        the prompt; the MTP block's rows), and the riding size adapted to the time the chunk added
+        to the step (`_adapt_ride`); an evaluation that failed fails the job."""
         if self.model.n_past(ride.seq) != before + len(ride.tokens):
             self._fail(job, ApiError("evaluating the prompt failed", status=500, type="server_error"))
             return
