@@ -174,7 +174,7 @@ def test_drafts_fit_the_row_budget(tiny_model_path, n_seqs, most_drafts):
 
 
 
-@pytest.mark.parametrize("n_seqs,ride,most_drafts", [(1, 4, 3), (1, 6, 1), (2, 4, 1), (2, 6, 0)])
+@pytest.mark.parametrize("n_seqs,ride,most_drafts", [(1, 4, 3), (1, 6, 1), (2, 4, 1), (2, 6, 0), (1, 8, 0)])
 def test_a_riding_prompt_chunk_takes_its_rows_first(tiny_model_path, n_seqs, ride, most_drafts):
     """`Engine.step(..., ride=...)`: the prompt chunk's rows come out of the row budget before the
     drafts (8 rows: a 4-token chunk leaves one sequence 3 drafts, two 1 each), it is evaluated in

@@ -137,7 +137,7 @@ class Engine:
         # drafts per sequence within the row budget: 4 sequences on a CPU draft 1 each, 8 none; a
         # riding prompt chunk's rows come first (a queued request's first token waits for them)
         budget = self.max_rows - len(ride.tokens) if self.max_rows and ride is not None else self.max_rows
-        cap = max(0, budget // len(running) - 1) if budget and (len(running) > 1 or ride is not None) else None
+        cap = max(0, budget // len(running) - 1) if self.max_rows and (len(running) > 1 or ride is not None) else None
         wanted: dict[int, int] = {}
         for s in running:
             room = model.n_ctx - model.n_past(s.seq) - 1
