@@ -25,8 +25,8 @@ def _run(path, in_place: bool) -> tuple[list[np.ndarray], list[np.ndarray], set[
     """Prompts, verification steps with rollbacks, two sequences together, a prompt longer than the
     kernel's 64-token chunk; sequences 1 and 2 (cells past the first: the state views start
     mid-cache); then every linear-attention layer's slots."""
-    with Model(path, n_ctx=160, rs_slots=4, n_seq_max=3, n_threads=2) as m:
-        m.memory.ssm_slots_in_place = in_place
+    with Model(path, n_ctx=160, rs_slots=4, n_seq_max=3, n_threads=2, ssm_slots_in_place=in_place) as m:
+        assert m.memory.ssm_slots_in_place == in_place       # this CPU build writes them in place
         out = [m.eval(list(range(10, 30)), seq=1, all_logits=True)]
         out.append(m.eval([7, 8, 9], seq=1, all_logits=True, keep_start=False))     # T < K
         m.rollback(2, 1)

@@ -73,10 +73,9 @@ def dump_all(tmp: Path) -> dict[str, list[str]]:
     for name, preset, opts, ub in CASES:
         if preset not in files:
             files[preset] = gen.write_model(tmp / f"{preset}-f32.gguf", preset, "f32")
-        with Model(files[preset], n_ctx=512, n_ubatch=128, kv_type="f32", **opts) as model:
-            # the graph every backend builds (pinned); the CPU's variant whose delta net writes
-            # the snapshots into the cache itself: tests/test_delta_net_slots_in_place.py
-            model.memory.ssm_slots_in_place = False
+        # the graph every backend builds (pinned); the CPU's variant whose delta net writes the
+        # snapshots into the cache itself: tests/test_delta_net_slots_in_place.py
+        with Model(files[preset], n_ctx=512, n_ubatch=128, kv_type="f32", ssm_slots_in_place=False, **opts) as model:
             out[name] = _dump_nodes(model, *ub)
     return out
 

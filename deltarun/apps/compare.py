@@ -263,10 +263,10 @@ def run_side(side: Side, tokens: list[int], steps: int, *, decode_token: int | N
     if len(tokens) + max(steps, 1) > ctx:
         raise DeltarunError(f"--ctx {ctx} is too small for {len(tokens)} prompt tokens and {steps} decode steps")
     with Model(side.model, backend=side.backend, n_ctx=ctx, n_ubatch=max(len(tokens), 1), n_threads=n_threads,
-               kv_type=kv_type, delta_net=side.delta_net, gpu_layers=side.gpu_layers) as m:
+               kv_type=kv_type, delta_net=side.delta_net, gpu_layers=side.gpu_layers,
+               ssm_slots_in_place=False) as m:
         # the graph every backend builds: on the CPU the delta net could write its snapshots into
         # the cache itself and leave its own output's snapshot rows unwritten (not comparable)
-        m.memory.ssm_slots_in_place = False
         bad = [t for t in tokens if not 0 <= t < m.hp.n_vocab]
         if bad:
             raise DeltarunError(f"token {bad[0]} is outside the vocabulary of {side.model}")

@@ -100,7 +100,7 @@ class Memory:
 
     def __init__(self, hp: HParams, backend: Backend, n_ctx: int, n_seq_max: int = 1, rs_slots: int = 1,
                  kv_type: str = "f16", mtp: bool = False, placement: Placement | None = None,
-                 n_capture: int = 0):
+                 n_capture: int = 0, slots_in_place: bool = True):
         self.hp = hp
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
@@ -141,9 +141,10 @@ class Memory:
         self.buffers = self._allocate(backend, placement)
         #: the CPU kernel writes the delta net's rollback snapshots into `ssm` itself (graphs then
         #: leave out the copy): only when every layer computes on the CPU backend, the one kernel
-        #: that does (a device's would write its snapshots to its output and the cache would miss them)
+        #: that does (a device's would write its snapshots to its output and the cache would miss
+        #: them), and `slots_in_place` allows it
         on_cpu = all(b.is_cpu for b in placement.sched_backends) if placement is not None else backend.is_cpu
-        self.ssm_slots_in_place = on_cpu and cpu_writes_slots_in_place()
+        self.ssm_slots_in_place = slots_in_place and on_cpu and cpu_writes_slots_in_place()
         self.buffer = self.buffers[0]
         self.seqs = [SeqState() for _ in range(n_seq_max)]
         #: (seq, new length) each time a sequence got shorter: what makes a checkpoint stale

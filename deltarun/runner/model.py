@@ -203,7 +203,7 @@ class Model:
                  delta_net: str = "fused", mtp: bool = False, gpu_layers: int | None = None,
                  rpc: str | Sequence[str] | None = None, tensor_split: str | Sequence[float] | None = None,
                  capture_slots: int = 0, repack: RepackMode = True, pin_threads: bool | None = None,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, ssm_slots_in_place: bool = True):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
         if n_ctx <= 0 or n_ubatch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
@@ -241,8 +241,10 @@ class Model:
         # with "all": see Weights)
         self.weights = Weights(self.file, names, self.backend, self.placement, repack=repack,
                                gathered=kept)
+        # ssm_slots_in_place=False: the graph every backend builds (compare, the graph pin), where
+        # the CPU's delta net would write its snapshots into the cache itself (Memory)
         self.memory = Memory(self.hp, self.backend, n_ctx, n_seq_max, rs_slots, kv_type, mtp=mtp,
-                             placement=self.placement, n_capture=capture_slots)
+                             placement=self.placement, n_capture=capture_slots, slots_in_place=ssm_slots_in_place)
         self.placement.on_loaded()
         n_ub = min(n_ubatch, n_ctx)
         spread = tuple(sorted({max(1, n_ub * (i + 1) // (capture_slots + 1)) for i in range(capture_slots)}
