@@ -68,6 +68,11 @@ class UbatchShape:
     def n_tokens(self) -> int:
         return self.n_seq_tokens * self.n_seqs
 
+    def rollback_slots(self, rs_slots: int) -> int:
+        """How many of a sequence's rs_slots rollback slots this ubatch's states fill: all, or the
+        newest only (slot 0) in a `continued` ubatch."""
+        return 1 if self.continued else rs_slots
+
     @property
     def n_rows(self) -> int:
         """Rows of the graph: the ubatch's tokens and a riding chunk's."""
@@ -84,8 +89,9 @@ class UbatchShape:
 class Ride:
     """A prompt chunk riding along a ubatch (`UbatchShape.ride`): serve's prompt chunks while others
     decode. Where the prompt goes on after it, it writes its sequence's newest recurrent state only
-    (as a `continued` ubatch: no rollback slots); the prompt's last chunk (`logits`) writes them. At the 0.8B bench shapes (Q8_0 on AMX tiles) 3 decoding rows take 40 ms, with
-    13 prompt rows riding 64 ms, the 13 apart 45 ms more."""
+    (as a `continued` ubatch: no rollback slots); the prompt's last chunk (`logits`) writes them.
+    At the 0.8B bench shapes (Q8_0 on AMX tiles) 3 decoding rows take 40 ms, with 13 prompt rows
+    riding 64 ms, the 13 apart 45 ms more."""
 
     seq: int
     n_tokens: int

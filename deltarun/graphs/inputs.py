@@ -214,15 +214,16 @@ class AttentionKVInput(GraphInput):
 
 class RecurrentStateInput(GraphInput):
     """The order in which the last Kw conv windows go to the rollback slots (`rs_s_slot_rev` =
-    {Kw-1..0}: newest to slot 0; Kw = 1, slot 0 only, in a `continued` ubatch). The sequences' states are read in place: their cells are
-    seq_head.. (Memory keeps each sequence in its own cell and copies states between cells itself),
-    so no `s_copy` gather as in llama.cpp's build_rs is needed."""
+    {Kw-1..0}: newest to slot 0; Kw = 1, slot 0 only, in a `continued` ubatch). The sequences'
+    states are read in place: their cells are seq_head.. (Memory keeps each sequence in its own
+    cell and copies states between cells itself), so no `s_copy` gather as in llama.cpp's build_rs
+    is needed."""
 
     constant = True
 
     def __init__(self, ctx: Any, ub: UbatchShape, rs_slots: int):
         super().__init__()
-        self.kw = 1 if ub.continued else min(ub.n_seq_tokens + 1, rs_slots)
+        self.kw = min(ub.n_seq_tokens + 1, ub.rollback_slots(rs_slots))
         self.slot_rev = self.new(ctx, "rs_s_slot_rev", ggml.GGML_TYPE_I32, self.kw)
 
     def prepare(self, shape: UbatchShape) -> None:

@@ -680,7 +680,7 @@ class Model:
                 raise DeltarunError(f"sequence {ride.seq} cannot ride along a batch that holds it")
             if self.family.rides and len(lengths) == 1 and consecutive and max(lengths) <= per_ubatch \
                     and len(ride.tokens) <= self.n_ubatch:
-                self._check_tokens(ride.tokens, ride.seq)
+                self.check_chunk(ride)
                 for s in seqs:
                     self._check_tokens(batch[s], s)
                 logits = self._eval_ubatch([batch[s] for s in seqs], seqs[0], all_logits,

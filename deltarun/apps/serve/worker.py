@@ -573,17 +573,17 @@ class Worker:
         token = self.engine.first(job.running, logits, context)
         self._take(job, token, self._logprobs(job, logits, token))
 
-    def _chunk_bounds(self, job: Job, riding: bool = False) -> tuple[int, list[int], PlacedImage | None]:
-        """The end of `job`'s next prompt chunk (`riding`: one that rides along the decode step),
-        the checkpoints inside it to capture, and the image it evaluates (None for text)."""
+    def _chunk_bounds(self, job: Job, size: int | None = None) -> tuple[int, list[int], PlacedImage | None]:
+        """The end of `job`'s next prompt chunk (of `size` tokens at most: a riding chunk's; else
+        the chunk a prompt gets apart), the checkpoints inside it to capture, and the image it
+        evaluates (None for text)."""
         p = job.params
         n = len(p.prompt)
-        # work ahead takes the chunks a prompt gets while others decode (about one decode step):
-        # a request arriving meanwhile waits for one such chunk, not for a whole `chunk`
-        others = p.ahead or any(j.state == "decode" for j in self._active)
-        size = self._ride_size() if riding else self._shared_chunk if others else self.chunk
-        if riding:
-            self._ride_planned = size
+        if size is None:
+            # work ahead takes the chunks a prompt gets while others decode (about one decode step):
+            # a request arriving meanwhile waits for one such chunk, not for a whole `chunk`
+            others = p.ahead or any(j.state == "decode" for j in self._active)
+            size = self._shared_chunk if others else self.chunk
         end = min(job.pos + size, n)
         inside = [c for c in p.checkpoints if job.pos < c < end]
         slots = self.model.memory.n_capture
@@ -607,7 +607,8 @@ class Worker:
             return None
         if job.id != self._ride_job:      # another prompt: its rides start afresh
             self._ride_job, self._ride_chunk, self._ride_ceiling = job.id, None, None
-        end, inside, image = self._chunk_bounds(job, riding=True)
+        self._ride_planned = self._ride_size()
+        end, inside, image = self._chunk_bounds(job, self._ride_planned)
         if image is not None:
             return None
         end = min([end] + inside)

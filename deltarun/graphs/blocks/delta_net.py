@@ -211,8 +211,8 @@ def recurrent_core(g: GraphContext, qkv: Tensor, conv_weight: Tensor, gate: Tens
     slot0 = g.view(ssm_all, (D, N), (nb(ssm_all)[1],), ub.seq_head * nb(ssm_all)[1])   # in place, contiguous
     state = g.cb(ggml.ggml_reshape_4d(c, slot0, S, S, nv, N), "state_predelta", il)
     # the delta rule's snapshots: the K newest states, or (a `continued` ubatch) the newest only
-    n_snap = 1 if ub.continued else K
-    if T < K and ub.keep_start and not ub.continued:
+    n_snap = ub.rollback_slots(K)
+    if T < n_snap and ub.keep_start:
         # slot T: the state the ubatch started from (its conv window is slot T too), so that the
         # whole ubatch can be rolled back; slots beyond stay unwritten. Expanded before the delta
         # rule: it reads slot 0, which the snapshot store below overwrites. (A decoding step
