@@ -1,4 +1,7 @@
-"""ggml's CPU F16 matrix-vector product (one decode token: ggml_vec_dot_f16 per row) against numpy.
+"""ggml's CPU F16 and BF16 matrix products with 1-8 columns (decode tokens, verification steps)
+against numpy.
+
+One column whose length is not a multiple of 16 goes through ggml_vec_dot_f16, row by row.
 
 scripts/ggml-patches/f16-dot-read-ahead.patch adds a read-ahead to that loop (x86): one prefetch
 per cache line of a step, 4 KB ahead, so the last rows read past the end of the matrix (a prefetch
@@ -6,6 +9,13 @@ never faults). The sums stay in F32, as ggml 0.25.3 has them: the bound below is
 accumulation (ggml 0.15.3 on AVX512-FP16 CPUs: 4e-5 to 3e-4 of sum |w x| on these shapes) fails
 by far, so going back to it would not pass unnoticed. Row lengths that are not a multiple of the
 SIMD step cover the scalar tail; thread counts split the rows unevenly.
+
+scripts/ggml-patches/half-few-columns.patch gives F16 and BF16 weights with 1-4 F32 columns a kernel
+of its own on AVX-512 CPUs (row lengths that are multiples of 16): tiles of 4 rows (a partial tile
+row by row), each thread one contiguous range of rows, the next tile read ahead, the columns
+rounded to the weights' type as ggml's own path rounds them. From 5 columns, and where a row's
+length is not a multiple of 16, ggml's conversion and llamafile's tinyBLAS take them; the shapes
+below cover both sides, and hold for the stock kernels as well.
 """
 
 from __future__ import annotations
@@ -33,4 +43,38 @@ def test_f16_matvec_matches_numpy(k: int, n_rows: int, threads: int) -> None:
     w64 = w.astype(np.float64)
     want = x16 @ w64.T
     scale = np.abs(x16) @ np.abs(w64).T
+    assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), float(np.max(np.abs(got - want) / scale))
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the bf16 bit patterns (uint16), rounded to nearest even as ggml rounds them."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("wtype", ["f16", "bf16"])
+@pytest.mark.parametrize("k,n_rows,n_tok", [(16, 3, 1), (1024, 129, 1), (3584, 65, 1), (100, 7, 2), (1024, 130, 2),
+                                            (16, 5, 3), (2048, 33, 3), (1024, 129, 4), (3584, 9, 4), (1040, 66, 5),
+                                            (1024, 45, 8), (2049, 30, 4), (512, 300, 7)])
+def test_half_products_match_numpy(k: int, n_rows: int, n_tok: int, wtype: str, threads: int) -> None:
+    rng = np.random.default_rng(k * 17 + n_rows * 3 + n_tok + threads)
+    w = (0.05 * rng.standard_normal((n_rows, k))).astype(np.float32)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    x[:, ::97] *= 30.0
+    if wtype == "f16":
+        stored, gtype = w.astype(np.float16), ggml.GGML_TYPE_F16
+        w64, x_r = stored.astype(np.float64), x.astype(np.float16).astype(np.float64)
+    else:
+        stored, gtype = _bf16(w), ggml.GGML_TYPE_BF16
+        w64, x_r = _bf16_values(stored), _bf16_values(_bf16(x))
+    got = ggml_mul_mat(stored, gtype, k, n_rows, x, threads)
+    # the activations rounded to the weights' type (ggml's vec_dot type for them); products of two
+    # such values are exact in float32, so only the float32 summation differs
+    want = x_r @ w64.T
+    scale = np.abs(x_r) @ np.abs(w64).T
     assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), float(np.max(np.abs(got - want) / scale))
