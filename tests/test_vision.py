@@ -42,6 +42,41 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+def test_gelu_tanh_matches_float64() -> None:
+    """The blocks' GELU (silu(x s) / s, graphs/vision.py) against 0.5 x (1 + tanh(z)) in float64,
+    over [-12, 12] and near 0: within 1.2e-6 of |x| and 2e-6 relative wherever the value is not
+    tiny. The form 0.5 x (1 + tanh z) in float32 loses up to 5e-5 relative for negative x (1 + tanh
+    cancels), and an F16 table (ggml_gelu) about 1e-3: either fails here."""
+    import ctypes
+    import math
+
+    import ggml
+
+    from deltarun.graphs.vision import gelu_tanh
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([3 * rng.standard_normal(20000), np.linspace(-12, 12, 10001),
+                        1e-3 * rng.standard_normal(1000)]).astype(np.float32)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 << 20, mem_buffer=None))
+    try:
+        t = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, len(x))
+        ctypes.memmove(ggml.ggml_get_data(t), x.ctypes.data, x.nbytes)
+        out = gelu_tanh(ctx, t)
+        gf = ggml.ggml_new_graph(ctx)
+        ggml.ggml_build_forward_expand(gf, out)
+        ggml.ggml_graph_compute_with_ctx(ctx, gf, 2)
+        got = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
+                                    shape=(len(x),)).astype(np.float64)
+    finally:
+        ggml.ggml_free(ctx)
+    x64 = x.astype(np.float64)
+    want = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    err = np.abs(got - want)
+    assert np.all(err <= 1.2e-6 * np.maximum(np.abs(x64), 1e-3)), float(np.max(err))
+    big = np.abs(want) > 1e-3
+    assert np.max(err[big] / np.abs(want[big])) < 2e-6
+
+
 @pytest.mark.parametrize("preset", ["tiny-vision", "tiny-vision-deepstack"])
 def test_embeddings_match_reference(mmproj_dir: Path, preset: str) -> None:
     """F32 embeddings within 1e-5 of the reference: the learned grid itself (4 x 4 patches), resampled
