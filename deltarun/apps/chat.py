@@ -330,6 +330,10 @@ class ChatSession:
         self._images: dict[int, Any] = {}       # image token -> PreparedImage, of the messages' images
         self._image_rows: dict[int, np.ndarray] = {}   # image token -> its embedding rows, once encoded
         self._image_files: dict[str, str] = {}  # digest -> the file it was read from (for the saved conversation)
+        #: with an MTP draft: the hidden rows of the prompt being evaluated (`_eval`), and the last
+        #: prompt row's (hidden row, position), whose MTP row waits for the token after it
+        self._hidden_rows: list[np.ndarray] = []
+        self._mtp_tail: tuple[np.ndarray, int] | None = None
 
     # --- counters ----------------------------------------------------------------------------------
     @property
@@ -382,6 +386,7 @@ class ChatSession:
         self.messages = [m for m in self.messages[:1] if m.get("role") == "system"]
         self.model.reset()
         self._logits = None
+        self._mtp_tail = None
         self.pending_images.clear()
         self._images.clear()
         self._image_rows.clear()
@@ -601,7 +606,12 @@ class ChatSession:
         processors = self._processors()
         if self.draft is not None:
             self.draft_stats = decoding
-            return {"draft": self.draft, "draft_max": self.draft_max, "processors": processors}, decoding
+            how = {"draft": self.draft, "draft_max": self.draft_max, "processors": processors}
+            if self._mtp_tail is not None and self._mtp_tail[1] == self.model.n_past(self.seq) - 1:
+                row, pos = self._mtp_tail            # the prompt's last row meets the first token
+                how["context"] = ([], row[None], pos)
+            self._mtp_tail = None
+            return how, decoding
 
         def make_room() -> np.ndarray | None:
             if self.context_shift and self._shift_during_answer(answer, stats):
@@ -708,18 +718,43 @@ class ChatSession:
         self._prefill(prompt + answer, stats)
         return True
 
+    def _wants_hidden(self) -> bool:
+        """Whether the draft source reads the prompt's hidden rows (an MTP block's KV rows)."""
+        return self.draft is not None and bool(getattr(self.draft, "needs_hidden", False))
+
     def _eval(self, prompt: list[int], step: tuple[int, int, Any]) -> np.ndarray:
-        """Evaluate prompt positions step[0]..step[1] (text, or an image: `prompt_steps`)."""
+        """Evaluate prompt positions step[0]..step[1] (text, or an image: `prompt_steps`); with an
+        MTP draft every row's hidden state is kept for `_feed_mtp`."""
+        wants = self._wants_hidden()
         with deferred_sigint():
             if step[2] is None:
-                logits = self.model.eval(prompt[step[0]:step[1]], self.seq)
+                logits = self.model.eval(prompt[step[0]:step[1]], self.seq, all_hidden=wants)
             else:
                 from deltarun.runner.multimodal import eval_step, vision_token_ids
 
                 logits = eval_step(self.model, prompt, step, self.seq, self._rows_of,
-                                   vision_token_ids(self.model)[1])
+                                   vision_token_ids(self.model)[1], all_hidden=wants)
             self._logits = (self.model.stats.n_eval_calls, self.model.n_past(self.seq), logits)
+            if wants:
+                self._hidden_rows.append(np.array(self.model.last_hidden[0][-(step[1] - step[0]):]))
         return logits
+
+    def _feed_mtp(self, prompt: list[int], start: int) -> None:
+        """Hand the MTP draft the rows of prompt positions start.. that `_eval` kept: each row whose
+        next token is known becomes an MTP KV row now, the last waits (`_mtp_tail`) for the first
+        token of the answer, or for the next prompt when this one was evaluated ahead."""
+        rows, self._hidden_rows = self._hidden_rows, []
+        if not rows:
+            return
+        hidden = np.concatenate(rows)
+        tail, self._mtp_tail = self._mtp_tail, None
+        if tail is not None and tail[1] == start - 1:     # the last row of what was evaluated before
+            hidden = np.concatenate([tail[0][None], hidden])
+            start -= 1
+        end = start + len(hidden)
+        if end - start > 1:
+            self.draft.commit(list(prompt[start + 1:end]), hidden[:-1], start)
+        self._mtp_tail = (hidden[-1], end - 1)
 
     def _logits_valid(self) -> bool:
         return (self._logits is not None and self._logits[0] == self.model.stats.n_eval_calls
@@ -791,6 +826,7 @@ class ChatSession:
         the recurrent state is checkpointed after that many prompt tokens (when they are new)."""
         t0 = time.perf_counter()
         n = self._sync(prompt, stats)
+        self._hidden_rows = []
         cut = checkpoint_at if checkpoint_at is not None and 0 < checkpoint_at and n <= checkpoint_at <= len(prompt) \
             else None
         done = 0
@@ -806,6 +842,8 @@ class ChatSession:
                     done += step[1] - step[0]
                 if end == cut and hasattr(self.model, "checkpoint"):
                     self._checkpoint = self.model.checkpoint(self.seq)
+            if self._wants_hidden():
+                self._feed_mtp(prompt, n)
         finally:
             stats.prefill_tokens += done
             stats.prefill_seconds += time.perf_counter() - t0
