@@ -205,9 +205,12 @@ class Qwen35Reference(ReferenceState):
         """The trunk's final norm (what the MTP block takes as its hidden input)."""
         return rmsnorm(np.asarray(x, dtype=np.float64), self.hp.eps) * _zc(self.hf["model.norm.weight"])
 
-    def mtp_forward(self, next_tokens, hiddens) -> tuple[np.ndarray, np.ndarray]:
+    def mtp_forward(self, next_tokens, hiddens, embeddings=None, positions=None) -> tuple[np.ndarray, np.ndarray]:
         """The MTP block on rows (hidden_i, token_{i+1}) at the next MTP positions (0, 1, ... since
-        reset); hiddens are the trunk's states after its final norm.
+        reset); hiddens are the trunk's states after its final norm. `embeddings` (rows of NaN keep
+        the token's) replace the next tokens' embeddings, as `forward`'s do (the next position is an
+        image row: the block reads the input embeddings of the next positions, as vLLM's Qwen3.5
+        MTP with images merged in); `positions` as `forward`'s, each row's (default 0, 1, ...).
 
         x = fc @ [rmsnorm(embed(token)) * (1 + pre_fc_norm_embedding) ; rmsnorm(hidden) * (1 +
         pre_fc_norm_hidden)], one full-attention decoder layer with its own KV cache, then
@@ -218,8 +221,13 @@ class Qwen35Reference(ReferenceState):
         tokens = [int(t) for t in next_tokens]
         T = len(tokens)
         start = len(self._mtp_kv["k"])
-        positions = list(range(start, start + T))
-        e = rmsnorm(w["model.embed_tokens.weight"][tokens], hp.eps) * _zc(w["mtp.pre_fc_norm_embedding.weight"])
+        if positions is None:
+            positions = list(range(start, start + T))
+        x = w["model.embed_tokens.weight"][tokens].copy()
+        if embeddings is not None:
+            rows = ~np.isnan(np.asarray(embeddings)).any(axis=1)
+            x[rows] = np.asarray(embeddings, dtype=np.float64)[rows]
+        e = rmsnorm(x, hp.eps) * _zc(w["mtp.pre_fc_norm_embedding.weight"])
         h = rmsnorm(np.asarray(hiddens, dtype=np.float64), hp.eps) * _zc(w["mtp.pre_fc_norm_hidden.weight"])
         x = np.concatenate([e, h], axis=1) @ w["mtp.fc.weight"].T
         view = self._mtp_view

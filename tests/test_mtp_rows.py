@@ -9,10 +9,25 @@ verifies them): only the rows themselves show it. Tiny F32 models with an F32 KV
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
 
+import reference_vision as rv
 from deltarun.apps.chat import ChatSession
+from deltarun.cli.main import cli
+from deltarun.model_files import qwen35 as q35
+from deltarun.model_files import qwen35_vision as qv
+from deltarun.runner.generation import GenerationStats, generate_tokens
+from deltarun.runner.images import load_image
 from deltarun.runner.model import Model
+from deltarun.runner.multimodal import prefill_with_images, vision_token_ids
+from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.speculative import MtpDraft
+from deltarun.runner.vision import VisionEncoder
+from reference_compare import F32_TOL, prompt, rel_err
+from reference_qwen35 import Qwen35Reference
+from test_qwen35_files import N_VOCAB
 
 N_CTX = 256
 
@@ -39,7 +54,7 @@ def test_chat_with_mtp_drafts_writes_the_mtp_rows_of_every_prompt_position(tiny_
     path = tiny_model_path("tiny-mtp")
     with Model(path, n_ctx=N_CTX, kv_type="f32", mtp=True, rs_slots=4) as m:
         draft = MtpDraft(m, defer=True)
-        chat = ChatSession(m, draft=draft, draft_max=3, n_predict=12, system="Repeat after me.")
+        chat = ChatSession(m, draft=draft, draft_max=3, n_predict=24, system="Repeat after me.")
         for turn in range(3):
             if turn == 2:
                 assert chat.prefill_next_turn() > 0
@@ -50,4 +65,146 @@ def test_chat_with_mtp_drafts_writes_the_mtp_rows_of_every_prompt_position(tiny_
         tokens = m.tokens(0)
         got = mtp_kv_rows(m, 0, len(tokens) - 1)
     for a, b in zip(got, fresh_mtp_kv_rows(path, tokens)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _image_prompt():
+    """A prompt of text, one image (a 2 x 3 merged grid of rows, at a pad token's place), text."""
+    rng = np.random.default_rng(3)
+    before, after = prompt(6, seed=21), prompt(5, seed=22)
+    rows = rng.normal(0.0, 0.05, (6, q35.PRESETS["tiny-qwen35"].hidden_size)).astype(np.float32)
+    return before, rows, after
+
+
+def test_mtp_rows_over_an_image_match_the_reference(tiny_model_path):
+    """Text, an image, text: the MTP rows whose next position is an image row take that row's
+    embedding (as the trunk took it in place of the pad token) and every row the rope position the
+    trunk gave it (the image's grid streams, later text shifted); against the float64 reference,
+    in one call and in calls split inside the image (the runs of image rows and the outputs kept)."""
+    cfg = q35.PRESETS["tiny-qwen35"]
+    before, rows, after = _image_prompt()
+    pad, grid, n_img = 5, (2, 3), len(rows)
+    tokens = before + [pad] * n_img + after
+    embeddings = np.full((len(tokens), cfg.hidden_size), np.nan)
+    embeddings[len(before):len(before) + n_img] = rows
+    positions, _ = rv.rope_positions(tokens, pad, [(1, 2 * grid[0], 2 * grid[1])])
+    ref = Qwen35Reference(cfg, q35.hf_weights(cfg, N_VOCAB, 0))
+    ref.forward(tokens, embeddings=embeddings, positions=positions)
+    hidden = ref.final_norm(ref.hidden())
+    follow = tokens[1:] + [17]
+    next_rows = np.concatenate([embeddings[1:], np.full((1, cfg.hidden_size), np.nan)])
+    exp, exp_out = ref.mtp_forward(follow, hidden, embeddings=next_rows, positions=positions)
+
+    path = tiny_model_path("tiny-qwen35")
+    for cuts in ([], [4, 9]):             # one call; three calls, the second and third inside the image
+        with Model(path, n_ctx=64, kv_type="f32", mtp=True) as m:
+            parts = []
+            m.eval(before, all_hidden=True)
+            parts.append(m.last_hidden[0])
+            m.eval_image(rows, grid, pad, all_hidden=True)
+            parts.append(m.last_hidden[0])
+            m.eval(after, all_hidden=True)
+            parts.append(m.last_hidden[0])
+            h = np.concatenate(parts)
+            np.testing.assert_allclose(h, hidden, rtol=1e-4, atol=1e-4)
+            recorded = m.tokens(0)[1:] + [17]          # image rows as the image's token
+            assert recorded[len(before) - 1] < 0 and recorded[len(before) + n_img - 1] >= 0
+            got, outs = [], []
+            for a, b in zip([0, *cuts], [*cuts, len(tokens)]):
+                logits, out = m.mtp_eval(recorded[a:b], h[a:b], a, n_outputs=None if a == 0 else b - a - 1)
+                got.append(logits)
+                outs.append(out)
+                if a:                                   # the first row of a later call: not asked for
+                    exp_rows = slice(a + 1, b)
+                    assert rel_err(logits, exp[exp_rows]) < F32_TOL
+            if not cuts:
+                assert rel_err(got[0], exp) < F32_TOL
+                np.testing.assert_allclose(outs[0], exp_out, rtol=1e-4, atol=1e-4)
+            else:                                   # the rows each call wrote: those of one call
+                assert rel_err(got[0], exp[:cuts[0]]) < F32_TOL
+
+
+def fresh_mtp_rows_over_one_image(text, held: list[int], image_rows: np.ndarray, grid) -> list[np.ndarray]:
+    """A fresh model's MTP rows for positions 0..len-2 of `held` (text, one image's rows, text)."""
+    with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=True) as fresh:
+        first = held.index(min(held))
+        n_image = held.count(held[first])
+        fresh.eval(held[:first], all_hidden=True)
+        hidden = [fresh.last_hidden[0]]
+        fresh.eval_image(image_rows, grid, vision_token_ids(fresh)[1], token=held[first], all_hidden=True)
+        hidden.append(fresh.last_hidden[0])
+        fresh.eval(held[first + n_image:], all_hidden=True)
+        hidden.append(fresh.last_hidden[0])
+        fresh.mtp_eval(held[1:], np.concatenate(hidden)[:-1], 0)
+        return mtp_kv_rows(fresh, 0, len(held) - 1)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny Qwen3.5 pair (text GGUF with its MTP block, mmproj) and a picture."""
+    folder = tmp_path_factory.mktemp("mtp-vlm")
+    text, mmproj = qv.write_vlm(folder, "tiny-qwen35")
+    picture = folder / "picture.png"
+    Image.fromarray((np.random.default_rng(7).uniform(0, 1, (50, 90, 3)) * 255).astype(np.uint8)).save(picture)
+    return text, mmproj, picture
+
+
+def test_generate_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_position(vlm):
+    """`generate --image --draft mtp`'s path: the text before the image and the image evaluated with
+    their hidden rows (`prefill_with_images`), the rest of the prompt and the answer by
+    `generate_tokens`, which hands the MTP draft every row from the first position; the rows equal a
+    fresh whole evaluation's, and the greedy answer the one without drafts."""
+    text, mmproj, picture = vlm
+    prompt_text = "Look: <__media__> What is it? Say one two three one two three"
+    answers, rows_seen = [], []
+    for with_draft in (False, True):
+        with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=with_draft, rs_slots=4) as m, \
+                VisionEncoder(mmproj) as enc:
+            image = load_image(picture, enc.hp)
+            rest, before = prefill_with_images(m, enc, prompt_text, [image], all_hidden=with_draft)
+            draft = MtpDraft(m, defer=True) if with_draft else None
+            stats = GenerationStats()
+            answers.append(list(generate_tokens(m, rest, 12, Sampler(GREEDY), stats=stats, draft=draft, draft_max=3,
+                                                stop_at_eog=False, hidden_before=before)))
+            if with_draft:
+                assert stats.n_drafted > 0
+                if draft.deferred:
+                    draft.evaluate_deferred()
+                held = m.tokens(0)
+                rows_seen = mtp_kv_rows(m, 0, len(held) - 1)
+                image_rows, grid = enc.encode(image), image.merged_hw
+    assert answers[0] == answers[1]
+    for a, b in zip(rows_seen, fresh_mtp_rows_over_one_image(text, held, image_rows, grid)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_generate_with_an_image_and_mtp_drafts_answers_as_without(vlm):
+    text, mmproj, picture = vlm
+    outs = []
+    for extra in ([], ["--draft", "mtp", "--draft-max", "3"]):
+        r = CliRunner().invoke(cli, [str(a) for a in ("generate", text, "--mmproj", mmproj, "--image", picture, "-p",
+                                                      "Look: <__media__> Say one two three", "-n", 10, "--temp", 0,
+                                                      "--kv-type", "f32", "--threads", 1, *extra)])
+        assert r.exit_code == 0, r.output
+        outs.append(r.stdout)
+    assert outs[0] == outs[1] and outs[0].strip()
+
+
+def test_chat_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_position(vlm):
+    """chat's /image with --draft mtp: two turns about an image; the MTP rows (prompt, image rows,
+    answers) are a fresh whole evaluation's."""
+    text, mmproj, picture = vlm
+    with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=True, rs_slots=4) as m, VisionEncoder(mmproj) as enc:
+        draft = MtpDraft(m, defer=True)
+        chat = ChatSession(m, draft=draft, draft_max=3, n_predict=24, vision=enc, enable_thinking=False)
+        image = chat.attach_image(picture)
+        chat.ask("What is it? Say one two three one two three")
+        assert chat.draft_stats.n_drafted > 0
+        chat.ask("And then? one two three")
+        if draft.deferred:
+            draft.evaluate_deferred()
+        held = m.tokens(0)
+        got = mtp_kv_rows(m, 0, len(held) - 1)
+        image_rows = enc.encode(image)
+    for a, b in zip(got, fresh_mtp_rows_over_one_image(text, held, image_rows, image.merged_hw)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -254,11 +254,30 @@ def test_a_draft_model_reads_the_text_around_images() -> None:
     assert text_tokens([1, 2] + image + [3]) == [1, 2, 3] and text_tokens([1, 2]) == [1, 2]
 
 
-def test_mtp_drafts_and_images_are_refused_at_load(files) -> None:
-    text, mmproj, _, _ = files
-    with pytest.raises(RuntimeError, match="--draft mtp cannot be combined with --mmproj"):
-        with _open(text, mmproj, rs_slots=5, mtp=True, draft="mtp", draft_max=4):
-            pass
+def test_mtp_drafts_over_an_image_keep_the_answer_and_the_mtp_rows_of_a_fresh_evaluation(files, generated) -> None:
+    """--draft mtp with --mmproj: the MTP block's rows over the image take its embedding rows
+    (Model.mtp_eval, checked against the float64 reference in test_mtp_rows.py), so drafting goes on
+    after an image; the greedy answer is unchanged, and the MTP rows the server wrote for the prompt
+    (chunk by chunk, the image one step) and the answer equal a fresh model's over the whole
+    sequence (the trunk over the text and the image, then the MTP block on every row)."""
+    from test_mtp_rows import fresh_mtp_rows_over_one_image, mtp_kv_rows
+
+    text, mmproj, (picture, _), _ = files
+    with _open(text, mmproj, rs_slots=5, mtp=True, draft="mtp", draft_max=4, chunk=8) as h:
+        client = openai.OpenAI(base_url=h.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = _ask(client, [_user("Say:", picture)])
+        assert r.choices[0].message.content == generated
+        assert r.model_extra["timings"]["draft_n"] > 0
+        h.wait_settled()
+        m = h.worker.model
+        seq = max(range(2), key=lambda s: m.n_past(s))
+        held = m.tokens(seq)
+        got = mtp_kv_rows(m, seq, len(held) - 1)
+    with VisionEncoder(mmproj) as enc:
+        image = images.load_image(picture, enc.hp)
+        want = fresh_mtp_rows_over_one_image(text, held, enc.encode(image), image.merged_hw)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", ["missing", "text-model"])

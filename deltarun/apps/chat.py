@@ -334,6 +334,9 @@ class ChatSession:
         #: prompt row's (hidden row, position), whose MTP row waits for the token after it
         self._hidden_rows: list[np.ndarray] = []
         self._mtp_tail: tuple[np.ndarray, int] | None = None
+        #: with an MTP draft: the hidden row before the checkpoint (`_checkpoint`), whose MTP row a turn
+        #: resuming there commits again with the token that follows it in the new prompt
+        self._checkpoint_row: tuple[np.ndarray, int] | None = None
 
     # --- counters ----------------------------------------------------------------------------------
     @property
@@ -386,7 +389,7 @@ class ChatSession:
         self.messages = [m for m in self.messages[:1] if m.get("role") == "system"]
         self.model.reset()
         self._logits = None
-        self._mtp_tail = None
+        self._mtp_tail = self._checkpoint_row = None
         self.pending_images.clear()
         self._images.clear()
         self._image_rows.clear()
@@ -739,19 +742,26 @@ class ChatSession:
                 self._hidden_rows.append(np.array(self.model.last_hidden[0][-(step[1] - step[0]):]))
         return logits
 
-    def _feed_mtp(self, prompt: list[int], start: int) -> None:
+    def _feed_mtp(self, prompt: list[int], start: int, cut: int | None = None) -> None:
         """Hand the MTP draft the rows of prompt positions start.. that `_eval` kept: each row whose
         next token is known becomes an MTP KV row now, the last waits (`_mtp_tail`) for the first
-        token of the answer, or for the next prompt when this one was evaluated ahead."""
+        token of the answer, or for the next prompt when this one was evaluated ahead. The row
+        before position `cut` (the checkpoint) is kept for a turn that resumes there."""
         rows, self._hidden_rows = self._hidden_rows, []
         if not rows:
             return
         hidden = np.concatenate(rows)
         tail, self._mtp_tail = self._mtp_tail, None
-        if tail is not None and tail[1] == start - 1:     # the last row of what was evaluated before
-            hidden = np.concatenate([tail[0][None], hidden])
+        # the row before, whose next token is this prompt's first: the last row of what was evaluated
+        # ahead, or the row before the checkpoint this turn resumed at (a resume by rollback into an
+        # answer leaves that row with the token it was committed with: drafts only, never the output)
+        kept = [r for r in (tail, self._checkpoint_row) if r is not None and r[1] == start - 1]
+        if kept:
+            hidden = np.concatenate([kept[0][0][None], hidden])
             start -= 1
         end = start + len(hidden)
+        if cut is not None and start < cut <= end:
+            self._checkpoint_row = (hidden[cut - 1 - start], cut - 1)
         if end - start > 1:
             self.draft.commit(list(prompt[start + 1:end]), hidden[:-1], start)
         self._mtp_tail = (hidden[-1], end - 1)
@@ -843,7 +853,7 @@ class ChatSession:
                 if end == cut and hasattr(self.model, "checkpoint"):
                     self._checkpoint = self.model.checkpoint(self.seq)
             if self._wants_hidden():
-                self._feed_mtp(prompt, n)
+                self._feed_mtp(prompt, n, cut)
         finally:
             stats.prefill_tokens += done
             stats.prefill_seconds += time.perf_counter() - t0

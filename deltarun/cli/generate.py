@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -80,7 +80,8 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     m, source = open_with_draft(model, draft, draft_max, **opts)
     with m:
         load_seconds = time.perf_counter() - t_load
-        tokens, n_before, before_seconds = _prefill_images(m, mmproj, image_files, text)
+        tokens, n_before, before_seconds, hidden_before = _prefill_images(
+            m, mmproj, image_files, text, all_hidden=source is not None and source.needs_hidden)
         if not tokens:
             raise DeltarunError("the prompt encodes to no tokens")
         if len(tokens) > m.n_ctx:
@@ -94,7 +95,8 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
         decoder = StreamDecoder(m.tokenizer)
         interrupted = False
         stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats, draft=source, draft_max=draft_max,
-                                 processors=LogitsProcessors(budget=budget) if budget is not None else None)
+                                 processors=LogitsProcessors(budget=budget) if budget is not None else None,
+                                 hidden_before=hidden_before)
         try:
             for tok in stream:
                 piece = decoder.push(tok)
@@ -159,22 +161,23 @@ def _thinking_budget(m: "Model", text: str, budget: int) -> "ThinkingBudget | No
 
 
 def _prefill_images(m: "Model", mmproj: Path | None, image_files: tuple[Path, ...],
-                    text: str) -> tuple[list[int], int, float]:
+                    text: str, all_hidden: bool = False) -> tuple[list[int], int, float, Any]:
     """The prompt's tokens left to evaluate after its images (evaluated here with the vision tower:
-    the images and the text before them), how many tokens were evaluated and in how long."""
+    the images and the text before them), how many tokens were evaluated and in how long, and with
+    `all_hidden` their hidden rows (for an MTP draft; else None)."""
     from deltarun.runner.images import load_image
     from deltarun.runner.multimodal import prefill_with_images
     from deltarun.runner.vision import VisionEncoder
 
     if mmproj is None:
-        return m.tokenizer.encode(text), 0, 0.0
+        return m.tokenizer.encode(text), 0, 0.0, None
     t0 = time.perf_counter()
     with VisionEncoder(mmproj, backend=m.backend) as enc:
         enc.check_text_model(m.hp.n_embd, m.family.arch)
         prepared = [load_image(p, enc.hp) for p in image_files]
         start = m.n_past()
-        rest = prefill_with_images(m, enc, text, prepared)
-        return rest, m.n_past() - start, time.perf_counter() - t0
+        rest, hidden = prefill_with_images(m, enc, text, prepared, all_hidden=all_hidden)
+        return rest, m.n_past() - start, time.perf_counter() - t0, hidden
 
 
 def _stop_text(reason: str) -> str:

@@ -38,6 +38,11 @@ KV_PAD = 256  # attention sees n_kv rounded up to this, so decode graphs are reu
 #: the 48-layer tiny preset), so keeping every one grew a long-running server's memory without
 #: bound; the shapes a server decodes with are used every step and stay.
 MAX_GRAPHS = 64
+#: images whose embedding rows a model with an MTP block keeps for the MTP rows over them
+#: (`Model.mtp_eval`): those rows are committed right after the image's evaluation (a server's
+#: prompt chunk, chat's prompt) or with the next draft, so a few suffice whatever the number of
+#: parallel sequences; each image holds its tokens x n_embd floats
+MTP_IMAGES = 8
 
 
 def padded_n_kv(n_tokens: int, n_ctx: int) -> int:
@@ -269,6 +274,9 @@ class Model:
         self._image_grids: dict[int, tuple[int, int]] = {}
         #: per sequence, its images as of a length of `memory.truncations` (see `images`)
         self._images: dict[int, tuple[int, list[ImageSpan]]] = {}
+        #: with an MTP block: the embedding rows of the images evaluated last (image token -> rows),
+        #: which the MTP rows over an image take as their "next token" (`mtp_eval`)
+        self._mtp_image_rows: OrderedDict[int, np.ndarray] = OrderedDict()
 
     # --- public API ---------------------------------------------------------------------------
     @property
@@ -287,6 +295,7 @@ class Model:
         self.memory.clear()
         self._images.clear()
         self._image_grids.clear()
+        self._mtp_image_rows.clear()
 
     def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Remember the live recurrent state of `seq` at its current length (see Memory.checkpoint)."""
@@ -374,7 +383,7 @@ class Model:
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
 
     def eval_image(self, rows: np.ndarray, grid: tuple[int, int], pad_token: int, seq: int = 0, *,
-                   token: int | None = None, skip: int = 0) -> np.ndarray:
+                   token: int | None = None, skip: int = 0, all_hidden: bool = False) -> np.ndarray:
         """Evaluate an image's embedding rows [n, n_embd] (a merged grid of grid[0] x grid[1] tokens,
         row-major) appended to sequence `seq`, where the prompt has n `pad_token`s; logits of its last
         row. As `Qwen3_5Model.forward`: the rows replace the pad tokens' embeddings, the image's
@@ -383,7 +392,9 @@ class Model:
         sequence order. The sequence records `token` for each row (default the pad token; callers that
         resume prompts by comparing token lists give an id that names the image, `image_token`, so a
         different image with the same pad tokens is never taken for this one). `skip`: the first rows
-        are already held (the sequence was resumed inside the image)."""
+        are already held (the sequence was resumed inside the image). `all_hidden`: `last_hidden`
+        holds the hidden state of every row evaluated (an MTP block's KV rows read them). With an
+        MTP block the rows are kept (the last MTP_IMAGES images') for the MTP rows over the image."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         n = int(grid[0]) * int(grid[1])
         if rows.ndim != 2 or rows.shape != (n, self.hp.n_embd):
@@ -406,12 +417,22 @@ class Model:
         self._image_grids[recorded] = (int(grid[0]), int(grid[1]))
         span = ImageSpan(start, n, int(grid[0]), int(grid[1]), start + self._rope_shift(seq), recorded)
         streams = span.streams()
-        done, logits = skip, None
+        if self.memory.mtp_layers:
+            self._mtp_image_rows[recorded] = rows
+            self._mtp_image_rows.move_to_end(recorded)
+            while len(self._mtp_image_rows) > MTP_IMAGES:
+                self._mtp_image_rows.popitem(last=False)
+        done, logits, hiddens = skip, None, []
         for size in self.split_ubatches(n - skip):
             chunk = slice(done, done + size)
-            logits = self._eval_ubatch([[pad_token] * size], seq, False, embd=rows[chunk], rope=streams[:, chunk])
+            logits = self._eval_ubatch([[pad_token] * size], seq, False, embd=rows[chunk], rope=streams[:, chunk],
+                                       all_hidden=all_hidden)
             self.memory.seqs[seq].tokens[-size:] = [recorded] * size
+            if all_hidden:
+                hiddens.append(self.last_hidden[0])
             done += size
+        if len(hiddens) > 1:
+            self.last_hidden = np.concatenate(hiddens)[None]
         self._images[seq] = (len(self.memory.truncations), self._images_now(seq)[1] + [span])
         return logits[0][-1]
 
@@ -429,6 +450,22 @@ class Model:
             cached = (log, image_spans(self.memory.seqs[seq].tokens, self._image_grids) if self._image_grids else [])
             self._images[seq] = cached
         return cached
+
+    def rope_streams(self, seq: int, start: int, n: int) -> np.ndarray | None:
+        """The (temporal, height, width) rope positions [3, n] of positions start..start+n-1 of `seq`
+        as its images place them (an image's rows its grid's streams, later text shifted; see
+        `eval_image`), or None when `seq` holds no image (each position is its own rope position)."""
+        spans = self._images_now(seq)[1] if self._image_grids else []
+        if not spans:
+            return None
+        pos = np.arange(start, start + n, dtype=np.int32)
+        text = pos + sum(np.where(pos >= s.start + s.n, s.shift, 0).astype(np.int32) for s in spans)
+        out = np.repeat(text[None], 3, axis=0)
+        for s in spans:
+            inside = (pos >= s.start) & (pos < s.start + s.n)
+            if inside.any():
+                out[:, inside] = s.streams()[:, pos[inside] - s.start]
+        return out
 
     def _rope_shift(self, seq: int) -> int:
         """How far the rope positions of new text in `seq` are from its cache positions."""
@@ -474,7 +511,13 @@ class Model:
         """Run the MTP block on rows (token i, hidden i) at positions start..; returns logits
         [n_outputs, vocab] and the block's output hidden states [n_outputs, n_embd] (fed back to
         chain further drafts) of the last n_outputs rows (default: every row). Every row's K/V is
-        written to the MTP block's cache either way; fewer outputs skip their LM-head columns."""
+        written to the MTP block's cache either way; fewer outputs skip their LM-head columns.
+
+        A token may be an image's (`image_token`: the row's next position is an image row, as
+        `eval_image` recorded it): the block then takes that image row's embedding in place of a
+        token's, as the trunk did (Qwen3.5's MTP reads the input embeddings of the next positions,
+        images merged in), one ubatch per run of image rows; rows at or after an image take the
+        rope positions the trunk gave them (`rope_streams`)."""
         if not self.memory.mtp_layers:
             raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
         n = len(tokens)
@@ -483,8 +526,44 @@ class Model:
         n_out = n if n_outputs is None else n_outputs
         if not 1 <= n_out <= n:
             raise DeltarunError(f"n_outputs must be 1..{n} (got {n_out})")
-        logits, out = self._mtp_ubatch([list(tokens)], np.asarray(hidden)[None], [start], seq, n_out)
-        return logits[0], out[0]
+        tokens = [int(t) for t in tokens]
+        hidden = np.asarray(hidden)
+        if min(tokens) >= 0:
+            logits, out = self._mtp_ubatch([tokens], hidden[None], [start], seq, n_out)
+            return logits[0], out[0]
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        for a, b, embd in self._mtp_runs(tokens, seq, start):
+            wanted = min(b, n) - max(a, n - n_out)            # of the last n_out rows, in this run
+            logits, out = self._mtp_ubatch([tokens[a:b]], hidden[None, a:b], [start + a], seq, max(1, wanted),
+                                           embd=embd)
+            if wanted > 0:
+                parts.append((logits[0], out[0]))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _mtp_runs(self, tokens: list[int], seq: int, start: int) -> list[tuple[int, int, np.ndarray | None]]:
+        """MTP rows (next tokens of positions start..) in runs (a, b, embedding rows or None): text
+        tokens, or rows of one image (its kept embedding rows in their order)."""
+        spans = {s.token: s for s in self._images_now(seq)[1]}
+        runs: list[tuple[int, int, np.ndarray | None]] = []
+        a = 0
+        while a < len(tokens):
+            t = tokens[a]
+            b = a + 1
+            while b < len(tokens) and (tokens[b] < 0) == (t < 0) and (t >= 0 or tokens[b] == t):
+                b += 1
+            if t < 0:
+                span, rows = spans.get(t), self._mtp_image_rows.get(t)
+                if span is None or rows is None:
+                    raise DeltarunError("the MTP rows over an image need its embedding rows: evaluate the image "
+                                        "again (the model keeps the last few images' rows)")
+                first = start + a + 1 - span.start            # the image row at the next position
+                if not 0 <= first <= span.n - (b - a):
+                    raise DeltarunError(f"MTP rows {start + a}..{start + b} do not precede rows of their image")
+                runs.append((a, b, rows[first:first + b - a]))
+            else:
+                runs.append((a, b, None))
+            a = b
+        return runs
 
     def mtp_eval_rows(self, rows: list[tuple[list[int], np.ndarray, int]],
                       seq_head: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -498,6 +577,12 @@ class Model:
         row (unequal lengths) or for the last row of each (equal)."""
         if not self.memory.mtp_layers:
             raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
+        if any(min(t) < 0 for t, _, _ in rows if len(t)):     # rows over an image: per sequence
+            out = []
+            for i, (toks, hid, start) in enumerate(rows):
+                logits, last = self.mtp_eval(list(toks), hid, start, seq_head + i, n_outputs=1)
+                out.append((logits[0], last))
+            return out
         lengths = [len(t) for t, _, _ in rows]
         n = max(lengths)
         if min(lengths) < 1 or any(start + n > self.n_ctx for _, _, start in rows):
@@ -511,19 +596,25 @@ class Model:
         return [(logits[i, r], out[i, r:r + 1]) for i, r in enumerate(last)]
 
     def _mtp_ubatch(self, tokens: list[list[int]], hidden: np.ndarray, starts: list[int], seq_head: int,
-                    n_out: int) -> tuple[np.ndarray, np.ndarray]:
+                    n_out: int, embd: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One MTP ubatch of equal-length rows (hidden [n_seqs, n, n_embd]) for sequences seq_head..;
         logits [n_seqs, n_out, vocab] and output hidden states [n_seqs, n_out, n_embd] of the last
-        n_out rows of each sequence."""
+        n_out rows of each sequence. `embd` (one sequence): the next positions' input rows, an
+        image's, in place of the tokens' embeddings. Rope positions as the trunk's (`rope_streams`)."""
         n_seqs, n = len(tokens), len(tokens[0])
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv, seq_head=seq_head,
-                            delta_net=self.delta_net, mtp=True, draft_vocab=self.draft_vocab)
+                            delta_net=self.delta_net, mtp=True, draft_vocab=self.draft_vocab,
+                            embeddings=embd is not None)
         g = self.graph(shape)
         sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
         sched.allocate(g.gf, g.ctx)
         pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, hidden=hidden.reshape(n_seqs * n, -1)))
+        streams = [self.rope_streams(seq_head + i, starts[i], n) for i in range(n_seqs)]
+        rope = None if all(r is None for r in streams) else np.concatenate(
+            [r if r is not None else np.repeat(pos[i][None], 3, axis=0) for i, r in enumerate(streams)], axis=1)
+        self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, hidden=hidden.reshape(n_seqs * n, -1),
+                                                  embd=embd, rope=rope))
         sched.compute(g.gf)
         logits = self._whole_vocab(tensor_to_numpy(g.outputs["result_output"]).reshape(n_seqs, n_out, -1))
         out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_seqs, n_out, self.hp.n_embd)

@@ -44,11 +44,13 @@ def split_at_markers(text: str, n_images: int) -> list[str]:
 
 
 def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images: list[PreparedImage],
-                        seq: int = 0) -> list[int]:
+                        seq: int = 0, all_hidden: bool = False) -> tuple[list[int], np.ndarray | None]:
     """Evaluate the prompt up to and including its last image into sequence `seq`; return the tokens
-    left to evaluate (the text after the last image, starting with <|vision_end|>)."""
+    left to evaluate (the text after the last image, starting with <|vision_end|>) and, with
+    `all_hidden`, the hidden rows of every position evaluated here (an MTP block's KV rows read
+    them; else None)."""
     if not images:
-        return model.tokenizer.encode(text)
+        return model.tokenizer.encode(text), None
     encoder.check_text_model(model.hp.n_embd, model.family.arch)
     start, pad, end = vision_token_ids(model)
     pieces = split_at_markers(text, len(images))
@@ -58,12 +60,18 @@ def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images:
         raise DeltarunError(f"the prompt with its images has {n_total} tokens but the context holds "
                             f"{model.n_ctx - model.n_past(seq)} more; raise --ctx or use smaller images")
     pending: list[int] = []
+    hidden: list[np.ndarray] = []
     for piece, img, emb in zip(pieces, images, rows):
         pending += model.tokenizer.encode(piece) + [start]
-        model.eval(pending, seq, continued=True)
-        model.eval_image(np.asarray(emb), img.merged_hw, pad, seq, token=image_token(img.digest))
+        model.eval(pending, seq, continued=True, all_hidden=all_hidden)
+        if all_hidden:
+            hidden.append(model.last_hidden[0][-len(pending):])
+        model.eval_image(np.asarray(emb), img.merged_hw, pad, seq, token=image_token(img.digest),
+                         all_hidden=all_hidden)
+        if all_hidden:
+            hidden.append(model.last_hidden[0])
         pending = [end]
-    return pending + model.tokenizer.encode(pieces[-1])
+    return pending + model.tokenizer.encode(pieces[-1]), np.concatenate(hidden) if all_hidden else None
 
 
 @dataclass(frozen=True)
@@ -137,14 +145,16 @@ def prompt_steps(begin: int, end: int, placed: Sequence[PlacedImage],
 
 
 def eval_step(model: Model, tokens: Sequence[int], step: tuple[int, int, PlacedImage | None], seq: int,
-              rows_of: Callable[[PreparedImage], np.ndarray], pad: int, **text_opts: object) -> np.ndarray:
+              rows_of: Callable[[PreparedImage], np.ndarray], pad: int, all_hidden: bool = False,
+              **text_opts: object) -> np.ndarray:
     """Evaluate one of `prompt_steps` into sequence `seq` (which holds the prompt up to its start);
-    the logits of its last row. `rows_of` gives an image's embedding rows (the vision tower's)."""
+    the logits of its last row. `rows_of` gives an image's embedding rows (the vision tower's).
+    `all_hidden`: `model.last_hidden` holds every row's hidden state (an MTP block's KV rows)."""
     begin, end, img = step
     if img is None:
-        return model.eval(list(tokens[begin:end]), seq, **text_opts)
+        return model.eval(list(tokens[begin:end]), seq, all_hidden=all_hidden, **text_opts)
     return model.eval_image(np.asarray(rows_of(img.image)), img.image.merged_hw, pad, seq, token=img.token,
-                            skip=begin - img.start)
+                            skip=begin - img.start, all_hidden=all_hidden)
 
 
 def find_images(tokens: Sequence[int], images: dict[int, PreparedImage]) -> list[PlacedImage]:

@@ -346,10 +346,6 @@ class Worker:
 
     def _open_drafts(self) -> None:
         """Check the model can verify drafts and open the draft model (one sequence per serving sequence)."""
-        if self.draft_spec == "mtp" and self.vision is not None:
-            raise DeltarunError("--draft mtp cannot be combined with --mmproj: the MTP block's rows over an image "
-                                "would need the image rows' embeddings, which it does not take; use --draft ngram "
-                                "or a draft model")
         self.k_max = draft_limit(self.model, self.draft_max)
         if self.draft_spec == "mtp" and not self.model.memory.mtp_layers:
             raise DeltarunError("--draft mtp needs the model opened with its MTP block (mtp=True)")
@@ -547,13 +543,16 @@ class Worker:
     def _feed_mtp(self, job: Job, rows: np.ndarray, start: int) -> None:
         """Hand the MTP draft the hidden rows of positions start.. of the job's prompt: each row
         whose next token is known becomes an MTP KV row; the last one waits (`mtp_tail`) for the
-        first sampled token when it ends the prompt."""
+        first sampled token when it ends the prompt, or for the image that follows it (whose first
+        embedding row it takes, `Model.mtp_eval`)."""
         prompt = job.params.prompt
         if job.mtp_tail is not None and job.mtp_tail[1] == start - 1:
             rows = np.concatenate([job.mtp_tail[0][None], rows])
             start -= 1
         job.mtp_tail = None
         n_known = min(len(rows), len(prompt) - 1 - start)
+        if n_known == len(rows) and prompt[start + n_known] < 0:
+            n_known -= 1           # the next position is an image's first row: its row waits for the image
         if n_known > 0:
             job.draft.commit(prompt[start + 1:start + 1 + n_known], rows[:n_known], start)
         if n_known < len(rows):
@@ -625,7 +624,7 @@ class Worker:
         wants_hidden = job.draft is not None and job.draft.needs_hidden
         if image is not None:
             logits = eval_step(self.model, p.prompt, (job.pos, end, image), job.seq, self.vision.encode,
-                               self._image_pad)
+                               self._image_pad, all_hidden=wants_hidden)
         else:
             logits = self.model.eval(p.prompt[job.pos:end], job.seq, all_hidden=wants_hidden,
                                      captures=[c - job.pos for c in inside], continued=end < n)

@@ -81,15 +81,19 @@ def logits(g: GraphContext, x: Tensor, lm_head: Tensor | None = None, prefix: st
 
 def mtp_input(g: GraphContext, il: int, tokens: Tensor | None = None, hidden: Tensor | None = None) -> Tensor:
     """eh_proj(concat(enorm(embed(token)), hnorm(hidden))) for MTP block `il`; tokens and hidden
-    states are graph inputs unless given as nodes of the same graph (see `argmax_rows`)."""
+    states are graph inputs unless given as nodes of the same graph (see `argmax_rows`). With
+    `ub.embeddings` the next positions' rows are given (an image's) in place of embed(token)."""
     c, w = g.ctx, g.w
     p = f"blk.{il}.nextn."
-    if tokens is None:
-        tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub, "mtp_tokens")).tokens
     if hidden is None:
         hidden = g.input(HiddenInput, lambda: HiddenInput(g.ctx, g.ub, g.hp.n_embd)).hidden
-    emb = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
-    e = g.rms_norm(ggml.ggml_get_rows(c, emb, tokens), w[p + "enorm.weight"], "mtp_enorm", il)
+    if tokens is None and g.ub.embeddings:      # the next positions are an image's rows (Model.mtp_eval)
+        rows = g.input(EmbeddingsInput, lambda: EmbeddingsInput(g.ctx, g.ub, g.hp.n_embd)).embd
+    else:
+        if tokens is None:
+            tokens = g.input(TokensInput, lambda: TokensInput(g.ctx, g.ub, "mtp_tokens")).tokens
+        rows = ggml.ggml_get_rows(c, w.get(p + "embed_tokens.weight", w["token_embd.weight"]), tokens)
+    e = g.rms_norm(rows, w[p + "enorm.weight"], "mtp_enorm", il)
     h = g.rms_norm(hidden, w[p + "hnorm.weight"], "mtp_hnorm", il)
     return g.cb(g.mm(w[p + "eh_proj.weight"], ggml.ggml_concat(c, e, h, 0)), "mtp_eh_proj", il)
 
