@@ -23,7 +23,7 @@ from deltarun.runner.images import load_image
 from deltarun.runner.model import Model
 from deltarun.runner.multimodal import prefill_with_images, vision_token_ids
 from deltarun.runner.sampling import GREEDY, Sampler
-from deltarun.runner.speculative import MtpDraft
+from deltarun.runner.speculative import MtpDraft, MtpFeed
 from deltarun.runner.vision import VisionEncoder
 from reference_compare import F32_TOL, prompt, rel_err
 from reference_qwen35 import Qwen35Reference
@@ -150,10 +150,10 @@ def vlm(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_generate_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_position(vlm):
-    """`generate --image --draft mtp`'s path: the text before the image and the image evaluated with
-    their hidden rows (`prefill_with_images`), the rest of the prompt and the answer by
-    `generate_tokens`, which hands the MTP draft every row from the first position; the rows equal a
-    fresh whole evaluation's, and the greedy answer the one without drafts."""
+    """`generate --image --draft mtp`'s path: the text before the image and the image evaluated
+    with their hidden rows handed to the draft (`prefill_with_images(feed=)`), then the rest of the
+    prompt and the answer (`generate_tokens(feed=)`); the rows equal a fresh whole evaluation's, and
+    the greedy answer the one without drafts."""
     text, mmproj, picture = vlm
     prompt_text = "Look: <__media__> What is it? Say one two three one two three"
     answers, rows_seen = [], []
@@ -161,11 +161,12 @@ def test_generate_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_posi
         with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=with_draft, rs_slots=4) as m, \
                 VisionEncoder(mmproj) as enc:
             image = load_image(picture, enc.hp)
-            rest, before = prefill_with_images(m, enc, prompt_text, [image], all_hidden=with_draft)
             draft = MtpDraft(m, defer=True) if with_draft else None
+            feed = MtpFeed(draft) if with_draft else None
+            rest = prefill_with_images(m, enc, prompt_text, [image], feed=feed)
             stats = GenerationStats()
             answers.append(list(generate_tokens(m, rest, 12, Sampler(GREEDY), stats=stats, draft=draft, draft_max=3,
-                                                stop_at_eog=False, hidden_before=before)))
+                                                stop_at_eog=False, feed=feed)))
             if with_draft:
                 assert stats.n_drafted > 0
                 if draft.deferred:

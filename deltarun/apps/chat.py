@@ -58,6 +58,7 @@ from deltarun.runner.generation import GenerationStats, decode_tokens
 from deltarun.runner.reasoning import NO_BUDGET, THINK_CLOSE, THINK_OPEN, ThinkingTags, check_budget, thinking_budget
 from deltarun.runner.resume import Held, Saved, common_prefix_length, plan_resume
 from deltarun.runner.sampling import GREEDY, LogitsProcessors, Sampler
+from deltarun.runner.speculative import MtpFeed
 
 if TYPE_CHECKING:  # annotations only: the applications open models lazily
     from deltarun.runner.model import Model
@@ -330,12 +331,10 @@ class ChatSession:
         self._images: dict[int, Any] = {}       # image token -> PreparedImage, of the messages' images
         self._image_rows: dict[int, np.ndarray] = {}   # image token -> its embedding rows, once encoded
         self._image_files: dict[str, str] = {}  # digest -> the file it was read from (for the saved conversation)
-        #: with an MTP draft: the hidden rows of the prompt being evaluated (`_eval`), and the last
-        #: prompt row's (hidden row, position), whose MTP row waits for the token after it
-        self._hidden_rows: list[np.ndarray] = []
-        self._mtp_tail: tuple[np.ndarray, int] | None = None
-        #: with an MTP draft: the hidden row before the checkpoint (`_checkpoint`), whose MTP row a turn
-        #: resuming there commits again with the token that follows it in the new prompt
+        #: with an MTP draft: what hands it the prompt's hidden rows (`_eval`), and the hidden row
+        #: before the checkpoint (`_checkpoint`), whose MTP row a turn resuming there commits again
+        #: with the token that follows it in the new prompt
+        self._mtp_feed: MtpFeed | None = None
         self._checkpoint_row: tuple[np.ndarray, int] | None = None
 
     # --- counters ----------------------------------------------------------------------------------
@@ -389,7 +388,8 @@ class ChatSession:
         self.messages = [m for m in self.messages[:1] if m.get("role") == "system"]
         self.model.reset()
         self._logits = None
-        self._mtp_tail = self._checkpoint_row = None
+        self._mtp_feed = None
+        self._checkpoint_row = None
         self.pending_images.clear()
         self._images.clear()
         self._image_rows.clear()
@@ -610,10 +610,9 @@ class ChatSession:
         if self.draft is not None:
             self.draft_stats = decoding
             how = {"draft": self.draft, "draft_max": self.draft_max, "processors": processors}
-            if self._mtp_tail is not None and self._mtp_tail[1] == self.model.n_past(self.seq) - 1:
-                row, pos = self._mtp_tail            # the prompt's last row meets the first token
-                how["context"] = ([], row[None], pos)
-            self._mtp_tail = None
+            feed = self._feed()
+            if feed is not None:                     # the prompt's last row meets the first token
+                how["context"] = feed.context(self.model.n_past(self.seq))
             return how, decoding
 
         def make_room() -> np.ndarray | None:
@@ -721,14 +720,20 @@ class ChatSession:
         self._prefill(prompt + answer, stats)
         return True
 
-    def _wants_hidden(self) -> bool:
-        """Whether the draft source reads the prompt's hidden rows (an MTP block's KV rows)."""
-        return self.draft is not None and bool(getattr(self.draft, "needs_hidden", False))
+    def _feed(self) -> MtpFeed | None:
+        """The `MtpFeed` of a draft source that reads the prompt's hidden rows (an MTP block's KV
+        rows), else None."""
+        if self.draft is None or not getattr(self.draft, "needs_hidden", False):
+            return None
+        if self._mtp_feed is None or self._mtp_feed.draft is not self.draft:
+            self._mtp_feed = MtpFeed(self.draft)
+        return self._mtp_feed
 
     def _eval(self, prompt: list[int], step: tuple[int, int, Any]) -> np.ndarray:
         """Evaluate prompt positions step[0]..step[1] (text, or an image: `prompt_steps`); with an
-        MTP draft every row's hidden state is kept for `_feed_mtp`."""
-        wants = self._wants_hidden()
+        MTP draft its rows are handed over (`MtpFeed`)."""
+        feed = self._feed()
+        wants = feed is not None
         with deferred_sigint():
             if step[2] is None:
                 logits = self.model.eval(prompt[step[0]:step[1]], self.seq, all_hidden=wants)
@@ -738,33 +743,9 @@ class ChatSession:
                 logits = eval_step(self.model, prompt, step, self.seq, self._rows_of,
                                    vision_token_ids(self.model)[1], all_hidden=wants)
             self._logits = (self.model.stats.n_eval_calls, self.model.n_past(self.seq), logits)
-            if wants:
-                self._hidden_rows.append(np.array(self.model.last_hidden[0][-(step[1] - step[0]):]))
+            if feed is not None:
+                feed.feed(prompt, self.model.last_hidden[0][-(step[1] - step[0]):], step[0])
         return logits
-
-    def _feed_mtp(self, prompt: list[int], start: int, cut: int | None = None) -> None:
-        """Hand the MTP draft the rows of prompt positions start.. that `_eval` kept: each row whose
-        next token is known becomes an MTP KV row now, the last waits (`_mtp_tail`) for the first
-        token of the answer, or for the next prompt when this one was evaluated ahead. The row
-        before position `cut` (the checkpoint) is kept for a turn that resumes there."""
-        rows, self._hidden_rows = self._hidden_rows, []
-        if not rows:
-            return
-        hidden = np.concatenate(rows)
-        tail, self._mtp_tail = self._mtp_tail, None
-        # the row before, whose next token is this prompt's first: the last row of what was evaluated
-        # ahead, or the row before the checkpoint this turn resumed at (a resume by rollback into an
-        # answer leaves that row with the token it was committed with: drafts only, never the output)
-        kept = [r for r in (tail, self._checkpoint_row) if r is not None and r[1] == start - 1]
-        if kept:
-            hidden = np.concatenate([kept[0][0][None], hidden])
-            start -= 1
-        end = start + len(hidden)
-        if cut is not None and start < cut <= end:
-            self._checkpoint_row = (hidden[cut - 1 - start], cut - 1)
-        if end - start > 1:
-            self.draft.commit(list(prompt[start + 1:end]), hidden[:-1], start)
-        self._mtp_tail = (hidden[-1], end - 1)
 
     def _logits_valid(self) -> bool:
         return (self._logits is not None and self._logits[0] == self.model.stats.n_eval_calls
@@ -836,7 +817,12 @@ class ChatSession:
         the recurrent state is checkpointed after that many prompt tokens (when they are new)."""
         t0 = time.perf_counter()
         n = self._sync(prompt, stats)
-        self._hidden_rows = []
+        feed = self._feed()
+        if feed is not None and self._checkpoint_row is not None and self._checkpoint_row[1] == n - 1:
+            # resumed at the checkpoint: the row before it meets this prompt's next token (a resume by
+            # rollback into an answer leaves that row with the token it was committed with: drafts
+            # only, never the output)
+            feed.resume(*self._checkpoint_row)
         cut = checkpoint_at if checkpoint_at is not None and 0 < checkpoint_at and n <= checkpoint_at <= len(prompt) \
             else None
         done = 0
@@ -852,8 +838,8 @@ class ChatSession:
                     done += step[1] - step[0]
                 if end == cut and hasattr(self.model, "checkpoint"):
                     self._checkpoint = self.model.checkpoint(self.seq)
-            if self._wants_hidden():
-                self._feed_mtp(prompt, n, cut)
+                    if feed is not None and feed.tail is not None and feed.tail[1] == cut - 1:
+                        self._checkpoint_row = feed.tail
         finally:
             stats.prefill_tokens += done
             stats.prefill_seconds += time.perf_counter() - t0

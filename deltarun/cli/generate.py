@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +16,7 @@ from deltarun.cli.text_io import read_text_file, silence_stdout
 if TYPE_CHECKING:
     from deltarun.runner.model import Model
     from deltarun.runner.reasoning import ThinkingBudget
+    from deltarun.runner.speculative import MtpFeed
 
 
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -69,6 +70,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     from deltarun.base.tokenizer import StreamDecoder
     from deltarun.runner.generation import GenerationStats, generate_tokens
     from deltarun.runner.sampling import LogitsProcessors, Sampler
+    from deltarun.runner.speculative import MtpFeed
 
     text = _read_prompt(prompt, file)
     if image_files and mmproj is None:
@@ -80,8 +82,8 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
     m, source = open_with_draft(model, draft, draft_max, **opts)
     with m:
         load_seconds = time.perf_counter() - t_load
-        tokens, n_before, before_seconds, hidden_before = _prefill_images(
-            m, mmproj, image_files, text, all_hidden=source is not None and source.needs_hidden)
+        feed = MtpFeed(source) if source is not None and source.needs_hidden else None
+        tokens, n_before, before_seconds = _prefill_images(m, mmproj, image_files, text, feed)
         if not tokens:
             raise DeltarunError("the prompt encodes to no tokens")
         if len(tokens) > m.n_ctx:
@@ -96,7 +98,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
         interrupted = False
         stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats, draft=source, draft_max=draft_max,
                                  processors=LogitsProcessors(budget=budget) if budget is not None else None,
-                                 hidden_before=hidden_before)
+                                 feed=feed)
         try:
             for tok in stream:
                 piece = decoder.push(tok)
@@ -161,23 +163,23 @@ def _thinking_budget(m: "Model", text: str, budget: int) -> "ThinkingBudget | No
 
 
 def _prefill_images(m: "Model", mmproj: Path | None, image_files: tuple[Path, ...],
-                    text: str, all_hidden: bool = False) -> tuple[list[int], int, float, Any]:
+                    text: str, feed: "MtpFeed | None" = None) -> tuple[list[int], int, float]:
     """The prompt's tokens left to evaluate after its images (evaluated here with the vision tower:
-    the images and the text before them), how many tokens were evaluated and in how long, and with
-    `all_hidden` their hidden rows (for an MTP draft; else None)."""
+    the images and the text before them), how many tokens were evaluated and in how long; `feed`
+    (an MTP draft's `MtpFeed`) is handed their hidden rows."""
     from deltarun.runner.images import load_image
     from deltarun.runner.multimodal import prefill_with_images
     from deltarun.runner.vision import VisionEncoder
 
     if mmproj is None:
-        return m.tokenizer.encode(text), 0, 0.0, None
+        return m.tokenizer.encode(text), 0, 0.0
     t0 = time.perf_counter()
     with VisionEncoder(mmproj, backend=m.backend) as enc:
         enc.check_text_model(m.hp.n_embd, m.family.arch)
         prepared = [load_image(p, enc.hp) for p in image_files]
         start = m.n_past()
-        rest, hidden = prefill_with_images(m, enc, text, prepared, all_hidden=all_hidden)
-        return rest, m.n_past() - start, time.perf_counter() - t0, hidden
+        rest = prefill_with_images(m, enc, text, prepared, feed=feed)
+        return rest, m.n_past() - start, time.perf_counter() - t0
 
 
 def _stop_text(reason: str) -> str:

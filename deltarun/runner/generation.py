@@ -22,7 +22,7 @@ import numpy as np
 from deltarun.runner.engine import NO_LIMIT, Engine, Running
 from deltarun.runner.model import Model
 from deltarun.runner.sampling import LogitsProcessors, Sampler
-from deltarun.runner.speculative import DraftLength, DraftSource, draft_limit
+from deltarun.runner.speculative import DraftLength, DraftSource, MtpFeed, draft_limit
 
 
 @dataclass
@@ -127,14 +127,13 @@ def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sa
                     stats: GenerationStats | None = None, stop_at_eog: bool = True,
                     on_token: Callable[[int], bool | None] | None = None,
                     draft: DraftSource | None = None, draft_max: int = 0,
-                    processors: LogitsProcessors | None = None,
-                    hidden_before: np.ndarray | None = None) -> Iterator[int]:
+                    processors: LogitsProcessors | None = None, feed: MtpFeed | None = None) -> Iterator[int]:
     """Evaluate `prompt` (appended to what the sequence holds) and yield up to n_predict new tokens.
 
     The end-of-generation token is not yielded; `stats.stop_reason` says why the loop ended. With
     `draft`, up to `draft_max` drafted tokens are verified per ubatch (`decode_tokens`).
-    `hidden_before`: the hidden rows of the positions evaluated just before `prompt` (images and the
-    text before them, `multimodal.prefill_with_images`), for a draft source that reads them.
+    `feed`: for a draft source that reads hidden rows, the `MtpFeed` that was handed the rows
+    evaluated before `prompt` (images and the text before them, `multimodal.prefill_with_images`).
     """
     stats = stats if stats is not None else GenerationStats()
     if draft is not None:
@@ -145,10 +144,9 @@ def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sa
     logits = model.eval(prompt, seq, all_hidden=wants_hidden)
     context = None
     if wants_hidden:                           # the MTP block's rows for every prompt position
-        rows, first = model.last_hidden[0], start
-        if hidden_before is not None and len(hidden_before):
-            rows, first = np.concatenate([hidden_before, rows]), start - len(hidden_before)
-        context = (model.tokens(seq)[first + 1:], rows, first)
+        feed = feed if feed is not None else MtpFeed(draft)
+        feed.feed(model.tokens(seq), model.last_hidden[0], start)
+        context = feed.context(model.n_past(seq))
     stats.n_prompt += len(prompt)
     stats.prompt_seconds += time.perf_counter() - t0
     if draft is not None:

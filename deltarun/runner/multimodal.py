@@ -16,6 +16,7 @@ import numpy as np
 from deltarun.base.errors import DeltarunError, ImageError
 from deltarun.base.vision import PreparedImage
 from deltarun.runner.model import Model, image_token
+from deltarun.runner.speculative import MtpFeed
 from deltarun.runner.vision import VisionEncoder
 
 MEDIA_MARKER = "<__media__>"
@@ -44,13 +45,12 @@ def split_at_markers(text: str, n_images: int) -> list[str]:
 
 
 def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images: list[PreparedImage],
-                        seq: int = 0, all_hidden: bool = False) -> tuple[list[int], np.ndarray | None]:
+                        seq: int = 0, feed: MtpFeed | None = None) -> list[int]:
     """Evaluate the prompt up to and including its last image into sequence `seq`; return the tokens
-    left to evaluate (the text after the last image, starting with <|vision_end|>) and, with
-    `all_hidden`, the hidden rows of every position evaluated here (an MTP block's KV rows read
-    them; else None)."""
+    left to evaluate (the text after the last image, starting with <|vision_end|>). `feed`: handed
+    the hidden rows of each evaluation (an MTP draft's KV rows, `speculative.MtpFeed`)."""
     if not images:
-        return model.tokenizer.encode(text), None
+        return model.tokenizer.encode(text)
     encoder.check_text_model(model.hp.n_embd, model.family.arch)
     start, pad, end = vision_token_ids(model)
     pieces = split_at_markers(text, len(images))
@@ -60,18 +60,19 @@ def prefill_with_images(model: Model, encoder: VisionEncoder, text: str, images:
         raise DeltarunError(f"the prompt with its images has {n_total} tokens but the context holds "
                             f"{model.n_ctx - model.n_past(seq)} more; raise --ctx or use smaller images")
     pending: list[int] = []
-    hidden: list[np.ndarray] = []
+    wants = feed is not None
     for piece, img, emb in zip(pieces, images, rows):
         pending += model.tokenizer.encode(piece) + [start]
-        model.eval(pending, seq, continued=True, all_hidden=all_hidden)
-        if all_hidden:
-            hidden.append(model.last_hidden[0][-len(pending):])
-        model.eval_image(np.asarray(emb), img.merged_hw, pad, seq, token=image_token(img.digest),
-                         all_hidden=all_hidden)
-        if all_hidden:
-            hidden.append(model.last_hidden[0])
+        first = model.n_past(seq)
+        model.eval(pending, seq, continued=True, all_hidden=wants)
+        if feed is not None:
+            feed.feed(model.tokens(seq), model.last_hidden[0][-len(pending):], first)
+        first = model.n_past(seq)
+        model.eval_image(np.asarray(emb), img.merged_hw, pad, seq, token=image_token(img.digest), all_hidden=wants)
+        if feed is not None:
+            feed.feed(model.tokens(seq), model.last_hidden[0], first)
         pending = [end]
-    return pending + model.tokenizer.encode(pieces[-1]), np.concatenate(hidden) if all_hidden else None
+    return pending + model.tokenizer.encode(pieces[-1])
 
 
 @dataclass(frozen=True)

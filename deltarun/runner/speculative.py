@@ -16,7 +16,7 @@ rows it keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Protocol
+from typing import Any, Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
@@ -295,6 +295,51 @@ class MtpDraft:
 
     def close(self) -> None:
         pass
+
+
+class MtpFeed:
+    """Hands a draft source that reads hidden rows (an MTP block) a prompt's rows while the prompt
+    is evaluated chunk by chunk: a server's prompt chunks, chat's prefill steps, the text and images
+    `generate` evaluates before its prompt's last text.
+
+    Row i pairs with the token at position i + 1, so each chunk's rows but its last are handed over
+    at once, and the last waits (`tail`) for the chunk after it (prepended there: that position is
+    then evaluated, an image's first row included, whose embedding row the MTP row takes) or for the
+    first sampled token (`context`). Fed chunk by chunk, an MTP row over an image is evaluated while
+    the model still holds the image's rows (it keeps the last MTP_IMAGES images').
+    """
+
+    def __init__(self, draft: DraftSource):
+        self.draft = draft
+        self.tail: tuple[np.ndarray, int] | None = None     # (hidden row, its position)
+
+    def feed(self, tokens: Sequence[int], rows: np.ndarray, start: int) -> None:
+        """The hidden rows of positions start.. just evaluated; `tokens`: the sequence's tokens
+        (position p's at tokens[p]) through the last of them."""
+        rows = np.asarray(rows)
+        if self.tail is not None and self.tail[1] == start - 1:
+            rows, start = np.concatenate([self.tail[0][None], rows]), start - 1
+        self.tail = None
+        if not len(rows):
+            return
+        end = start + len(rows)
+        if len(rows) > 1:
+            self.draft.commit([int(t) for t in tokens[start + 1:end]], rows[:-1], start)
+        self.tail = (rows[-1], end - 1)
+
+    def resume(self, row: np.ndarray | None, pos: int) -> None:
+        """The sequence resumes after position `pos` (a cache hit, a checkpoint): its hidden row, when
+        kept, waits for the token that now follows it."""
+        if row is not None and pos >= 0 and (self.tail is None or self.tail[1] != pos):
+            self.tail = (np.asarray(row), pos)
+
+    def context(self, n_past: int) -> tuple[list[int], np.ndarray, int] | None:
+        """`Engine.first`'s context once the prompt is evaluated (`n_past` tokens): its last row,
+        which meets the first sampled token; None when that row is not the one waiting."""
+        tail, self.tail = self.tail, None
+        if tail is None or tail[1] != n_past - 1:
+            return None
+        return [], tail[0][None], tail[1]
 
 
 class DraftLength:

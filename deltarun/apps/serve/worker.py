@@ -80,7 +80,7 @@ from deltarun.runner.model import PromptChunk
 from deltarun.runner.reasoning import ThinkingBudget, ThinkingTags
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
 from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
-from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, NgramDraft, check_draft_vocab,
+from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, MtpFeed, NgramDraft, check_draft_vocab,
                                          draft_limit, text_tokens)
 from deltarun.runner.vision import VisionEncoder
 
@@ -146,7 +146,7 @@ class Job:
         self.n_cached = 0
         self.n_evaluated = 0
         self.draft: DraftSource | None = None   # its draft source (speculative decoding), see Worker._attach_draft
-        self.mtp_tail: tuple[np.ndarray, int] | None = None   # (hidden row, position) waiting for its next token
+        self.mtp_feed: MtpFeed | None = None   # hands an MTP draft the prompt's hidden rows, chunk by chunk
         #: what the engine decodes: the seq, sampler, logits processors, history and drafts
         self.running: Running | None = None
         self.generated: list[int] = []
@@ -501,7 +501,8 @@ class Worker:
         job.t_admit = time.perf_counter()
         if self.draft_spec == "mtp":            # the MTP block's KV rows follow the prompt, as for a request
             job.draft = MtpDraft(self.model, seq=job.seq)
-            job.mtp_tail = (resume.hidden, job.pos - 1) if resume.hidden is not None and job.pos > 0 else None
+            job.mtp_feed = MtpFeed(job.draft)
+            job.mtp_feed.resume(resume.hidden, job.pos - 1)
         job.state = "prefill"
         self._active.append(job)
 
@@ -520,7 +521,8 @@ class Worker:
         speculates = self._can_speculate(job)
         if self.draft_spec == "mtp":
             job.draft = MtpDraft(self.model, seq=job.seq)
-            job.mtp_tail = (resume_hidden, job.pos - 1) if resume_hidden is not None and job.pos > 0 else None
+            job.mtp_feed = MtpFeed(job.draft)
+            job.mtp_feed.resume(resume_hidden, job.pos - 1)
         elif not speculates:
             return
         elif self.draft_spec == "ngram":
@@ -541,34 +543,17 @@ class Worker:
             job.running.length = DraftLength(self.k_max)
 
     def _feed_mtp(self, job: Job, rows: np.ndarray, start: int) -> None:
-        """Hand the MTP draft the hidden rows of positions start.. of the job's prompt: each row
-        whose next token is known becomes an MTP KV row; the last one waits (`mtp_tail`) for the
-        first sampled token when it ends the prompt, or for the image that follows it (whose first
-        embedding row it takes, `Model.mtp_eval`)."""
-        prompt = job.params.prompt
-        if job.mtp_tail is not None and job.mtp_tail[1] == start - 1:
-            rows = np.concatenate([job.mtp_tail[0][None], rows])
-            start -= 1
-        job.mtp_tail = None
-        n_known = min(len(rows), len(prompt) - 1 - start)
-        if n_known == len(rows) and prompt[start + n_known] < 0:
-            n_known -= 1           # the next position is an image's first row: its row waits for the image
-        if n_known > 0:
-            job.draft.commit(prompt[start + 1:start + 1 + n_known], rows[:n_known], start)
-        if n_known < len(rows):
-            job.mtp_tail = (rows[-1], start + len(rows) - 1)
+        """Hand the MTP draft the hidden rows of positions start.. of the job's prompt (`MtpFeed`: the
+        chunk's last row waits for the next chunk or the first sampled token)."""
+        job.mtp_feed.feed(job.params.prompt, rows, start)
 
     def _first(self, job: Job, logits: np.ndarray) -> None:
-        """The prompt is evaluated: sample the first token (the prompt's last row, waiting in
-        `mtp_tail`, gets its MTP KV row and the first draft with it) and stream it."""
+        """The prompt is evaluated: sample the first token (the prompt's last row, waiting in the
+        job's `MtpFeed`, gets its MTP KV row and the first draft with it) and stream it."""
         if job.cancelled:
             self._release(job)
             return
-        context = None
-        if job.mtp_tail is not None:
-            row, pos = job.mtp_tail
-            context = ([], row[None], pos)
-        job.mtp_tail = None
+        context = job.mtp_feed.context(self.model.n_past(job.seq)) if job.mtp_feed is not None else None
         token = self.engine.first(job.running, logits, context)
         self._take(job, token, self._logprobs(job, logits, token))
 
