@@ -20,7 +20,7 @@ from deltarun.model_files import qwen35 as q35
 from deltarun.model_files import qwen35_vision as qv
 from deltarun.runner.generation import GenerationStats, generate_tokens
 from deltarun.runner.images import load_image
-from deltarun.runner.model import Model
+from deltarun.runner.model import Model, image_token
 from deltarun.runner.multimodal import prefill_with_images, vision_token_ids
 from deltarun.runner.sampling import GREEDY, Sampler
 from deltarun.runner.speculative import MtpDraft, MtpFeed
@@ -29,7 +29,7 @@ from reference_compare import F32_TOL, prompt, rel_err
 from reference_qwen35 import Qwen35Reference
 from test_qwen35_files import N_VOCAB
 
-N_CTX = 256
+N_CTX = 512
 
 
 def mtp_kv_rows(m: Model, seq: int, n: int) -> list[np.ndarray]:
@@ -208,4 +208,52 @@ def test_chat_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_position
         got = mtp_kv_rows(m, 0, len(held) - 1)
         image_rows = enc.encode(image)
     for a, b in zip(got, fresh_mtp_rows_over_one_image(text, held, image_rows, image.merged_hw)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_more_images_than_the_model_keeps_rows_of(vlm, tmp_path, monkeypatch):
+    """The MTP rows over each image are handed over as the image is evaluated, while the model still
+    holds its embedding rows (it keeps the last MTP_IMAGES images', here 1): a prompt with three
+    images, one of them twice, drafts on, and its rows are a fresh evaluation's."""
+    import deltarun.runner.model as model_module
+
+    monkeypatch.setattr(model_module, "MTP_IMAGES", 1)
+    text, mmproj, picture = vlm
+    files = [picture]
+    for seed in (8, 9):
+        files.append(tmp_path / f"p{seed}.png")
+        Image.fromarray((np.random.default_rng(seed).uniform(0, 1, (50, 90, 3)) * 255).astype(np.uint8)).save(files[-1])
+    with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=True, rs_slots=4) as m, VisionEncoder(mmproj) as enc:
+        prepared = [load_image(f, enc.hp) for f in files]
+        order = [prepared[0], prepared[1], prepared[0], prepared[2]]
+        draft = MtpDraft(m, defer=True)
+        feed = MtpFeed(draft)
+        rest = prefill_with_images(m, enc, "A <__media__> B <__media__> C <__media__> D <__media__> say one two",
+                                   order, feed=feed)
+        stats = GenerationStats()
+        list(generate_tokens(m, rest, 8, Sampler(GREEDY), stats=stats, draft=draft, draft_max=3, stop_at_eog=False,
+                             feed=feed))
+        assert stats.n_drafted > 0 and len(m._mtp_image_rows) == 1
+        if draft.deferred:
+            draft.evaluate_deferred()
+        held = m.tokens(0)
+        got = mtp_kv_rows(m, 0, len(held) - 1)
+        rows_of = {image_token(p.digest): (enc.encode(p), p.merged_hw) for p in prepared}
+    monkeypatch.undo()                      # the reference keeps every image's rows
+    with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=True) as fresh:   # the same prompt, images whole
+        hidden, pos = [], 0
+        while pos < len(held):
+            end = pos + 1
+            while end < len(held) and held[end] == held[pos] if held[pos] < 0 else end < len(held) and held[end] >= 0:
+                end += 1
+            if held[pos] < 0:
+                rows, grid = rows_of[held[pos]]
+                fresh.eval_image(rows, grid, vision_token_ids(fresh)[1], token=held[pos], all_hidden=True)
+            else:
+                fresh.eval(held[pos:end], all_hidden=True)
+            hidden.append(fresh.last_hidden[0])
+            pos = end
+        fresh.mtp_eval(held[1:], np.concatenate(hidden)[:-1], 0)
+        want = mtp_kv_rows(fresh, 0, len(held) - 1)
+    for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -543,7 +543,7 @@ class Model:
     def _mtp_runs(self, tokens: list[int], seq: int, start: int) -> list[tuple[int, int, np.ndarray | None]]:
         """MTP rows (next tokens of positions start..) in runs (a, b, embedding rows or None): text
         tokens, or rows of one image (its kept embedding rows in their order)."""
-        spans = {s.token: s for s in self._images_now(seq)[1]}
+        spans = self._images_now(seq)[1]
         runs: list[tuple[int, int, np.ndarray | None]] = []
         a = 0
         while a < len(tokens):
@@ -551,8 +551,10 @@ class Model:
             b = a + 1
             while b < len(tokens) and (tokens[b] < 0) == (t < 0) and (t >= 0 or tokens[b] == t):
                 b += 1
-            if t < 0:
-                span, rows = spans.get(t), self._mtp_image_rows.get(t)
+            if t < 0:                              # the image whose row follows (one image may recur)
+                nxt = start + a + 1
+                span = next((s for s in spans if s.token == t and s.start <= nxt < s.start + s.n), None)
+                rows = self._mtp_image_rows.get(t)
                 if span is None or rows is None:
                     raise DeltarunError("the MTP rows over an image need its embedding rows: evaluate the image "
                                         "again (the model keeps the last few images' rows)")

@@ -195,6 +195,8 @@ class MtpDraft:
     cache keeps cells whose MTP rows must be filled), but during an engine step (`hold`, set by
     `runner.engine`) its rows wait too, and `commit_held` evaluates every held source's rows
     together, one MTP ubatch (one LM-head pass) for the step's sequences instead of one each.
+    Rows over an image (next tokens that are an image's, `image_token`) never wait: the model keeps
+    only the last few images' embedding rows (`Model.mtp_eval`).
     """
 
     needs_hidden = True
@@ -240,10 +242,13 @@ class MtpDraft:
             rows = m.last_mtp
             self.first = (rows.logits[done - 1], rows.out[done - 1:done])
             return
-        if self.defer or self.hold:
+        over_image = min(next_tokens[done:]) < 0
+        if (self.defer or self.hold) and not over_image:
             self.first = None
             self._keep_aside(next_tokens[done:], np.array(hiddens[done:]), start + done)
             return
+        if self.deferred:    # rows over an image go now, while the model holds the image's rows: after those waiting
+            self.evaluate_deferred()
         while done < len(next_tokens):
             step = min(m.n_ubatch, len(next_tokens) - done)
             # the LM head for the last row only: only it drafts (a 64-row prompt chunk's MTP rows took
