@@ -612,11 +612,8 @@ class Model:
         sched = self._draft_sched() if n <= self.memory.rs_slots else self.sched
         sched.allocate(g.gf, g.ctx)
         pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-        streams = [self.rope_streams(seq_head + i, starts[i], n) for i in range(n_seqs)]
-        rope = None if all(r is None for r in streams) else np.concatenate(
-            [r if r is not None else np.repeat(pos[i][None], 3, axis=0) for i, r in enumerate(streams)], axis=1)
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, hidden=hidden.reshape(n_seqs * n, -1),
-                                                  embd=embd, rope=rope))
+                                                  embd=embd, rope=self._rope_rows(seq_head, starts, n)))
         sched.compute(g.gf)
         logits = self._whole_vocab(tensor_to_numpy(g.outputs["result_output"]).reshape(n_seqs, n_out, -1))
         out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_seqs, n_out, self.hp.n_embd)
@@ -928,9 +925,17 @@ class Model:
             pos = np.array([[starts[0]]], dtype=np.int32)
         else:
             pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
-        if rope is None and self._image_grids:
-            shifts = [self._rope_shift(shape.seq_head + i) for i in range(shape.n_seqs)]
-            if any(shifts):
-                text = (pos + np.asarray(shifts, dtype=np.int32)[:, None]).reshape(1, -1)
-                rope = np.repeat(text, 3, axis=0)
+        if rope is None:
+            rope = self._rope_rows(shape.seq_head, starts, n)
         return UbatchData(pos=pos, tokens=tokens, embd=embd, rope=rope)
+
+    def _rope_rows(self, seq_head: int, starts: list[int], n: int) -> np.ndarray | None:
+        """The rope streams [3, n_seqs * n] of n positions from `starts` of sequences seq_head..
+        (`rope_streams`), or None when none of them holds an image."""
+        if not self._image_grids:
+            return None
+        streams = [self.rope_streams(seq_head + i, start, n) for i, start in enumerate(starts)]
+        if all(r is None for r in streams):
+            return None
+        return np.concatenate([r if r is not None else np.repeat(np.arange(start, start + n, dtype=np.int32)[None], 3, 0)
+                               for r, start in zip(streams, starts)], axis=1)
