@@ -937,5 +937,5 @@ class Model:
         streams = [self.rope_streams(seq_head + i, start, n) for i, start in enumerate(starts)]
         if all(r is None for r in streams):
             return None
-        return np.concatenate([r if r is not None else np.repeat(np.arange(start, start + n, dtype=np.int32)[None], 3, 0)
-                               for r, start in zip(streams, starts)], axis=1)
+        plain = [np.repeat(np.arange(start, start + n, dtype=np.int32)[None], 3, 0) for start in starts]
+        return np.concatenate([r if r is not None else p for r, p in zip(streams, plain)], axis=1)

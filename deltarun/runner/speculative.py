@@ -247,7 +247,7 @@ class MtpDraft:
             self.first = None
             self._keep_aside(next_tokens[done:], np.array(hiddens[done:]), start + done)
             return
-        if self.deferred:    # rows over an image go now, while the model holds the image's rows: after those waiting
+        if self.deferred:    # rows over an image go now (while the model holds its rows), after those waiting
             self.evaluate_deferred()
         while done < len(next_tokens):
             step = min(m.n_ubatch, len(next_tokens) - done)

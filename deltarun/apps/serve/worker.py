@@ -80,8 +80,8 @@ from deltarun.runner.model import PromptChunk
 from deltarun.runner.reasoning import ThinkingBudget, ThinkingTags
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
 from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
-from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, MtpFeed, NgramDraft, check_draft_vocab,
-                                         draft_limit, text_tokens)
+from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, MtpFeed, NgramDraft,
+                                         check_draft_vocab, draft_limit, text_tokens)
 from deltarun.runner.vision import VisionEncoder
 
 _ids = itertools.count(1)
