@@ -108,7 +108,9 @@ class UbatchData:
     layout (None when the graph reads none); `hidden` [n_tokens, n_embd] the trunk's hidden states
     an MTP graph drafts from; `embd` [n_tokens, n_embd] the input rows of an embeddings ubatch;
     `rope` [3, n_tokens] the (temporal, height, width) rope positions where they differ from `pos`
-    (image tokens, and text after an image: transformers' `get_rope_index`), else None.
+    (image tokens, and text after an image: transformers' `get_rope_index`), else None; `out_rows`
+    [n_outputs] the rows whose outputs are asked for when not each sequence's last n_outputs /
+    n_seqs (an MTP ubatch of sequences padded to one length: each one's last real row).
     """
 
     pos: np.ndarray
@@ -117,6 +119,7 @@ class UbatchData:
     embd: np.ndarray | None = None
     rope: np.ndarray | None = None
     ride: "UbatchData | None" = None     # the riding chunk's (`UbatchShape.ride`)
+    out_rows: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,8 @@ class EmbeddingsInput(GraphInput):
 
 
 class OutputIdsInput(GraphInput):
-    """Rows whose logits are computed (`inp_out_ids`): the last n_outputs/n_seqs of each sequence."""
-
-    constant = True
+    """Rows whose logits are computed (`inp_out_ids`): the last n_outputs/n_seqs of each sequence,
+    or the step's `UbatchData.out_rows`."""
 
     def __init__(self, ctx: Any, ub: UbatchShape):
         super().__init__()
@@ -159,8 +158,10 @@ class OutputIdsInput(GraphInput):
     def prepare(self, shape: UbatchShape) -> None:
         n, n_seqs = shape.n_seq_tokens, shape.n_seqs
         per_seq = shape.n_outputs // n_seqs
-        rows = np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]
-        self.host["inp_out_ids"].reshape(-1)[:] = rows.reshape(-1)
+        self.last_rows = (np.arange(n_seqs)[:, None] * n + np.arange(n - per_seq, n)[None, :]).reshape(-1)
+
+    def set_input(self, data: UbatchData) -> None:
+        self.host["inp_out_ids"][:] = self.last_rows if data.out_rows is None else data.out_rows
 
 
 class AttentionKVInput(GraphInput):

@@ -575,8 +575,8 @@ class Model:
 
         Shorter row lists are padded with copies of their last row at the positions after it: those
         K/V rows lie past what the sequence has committed, masked from every query until the rows of
-        those positions are written (as a rollback leaves them). The LM head then runs for every
-        row (unequal lengths) or for the last row of each (equal)."""
+        those positions are written (as a rollback leaves them). The LM head runs for each
+        sequence's last real row only (`UbatchData.out_rows`)."""
         if not self.memory.mtp_layers:
             raise DeltarunError("the model was not opened with its MTP block (mtp=True)")
         if any(min(t) < 0 for t, _, _ in rows if len(t)):     # rows over an image: per sequence
@@ -592,17 +592,18 @@ class Model:
         tokens = [list(t) + [t[-1]] * (n - len(t)) for t, _, _ in rows]
         hidden = np.stack([np.concatenate([h, np.repeat(h[-1:], n - len(h), axis=0)]) if len(h) < n else h
                            for _, h, _ in rows])
-        n_out = 1 if min(lengths) == n else n
-        logits, out = self._mtp_ubatch(tokens, hidden, [start for _, _, start in rows], seq_head, n_out)
-        last = [n_out - 1 if n_out == 1 else length - 1 for length in lengths]
-        return [(logits[i, r], out[i, r:r + 1]) for i, r in enumerate(last)]
+        last_rows = np.array([i * n + length - 1 for i, length in enumerate(lengths)], dtype=np.int32)
+        logits, out = self._mtp_ubatch(tokens, hidden, [start for _, _, start in rows], seq_head, 1, out_rows=last_rows)
+        return [(logits[i, 0], out[i, 0:1]) for i in range(len(rows))]
 
     def _mtp_ubatch(self, tokens: list[list[int]], hidden: np.ndarray, starts: list[int], seq_head: int,
-                    n_out: int, embd: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    n_out: int, embd: np.ndarray | None = None,
+                    out_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One MTP ubatch of equal-length rows (hidden [n_seqs, n, n_embd]) for sequences seq_head..;
         logits [n_seqs, n_out, vocab] and output hidden states [n_seqs, n_out, n_embd] of the last
-        n_out rows of each sequence. `embd` (one sequence): the next positions' input rows, an
-        image's, in place of the tokens' embeddings. Rope positions as the trunk's (`rope_streams`)."""
+        n_out rows of each sequence (or of the rows `out_rows` names, n_out per sequence). `embd` (one
+        sequence): the next positions' input rows, an image's, in place of the tokens' embeddings.
+        Rope positions as the trunk's (`rope_streams`)."""
         n_seqs, n = len(tokens), len(tokens[0])
         n_kv = padded_n_kv(max(starts) + n, self.n_ctx)
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_out * n_seqs, n_kv=n_kv, seq_head=seq_head,
@@ -613,7 +614,8 @@ class Model:
         sched.allocate(g.gf, g.ctx)
         pos = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)[None, :]
         self._input_plan(g, shape).set(UbatchData(pos=pos, tokens=tokens, hidden=hidden.reshape(n_seqs * n, -1),
-                                                  embd=embd, rope=self._rope_rows(seq_head, starts, n)))
+                                                  embd=embd, rope=self._rope_rows(seq_head, starts, n),
+                                                  out_rows=out_rows))
         sched.compute(g.gf)
         logits = self._whole_vocab(tensor_to_numpy(g.outputs["result_output"]).reshape(n_seqs, n_out, -1))
         out = tensor_to_numpy(g.outputs["mtp_out"]).reshape(n_seqs, n_out, self.hp.n_embd)
