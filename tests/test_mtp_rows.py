@@ -38,13 +38,27 @@ def mtp_kv_rows(m: Model, seq: int, n: int) -> list[np.ndarray]:
     return [np.frombuffer(kv.rows[il][0], dtype=np.float32).reshape(n, -1) for il in m.memory.mtp_layers]
 
 
-def fresh_mtp_kv_rows(path, tokens: list[int]) -> list[np.ndarray]:
-    """What a fresh model writes for positions 0..len-2 of `tokens`: the trunk over them, then the
-    MTP block on every (hidden_i, token_{i+1})."""
+def fresh_mtp_kv_rows(path, held: list[int], images: dict[int, tuple[np.ndarray, tuple[int, int]]] | None = None
+                      ) -> list[np.ndarray]:
+    """What a fresh model writes for positions 0..len-2 of `held`: the trunk over the text and whole
+    images (`images`: image token -> (embedding rows, merged grid)), then the MTP block on every
+    (hidden_i, token_{i+1})."""
     with Model(path, n_ctx=N_CTX, kv_type="f32", mtp=True) as m:
-        m.eval(tokens, all_hidden=True)
-        m.mtp_eval(tokens[1:], m.last_hidden[0][:-1], 0)
-        return mtp_kv_rows(m, 0, len(tokens) - 1)
+        hidden, pos = [], 0
+        while pos < len(held):
+            end = pos + 1
+            is_image = held[pos] < 0          # a run of one image's token, or of text tokens
+            while end < len(held) and (held[end] == held[pos] if is_image else held[end] >= 0):
+                end += 1
+            if is_image:
+                rows, grid = images[held[pos]]
+                m.eval_image(rows, grid, vision_token_ids(m)[1], token=held[pos], all_hidden=True)
+            else:
+                m.eval(held[pos:end], all_hidden=True)
+            hidden.append(m.last_hidden[0])
+            pos = end
+        m.mtp_eval(held[1:], np.concatenate(hidden)[:-1], 0)
+        return mtp_kv_rows(m, 0, len(held) - 1)
 
 
 def test_chat_with_mtp_drafts_writes_the_mtp_rows_of_every_prompt_position(tiny_model_path):
@@ -124,21 +138,6 @@ def test_mtp_rows_over_an_image_match_the_reference(tiny_model_path):
                 assert rel_err(got[0], exp[:cuts[0]]) < F32_TOL
 
 
-def fresh_mtp_rows_over_one_image(text, held: list[int], image_rows: np.ndarray, grid) -> list[np.ndarray]:
-    """A fresh model's MTP rows for positions 0..len-2 of `held` (text, one image's rows, text)."""
-    with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=True) as fresh:
-        first = held.index(min(held))
-        n_image = held.count(held[first])
-        fresh.eval(held[:first], all_hidden=True)
-        hidden = [fresh.last_hidden[0]]
-        fresh.eval_image(image_rows, grid, vision_token_ids(fresh)[1], token=held[first], all_hidden=True)
-        hidden.append(fresh.last_hidden[0])
-        fresh.eval(held[first + n_image:], all_hidden=True)
-        hidden.append(fresh.last_hidden[0])
-        fresh.mtp_eval(held[1:], np.concatenate(hidden)[:-1], 0)
-        return mtp_kv_rows(fresh, 0, len(held) - 1)
-
-
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory):
     """The tiny Qwen3.5 pair (text GGUF with its MTP block, mmproj) and a picture."""
@@ -175,7 +174,7 @@ def test_generate_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_posi
                 rows_seen = mtp_kv_rows(m, 0, len(held) - 1)
                 image_rows, grid = enc.encode(image), image.merged_hw
     assert answers[0] == answers[1]
-    for a, b in zip(rows_seen, fresh_mtp_rows_over_one_image(text, held, image_rows, grid)):
+    for a, b in zip(rows_seen, fresh_mtp_kv_rows(text, held, {image_token(image.digest): (image_rows, grid)})):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -207,7 +206,7 @@ def test_chat_with_an_image_and_mtp_drafts_writes_the_mtp_rows_of_every_position
         held = m.tokens(0)
         got = mtp_kv_rows(m, 0, len(held) - 1)
         image_rows = enc.encode(image)
-    for a, b in zip(got, fresh_mtp_rows_over_one_image(text, held, image_rows, image.merged_hw)):
+    for a, b in zip(got, fresh_mtp_kv_rows(text, held, {image_token(image.digest): (image_rows, image.merged_hw)})):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -240,20 +239,6 @@ def test_more_images_than_the_model_keeps_rows_of(vlm, tmp_path, monkeypatch):
         got = mtp_kv_rows(m, 0, len(held) - 1)
         rows_of = {image_token(p.digest): (enc.encode(p), p.merged_hw) for p in prepared}
     monkeypatch.undo()                      # the reference keeps every image's rows
-    with Model(text, n_ctx=N_CTX, kv_type="f32", mtp=True) as fresh:   # the same prompt, images whole
-        hidden, pos = [], 0
-        while pos < len(held):
-            end = pos + 1
-            while end < len(held) and held[end] == held[pos] if held[pos] < 0 else end < len(held) and held[end] >= 0:
-                end += 1
-            if held[pos] < 0:
-                rows, grid = rows_of[held[pos]]
-                fresh.eval_image(rows, grid, vision_token_ids(fresh)[1], token=held[pos], all_hidden=True)
-            else:
-                fresh.eval(held[pos:end], all_hidden=True)
-            hidden.append(fresh.last_hidden[0])
-            pos = end
-        fresh.mtp_eval(held[1:], np.concatenate(hidden)[:-1], 0)
-        want = mtp_kv_rows(fresh, 0, len(held) - 1)
+    want = fresh_mtp_kv_rows(text, held, rows_of)   # the same prompt, images whole
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -260,7 +260,7 @@ def test_mtp_drafts_over_an_image_keep_the_answer_and_the_mtp_rows_of_a_fresh_ev
     after an image; the greedy answer is unchanged, and the MTP rows the server wrote for the prompt
     (chunk by chunk, the image one step) and the answer equal a fresh model's over the whole
     sequence (the trunk over the text and the image, then the MTP block on every row)."""
-    from test_mtp_rows import fresh_mtp_rows_over_one_image, mtp_kv_rows
+    from test_mtp_rows import fresh_mtp_kv_rows, mtp_kv_rows
 
     text, mmproj, (picture, _), _ = files
     with _open(text, mmproj, rs_slots=5, mtp=True, draft="mtp", draft_max=4, chunk=8) as h:
@@ -275,7 +275,7 @@ def test_mtp_drafts_over_an_image_keep_the_answer_and_the_mtp_rows_of_a_fresh_ev
         got = mtp_kv_rows(m, seq, len(held) - 1)
     with VisionEncoder(mmproj) as enc:
         image = images.load_image(picture, enc.hp)
-        want = fresh_mtp_rows_over_one_image(text, held, enc.encode(image), image.merged_hw)
+        want = fresh_mtp_kv_rows(text, held, {image_token(image.digest): (enc.encode(image), image.merged_hw)})
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
