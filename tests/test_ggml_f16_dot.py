@@ -16,6 +16,14 @@ row by row), each thread one contiguous range of rows, the next tile read ahead,
 rounded to the weights' type as ggml's own path rounds them. From 5 columns, and where a row's
 length is not a multiple of 16, ggml's conversion and llamafile's tinyBLAS take them; the shapes
 below cover both sides, and hold for the stock kernels as well.
+
+scripts/ggml-patches/widened-half-tiles-amx.patch takes F16 products of 12 or more columns and BF16
+products of 5 or more on CPUs with AMX-BF16 (row counts that are multiples of 16, row lengths that
+are multiples of 32): F16 weights and columns split into two BF16 parts each, four tile products
+summed. `test_half_products_on_tiles_match_numpy` covers its shapes (partial tiles of columns, an odd
+number of row groups for a thread, column sets of more than one L2 load, the thresholds on both
+sides); `test_half_products_without_amx_tiles` runs them with the tiles switched off
+(DELTARUN_HALF_AMX=0), so that tinyBLAS stays checked on such a CPU.
 """
 
 from __future__ import annotations
@@ -62,6 +70,34 @@ def _bf16_values(bits: np.ndarray) -> np.ndarray:
                                             (16, 5, 3), (2048, 33, 3), (1024, 129, 4), (3584, 9, 4), (1040, 66, 5),
                                             (1024, 45, 8), (2049, 30, 4), (512, 300, 7)])
 def test_half_products_match_numpy(k: int, n_rows: int, n_tok: int, wtype: str, threads: int) -> None:
+    _check_half_product(k, n_rows, n_tok, wtype, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("wtype", ["f16", "bf16"])
+@pytest.mark.parametrize("k,n_rows,n_tok", [(1024, 96, 5), (768, 48, 11), (768, 48, 12), (1024, 80, 16),
+                                            (3072, 32, 17), (64, 208, 33), (3072, 16, 100), (768, 112, 300),
+                                            (1040, 64, 20), (1024, 72, 20)])
+def test_half_products_on_tiles_match_numpy(k: int, n_rows: int, n_tok: int, wtype: str, threads: int) -> None:
+    _check_half_product(k, n_rows, n_tok, wtype, threads)
+
+
+def test_half_products_without_amx_tiles() -> None:
+    """The shapes above with the AMX tiles switched off (a process of its own: ggml reads the
+    switch once): tinyBLAS and the few-column kernel alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, DELTARUN_HALF_AMX="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                        "-k", "half_products and match_numpy"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def _check_half_product(k: int, n_rows: int, n_tok: int, wtype: str, threads: int) -> None:
     rng = np.random.default_rng(k * 17 + n_rows * 3 + n_tok + threads)
     w = (0.05 * rng.standard_normal((n_rows, k))).astype(np.float32)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
