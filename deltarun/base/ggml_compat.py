@@ -42,14 +42,17 @@ def cpu_writes_slots_in_place() -> bool:
     return hasattr(ggml.ggml.lib, "deltarun_gdn_slots_in_place")
 
 
-def q8_0_amx_columns() -> int:
-    """The most columns this ggml's CPU multiplies Q8_0 weights by on AMX tiles (0: none; the ggml
-    patch q8_0-tiles-amx exports the count, asking Linux for the tile permission first)."""
-    fn = getattr(ggml.ggml.lib, "deltarun_q8_0_amx_columns", None)
+def amx_columns(weight_type: int) -> int:
+    """The columns of one AMX tile this ggml's CPU multiplies weights of `weight_type` by (0: no
+    tiles for that type here). The ggml patches q8_0-tiles-amx (Q8_0) and widened-half-tiles-amx
+    (F16, BF16) export the count, asking Linux for the tile permission first."""
+    export = {ggml.GGML_TYPE_Q8_0: "deltarun_q8_0_amx_columns", ggml.GGML_TYPE_F16: "deltarun_half_amx_columns",
+              ggml.GGML_TYPE_BF16: "deltarun_half_amx_columns"}.get(weight_type)
+    fn = getattr(ggml.ggml.lib, export, None) if export else None
     if fn is None:
         return 0
     fn.restype = ctypes.c_int
     return int(fn())
 
 
-__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place", "q8_0_amx_columns"]
+__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place", "amx_columns"]
