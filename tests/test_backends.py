@@ -95,6 +95,26 @@ def test_devices_names_the_ggml_version(monkeypatch):
     assert "on ggml 9.8.7" in run("devices").stdout
 
 
+def test_devices_names_the_types_multiplied_on_amx_tiles():
+    """`devices` says which weight types ggml multiplies on AMX tiles here, as the engine sees them
+    (`amx_columns`), and none with the tiles switched off (a process of its own: ggml reads the
+    switches once)."""
+    import subprocess
+    import sys
+
+    from deltarun.base.ggml_compat import amx_columns
+
+    want = [n for n, t in (("Q8_0", ggml.GGML_TYPE_Q8_0), ("F16", ggml.GGML_TYPE_F16),
+                           ("BF16", ggml.GGML_TYPE_BF16)) if amx_columns(t)]
+    assert json.loads(run("devices", "--json").stdout)["amx_tiles"] == want
+    line = next(ln for ln in run("devices").stdout.splitlines() if ln.startswith("matrix products on AMX tiles:"))
+    assert line.endswith(", ".join(want) + " weights (several columns)" if want else "none")
+    env = dict(os.environ, DELTARUN_Q8_0_AMX="0", DELTARUN_HALF_AMX="0")
+    r = subprocess.run([sys.executable, "-m", "deltarun", "devices", "--json"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["amx_tiles"] == [], r.stderr[-2000:]
+
+
 def test_cpu_features_say_whether_llamafile_kernels_are_built_in(monkeypatch):
     assert ("LLAMAFILE" in devices.cpu_features()) == bool(ggml.ggml_cpu_has_llamafile())
     monkeypatch.setattr(ggml, "ggml_cpu_has_llamafile", lambda: 0)

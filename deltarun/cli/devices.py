@@ -33,6 +33,7 @@ def devices(as_json: bool, rpc: str | None) -> None:
         click.echo(json.dumps({"devices": [d.to_dict() for d in devs], "built_with": built,
                                "auto": best.backend_name if best else "cpu",
                                "cpu_features": devices_mod.cpu_features(),
+                               "amx_tiles": devices_mod.amx_tile_types(),
                                "ggml_python": getattr(devices_mod.ggml, "__version__", ""),
                                "ggml": devices_mod.ggml_version(),
                                "rpc": {"built_in": rpc_mod.available(),
@@ -50,6 +51,8 @@ def devices(as_json: bool, rpc: str | None) -> None:
     click.echo("auto picks: " + (f"{best.backend_name} ({best.description})" if best else "cpu"))
     features = devices_mod.cpu_features()
     click.echo(f"ggml CPU backend built with: {' '.join(features)}; default threads {devices_mod.physical_cores()}")
+    tiles = devices_mod.amx_tile_types()
+    click.echo("matrix products on AMX tiles: " + (", ".join(tiles) + " weights (several columns)" if tiles else "none"))
     click.echo(f"ggml-python {getattr(devices_mod.ggml, '__version__', '?')} on ggml {devices_mod.ggml_version()}")
     for note in (devices_mod.llamafile_note(features), devices_mod.patches_note()):
         if note:

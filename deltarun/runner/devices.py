@@ -78,6 +78,16 @@ def ggml_version() -> str:
     return c_text(ggml.ggml_version()) or "?"
 
 
+def amx_tile_types() -> list[str]:
+    """The weight types this ggml's CPU multiplies on AMX tiles in this process (the patches
+    q8_0-tiles-amx and widened-half-tiles-amx; none without AMX, without the kernel's permission,
+    or with DELTARUN_Q8_0_AMX=0 / DELTARUN_HALF_AMX=0)."""
+    from deltarun.base.ggml_compat import amx_columns
+
+    types = {"Q8_0": ggml.GGML_TYPE_Q8_0, "F16": ggml.GGML_TYPE_F16, "BF16": ggml.GGML_TYPE_BF16}
+    return [name for name, t in types.items() if amx_columns(t) > 0]
+
+
 def llamafile_note(features: list[str]) -> str | None:
     """What to tell a user whose ggml-python lacks llamafile's kernels (None when it has them)."""
     if "LLAMAFILE" in features:
