@@ -219,6 +219,25 @@ def test_copied_sequence_continues_like_the_original(tiny_model_path):
         np.testing.assert_array_equal(m.eval(nxt, seq=1), m.eval(nxt, seq=0))
 
 
+def test_swapped_sequences_continue_like_fresh_evaluations(tiny_model_path, reference_of):
+    """Memory.swap_seqs (a server's move of a conversation to another cell) exchanges the K rows,
+    the transposed V rows, the conv rows and the live SSM state: each conversation continues in its
+    new cell as the float64 reference evaluates it afresh. Unequal lengths, rollback slots in use
+    (a multi-token ubatch wrote older snapshots), and a third, stale cell that must not leak."""
+    convs = {0: prompt(23, seed=11), 2: prompt(9, seed=12)}
+    ref = reference_of("tiny")
+    with Model(tiny_model_path("tiny"), n_ctx=64, kv_type="f32", n_seq_max=3, rs_slots=4) as m:
+        m.eval(prompt(30, seed=13), seq=1)
+        last = {s: m.eval(p, seq=s) for s, p in convs.items()}
+        m.memory.swap_seqs(0, 2)
+        assert m.tokens(0) == convs[2] and m.tokens(2) == convs[0] and m.tokens(1) == prompt(30, seed=13)
+        for new, old in ((2, 0), (0, 2)):
+            nxt = [int(np.argmax(last[old])), 5, 17]
+            got = m.eval(nxt, seq=new, all_logits=True)
+            ref.reset()
+            assert rel_err(got, ref.forward(convs[old] + nxt)[-3:]) < F32_TOL
+
+
 def test_attention_reads_the_stored_v_rows_without_a_copy(tiny_model_path):
     """V is stored transposed (one row per channel across the cells), so the decode graph multiplies
     a view of the cache: no per-step CONT of n_kv cells of V."""

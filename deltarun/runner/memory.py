@@ -139,6 +139,7 @@ class Memory:
                 self.capture_ssm[il] = set_name(ggml.ggml_new_tensor_2d(
                     self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_capture), f"capture_s_l{il}")
         self.buffers = self._allocate(backend, placement)
+        self._scratch = np.empty(0, dtype=np.uint8)     # `swap_seqs`' two buffers, kept between moves
         #: the CPU kernel writes the delta net's rollback snapshots into `ssm` itself (graphs then
         #: leave out the copy): only when every layer computes on the CPU backend, the one kernel
         #: that does (a device's would write its snapshots to its output and the cache would miss
@@ -269,6 +270,41 @@ class Memory:
         s, d = self.seqs[src], self.seqs[dst]
         d.n_past, d.tokens, d.undoable, d.rolled_back = s.n_past, list(s.tokens), 0, 0
         self.truncations.append((dst, 0))
+
+    def swap_seqs(self, a: int, b: int) -> None:
+        """Exchange sequences a and b: KV rows, live recurrent state (slot 0 of the SSM state, the
+        whole conv row), bookkeeping. Rollback slots do not survive (nothing needs them between
+        steps). A server keeps its running sequences in consecutive cells this way, so each region
+        goes through two scratch buffers the memory keeps: fresh host arrays for every move cost a
+        page fault per 4 KB, most of a move's time (a 4-sequence server at Qwen3.5-0.8B's shapes: ~50
+        ms a move, 18 MB of SSM state per cell)."""
+        na, nb = self.seqs[a].n_past, self.seqs[b].n_past
+        n = max(na, nb)
+        for il in self.k:
+            k, v = self.k[il], self.v[il]
+            k_block = self.n_ctx * k.contents.nb[1]
+            self._swap_bytes(k, a * k_block, b * k_block, n * k.contents.nb[1])
+            v_block = int(ggml.ggml_nbytes(v)) // self.n_seq_max     # transposed: every row holds cells
+            self._swap_bytes(v, a * v_block, b * v_block, v_block)
+        for il in self.conv:
+            for t in (self.conv[il], self.ssm[il]):    # one cell: its row (conv) or slot-0 cell (ssm)
+                cell = t.contents.nb[1]
+                self._swap_bytes(t, a * cell, b * cell, cell)
+        ta, tb = list(self.seqs[a].tokens), list(self.seqs[b].tokens)
+        self.set_tokens(a, tb)
+        self.set_tokens(b, ta)
+
+    def _swap_bytes(self, t: Tensor, off_a: int, off_b: int, size: int) -> None:
+        """Exchange `size` bytes of backend tensor t at two offsets, through the scratch buffers."""
+        if not size:
+            return
+        if self._scratch.nbytes < 2 * size:
+            self._scratch = np.empty(2 * size, dtype=np.uint8)
+        first, second = self._scratch.ctypes.data, self._scratch.ctypes.data + size
+        ggml.ggml_backend_tensor_get(t, first, off_a, size)
+        ggml.ggml_backend_tensor_get(t, second, off_b, size)
+        ggml.ggml_backend_tensor_set(t, second, off_a, size)
+        ggml.ggml_backend_tensor_set(t, first, off_b, size)
 
     # --- one cell's state on the host (a server moves conversations between cells and host RAM) ---
     # Layout: K holds one row per (cell, position) at row cell * n_ctx + position; V is stored

@@ -277,16 +277,7 @@ class PromptCache:
         The worker keeps running sequences in consecutive seqs this way, so that one ubatch decodes
         all of them; rollback slots do not survive the move (nothing needs them between requests).
         """
-        m = self.model
-        ta, tb = m.tokens(a), m.tokens(b)
-        kva, kvb = m.memory.read_kv(a, len(ta)), m.memory.read_kv(b, len(tb))
-        ra, rb = m.memory.read_recurrent(a), m.memory.read_recurrent(b)
-        m.memory.write_kv(a, kvb)
-        m.memory.write_recurrent(a, rb)
-        m.memory.set_tokens(a, tb)
-        m.memory.write_kv(b, kva)
-        m.memory.write_recurrent(b, ra)
-        m.memory.set_tokens(b, ta)
+        self.model.memory.swap_seqs(a, b)
         self.seqs[a], self.seqs[b] = self.seqs[b], self.seqs[a]
 
     # --- host RAM ------------------------------------------------------------------------------
