@@ -22,13 +22,13 @@ rollback slots, and copying a sequence into another; the graphs only ever read a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from deltarun.base.errors import BackendError, RollbackError
 from deltarun.base.ggml_compat import cpu_writes_slots_in_place
-from deltarun.base.ggml_util import (Tensor, ggml, new_context, numpy_to_tensor, set_name,
+from deltarun.base.ggml_util import (Tensor, ggml, new_context, set_name,
                                      tensor_to_numpy)
 from deltarun.base.interface import HParams
 from deltarun.runner.backend import Backend, alloc_tensors
@@ -139,7 +139,7 @@ class Memory:
                 self.capture_ssm[il] = set_name(ggml.ggml_new_tensor_2d(
                     self.ctx, ggml.GGML_TYPE_F32, hp.ssm_state_size, n_capture), f"capture_s_l{il}")
         self.buffers = self._allocate(backend, placement)
-        self._scratch = np.empty(0, dtype=np.uint8)     # `swap_seqs`' two buffers, kept between moves
+        self._scratch = np.empty(0, dtype=np.uint8)     # host scratch for moving state (`_scratch_of`)
         #: the CPU kernel writes the delta net's rollback snapshots into `ssm` itself (graphs then
         #: leave out the copy): only when every layer computes on the CPU backend, the one kernel
         #: that does (a device's would write its snapshots to its output and the cache would miss
@@ -254,57 +254,35 @@ class Memory:
 
     def copy_seq(self, src: int, dst: int) -> None:
         """Make sequence dst a copy of src: KV rows, live recurrent state, bookkeeping."""
-        n = self.seqs[src].n_past
-        for il in list(self.k):
-            # each sequence owns one contiguous block of either cache: K's first n rows are its
-            # cells; V (transposed) holds the cells in every row of its block, so all of it is copied
-            for cache in (self.k[il], self.v[il]):
-                block = int(ggml.ggml_nbytes(cache)) // self.n_seq_max
-                size = n * cache.contents.nb[1] if cache is self.k[il] else block
-                if n:
-                    self._copy_bytes(cache, src * block, dst * block, size)
-        for il in self.conv:
-            for t in (self.conv[il], self.ssm[il]):    # one cell: its row (conv) or slot-0 cell (ssm)
-                cell = t.contents.nb[1]
-                self._copy_bytes(t, src * cell, dst * cell, cell)
+        for t, block, size in self._cell_regions(self.seqs[src].n_past):
+            self._copy_bytes(t, src * block, dst * block, size)
         s, d = self.seqs[src], self.seqs[dst]
         d.n_past, d.tokens, d.undoable, d.rolled_back = s.n_past, list(s.tokens), 0, 0
         self.truncations.append((dst, 0))
 
     def swap_seqs(self, a: int, b: int) -> None:
-        """Exchange sequences a and b: KV rows, live recurrent state (slot 0 of the SSM state, the
-        whole conv row), bookkeeping. Rollback slots do not survive (nothing needs them between
-        steps). A server keeps its running sequences in consecutive cells this way, so each region
-        goes through two scratch buffers the memory keeps: fresh host arrays for every move cost a
-        page fault per 4 KB, most of a move's time (a 4-sequence server at Qwen3.5-0.8B's shapes: ~50
-        ms a move, 18 MB of SSM state per cell)."""
-        na, nb = self.seqs[a].n_past, self.seqs[b].n_past
-        n = max(na, nb)
-        for il in self.k:
-            k, v = self.k[il], self.v[il]
-            k_block = self.n_ctx * k.contents.nb[1]
-            self._swap_bytes(k, a * k_block, b * k_block, n * k.contents.nb[1])
-            v_block = int(ggml.ggml_nbytes(v)) // self.n_seq_max     # transposed: every row holds cells
-            self._swap_bytes(v, a * v_block, b * v_block, v_block)
-        for il in self.conv:
-            for t in (self.conv[il], self.ssm[il]):    # one cell: its row (conv) or slot-0 cell (ssm)
-                cell = t.contents.nb[1]
-                self._swap_bytes(t, a * cell, b * cell, cell)
+        """Exchange sequences a and b: KV rows, live recurrent state, bookkeeping. Rollback slots do
+        not survive (nothing needs them between steps). A server keeps its running sequences in
+        consecutive cells this way."""
+        for t, block, size in self._cell_regions(max(self.seqs[a].n_past, self.seqs[b].n_past)):
+            self._swap_bytes(t, a * block, b * block, size)
         ta, tb = list(self.seqs[a].tokens), list(self.seqs[b].tokens)
         self.set_tokens(a, tb)
         self.set_tokens(b, ta)
 
-    def _swap_bytes(self, t: Tensor, off_a: int, off_b: int, size: int) -> None:
-        """Exchange `size` bytes of backend tensor t at two offsets, through the scratch buffers."""
-        if not size:
-            return
-        if self._scratch.nbytes < 2 * size:
-            self._scratch = np.empty(2 * size, dtype=np.uint8)
-        first, second = self._scratch.ctypes.data, self._scratch.ctypes.data + size
-        ggml.ggml_backend_tensor_get(t, first, off_a, size)
-        ggml.ggml_backend_tensor_get(t, second, off_b, size)
-        ggml.ggml_backend_tensor_set(t, second, off_a, size)
-        ggml.ggml_backend_tensor_set(t, first, off_b, size)
+    def _cell_regions(self, n: int) -> Iterator[tuple[Tensor, int, int]]:
+        """What a cell holding n positions owns, per cache tensor: (tensor, bytes from one cell's
+        block to the next, bytes of the block to move). K's first n rows are its positions; V
+        (transposed) holds them in every row of its block, so all of it moves; a cell's conv row
+        and slot 0 of its SSM state are the live recurrent state."""
+        for il in self.k:
+            for cache in (self.k[il], self.v[il]):
+                block = int(ggml.ggml_nbytes(cache)) // self.n_seq_max
+                yield cache, block, (n * cache.contents.nb[1] if cache is self.k[il] else block) if n else 0
+        for il in self.conv:
+            for t in (self.conv[il], self.ssm[il]):
+                cell = t.contents.nb[1]
+                yield t, cell, cell
 
     # --- one cell's state on the host (a server moves conversations between cells and host RAM) ---
     # Layout: K holds one row per (cell, position) at row cell * n_ctx + position; V is stored
@@ -409,12 +387,13 @@ class Memory:
         """
         hp, K = self.hp, self.rs_slots
         for il in self.conv:
-            cell = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)[seq]
+            row_bytes = self.conv[il].contents.nb[1]      # the cell's row only, not every cell's
+            cell = self._read_bytes(self.conv[il], seq * row_bytes, row_bytes).view(np.float32)
             row = cell[:hp.conv_state_size * K].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
             row[:, 0, :] = row[:, r, :]
             extra = cell[hp.conv_state_size * K:].reshape(K, -1)     # slot-major, see the module doc
             extra[0] = extra[r]
-            numpy_to_tensor(self.conv[il], cell, offset=seq * cell.nbytes)
+            self._write_bytes(self.conv[il], cell, seq * row_bytes)
             ssm = self.ssm[il]
             slot_stride, cell_stride = ssm.contents.nb[2], ssm.contents.nb[1]
             self._copy_bytes(ssm, r * slot_stride + seq * cell_stride, seq * cell_stride, hp.ssm_state_size * 4)
@@ -432,11 +411,31 @@ class Memory:
             data = np.ascontiguousarray(data)
             ggml.ggml_backend_tensor_set(t, data.ctypes.data, offset, data.nbytes)
 
-    @classmethod
-    def _copy_bytes(cls, t: Tensor, src: int, dst: int, size: int) -> None:
+    def _scratch_of(self, size: int) -> int:
+        """The address of `size` bytes of host scratch, kept between calls, that a cell's state moves
+        through (`_copy_bytes`: rollbacks, `copy_seq`; `_swap_bytes`: a server's moves). A move
+        through fresh arrays (both cells' KV rows and states alive at once, 4 x 18 MB at
+        Qwen3.5-0.8B's shapes) spent most of its ~50 ms in page faults."""
+        if self._scratch.nbytes < size:
+            self._scratch = np.empty(size, dtype=np.uint8)
+        return self._scratch.ctypes.data
+
+    def _copy_bytes(self, t: Tensor, src: int, dst: int, size: int) -> None:
         """Copy `size` bytes of backend tensor t from offset src to offset dst (through the host)."""
-        buf = cls._read_bytes(t, src, size)
-        ggml.ggml_backend_tensor_set(t, buf.ctypes.data, dst, size)
+        if size:
+            buf = self._scratch_of(size)
+            ggml.ggml_backend_tensor_get(t, buf, src, size)
+            ggml.ggml_backend_tensor_set(t, buf, dst, size)
+
+    def _swap_bytes(self, t: Tensor, off_a: int, off_b: int, size: int) -> None:
+        """Exchange `size` bytes of backend tensor t at two offsets (through the host)."""
+        if size:
+            first = self._scratch_of(2 * size)
+            second = first + size
+            ggml.ggml_backend_tensor_get(t, first, off_a, size)
+            ggml.ggml_backend_tensor_get(t, second, off_b, size)
+            ggml.ggml_backend_tensor_set(t, second, off_a, size)
+            ggml.ggml_backend_tensor_set(t, first, off_b, size)
 
     # --- reading state back (tests, debugging) ------------------------------------------------
     def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:
