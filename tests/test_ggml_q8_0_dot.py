@@ -13,7 +13,9 @@ several blocks with a short last one, more columns than one chunk holds (2,048 x
 168), and thread counts that split the rows unevenly. They hold for the stock kernels as well.
 scripts/ggml-patches/q8_0-tiles-amx.patch takes 5 or more columns on CPUs with AMX: groups of 16
 rows per thread (130 rows: 8 groups and 2 rows left to the AVX-512 kernel; 9, 10, 11 rows: none),
-tiles of 16 columns with a shorter last one (37, 200, 700 columns; 700 spans three sets of 256);
+tiles of 8 columns up to 8 columns (5-8: padded; 48 and 35 rows: 3 and 2 groups, one thread's
+range empty at 3 threads) and of 16 from 9 (9-16 in one tile; 37 columns: three with a shorter
+last one; 300: two sets of 256 columns);
 `test_q8_0_products_without_amx_tiles` runs the same shapes with it switched off
 (DELTARUN_Q8_0_AMX=0), so that both kernels stay checked on such a CPU.
 """
@@ -48,7 +50,8 @@ def _on_q8_0_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
                                             (160, 40, 2), (32, 3, 2), (96, 37, 3), (1024, 130, 4), (64, 9, 5),
                                             (3200, 11, 6), (224, 66, 7), (1056, 45, 8), (96, 21, 9),
                                             (64, 10, 16), (1056, 45, 13), (3200, 11, 37), (2048, 6, 200),
-                                            (32, 3, 700), (512, 64, 16), (32, 16, 12), (4096, 35, 10)])
+                                            (32, 3, 700), (512, 64, 16), (32, 16, 12), (4096, 35, 10),
+                                            (96, 48, 5), (3200, 35, 6), (160, 50, 37), (64, 40, 300)])
 def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows + threads)
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
