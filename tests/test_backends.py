@@ -105,11 +105,12 @@ def test_devices_names_the_types_multiplied_on_amx_tiles():
     from deltarun.base.ggml_compat import amx_columns
 
     want = [n for n, t in (("Q8_0", ggml.GGML_TYPE_Q8_0), ("F16", ggml.GGML_TYPE_F16),
-                           ("BF16", ggml.GGML_TYPE_BF16)) if amx_columns(t)]
+                           ("BF16", ggml.GGML_TYPE_BF16), ("Q4_K", ggml.GGML_TYPE_Q4_K),
+                           ("Q6_K", ggml.GGML_TYPE_Q6_K)) if amx_columns(t)]
     assert json.loads(run("devices", "--json").stdout)["amx_tiles"] == want
     line = next(ln for ln in run("devices").stdout.splitlines() if ln.startswith("matrix products on AMX tiles:"))
     assert line.endswith(", ".join(want) + " weights (several columns)" if want else "none")
-    env = dict(os.environ, DELTARUN_Q8_0_AMX="0", DELTARUN_HALF_AMX="0")
+    env = dict(os.environ, DELTARUN_Q8_0_AMX="0", DELTARUN_HALF_AMX="0", DELTARUN_K_AMX="0")
     r = subprocess.run([sys.executable, "-m", "deltarun", "devices", "--json"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout)["amx_tiles"] == [], r.stderr[-2000:]

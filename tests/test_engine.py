@@ -216,7 +216,7 @@ def test_a_riding_prompt_chunk_takes_its_rows_first(tiny_model_path, n_seqs, rid
 
 def test_models_step_sixteen_rows_where_ggml_has_amx_tiles(tiny_model_path, monkeypatch):
     """Engine.max_rows on the CPU: AMX_ROWS (16) for a model whose layer matrices are of a type
-    ggml multiplies by 16 columns on AMX tiles (Q8_0; F16 and BF16), then 4 sequences draft 3 each;
+    ggml multiplies by 16 columns on AMX tiles (Q8_0; F16, BF16, Q4_K), then 4 sequences draft 3 each;
     else CPU_ROWS (8): F32 weights, or without the tiles."""
     import deltarun.runner.engine as engine_module
     from deltarun.base.ggml_compat import amx_columns, ggml
@@ -224,7 +224,7 @@ def test_models_step_sixteen_rows_where_ggml_has_amx_tiles(tiny_model_path, monk
     motif = _prompts()[0]
     with Model(tiny_model_path("tiny", "f32"), n_ctx=32) as m:
         assert amx_columns(ggml.GGML_TYPE_F32) == 0 and Engine(m).max_rows == Engine.CPU_ROWS
-    for wtype, gtype in (("bf16", ggml.GGML_TYPE_BF16), ("f16", ggml.GGML_TYPE_F16)):
+    for wtype, gtype in (("bf16", ggml.GGML_TYPE_BF16), ("f16", ggml.GGML_TYPE_F16), ("q4_k", ggml.GGML_TYPE_Q4_K)):
         with Model(tiny_model_path("tiny", wtype), n_ctx=32) as m:
             want = Engine.AMX_ROWS if amx_columns(gtype) >= 16 else Engine.CPU_ROWS
             assert Engine(m).max_rows == want

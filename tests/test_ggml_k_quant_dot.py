@@ -12,6 +12,11 @@ over the threads, every tile width (1-8 columns, a short last block), the mins/o
 column groups (four columns for Q4_K, two for Q6_K), more columns than one chunk holds (51,200 x
 20: chunks of 8), and the tiled product (37 and 300 columns). They hold for the stock kernels as
 well; a wrong high-bit shift of Q6_K or a chunk written at the wrong column fails them.
+scripts/ggml-patches/tiles-amx-q4_k.patch takes Q4_K products of 5 or more columns on CPUs with
+AMX: groups of 16 rows (the rest to the kernel above), tiles of 8 columns up to 8 and of 16 from 9
+(48, 40, 35, 96 rows; 5-37 columns; 300 columns: two sets of 256), the mins against each
+column's sub-block sums; `test_q4_k_products_without_amx_tiles` runs the shapes with it switched
+off (DELTARUN_K_AMX=0). A sub-block order that ignores the nibbles' layout fails 30 cases.
 
 The weights are random blocks (any bit pattern of the values and scales is a valid block, the fp16
 super-block scales are set to small positive numbers), dequantized by gguf's numpy code; the activations lie on the Q8_K grid, which ggml's quantizer
@@ -58,7 +63,9 @@ def _on_q8_k_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
 @pytest.mark.parametrize("k,n_rows,n_tok", [(256, 5, 1), (1024, 33, 1), (256, 7, 2), (512, 17, 3),
                                             (1024, 130, 4), (256, 9, 5), (768, 11, 6), (256, 66, 7),
                                             (1024, 45, 8), (512, 21, 9), (256, 10, 16), (768, 45, 13),
-                                            (256, 3, 37), (2816, 5, 300), (51200, 3, 20)])
+                                            (256, 3, 37), (2816, 5, 300), (51200, 3, 20), (512, 48, 5),
+                                            (1024, 35, 16), (256, 40, 23), (768, 96, 12), (512, 40, 37),
+                                            (256, 33, 300)])
 def test_k_quant_product_matches_numpy(wtype: str, k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows * 3 + n_tok + threads)
     w_q = _random_blocks(rng, wtype, n_rows, k)
@@ -70,3 +77,31 @@ def test_k_quant_product_matches_numpy(wtype: str, k: int, n_rows: int, n_tok: i
     # relative to the terms' magnitude
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
+
+
+def test_q4_k_products_without_amx_tiles() -> None:
+    """The shapes above with the AMX tiles switched off (a process of its own: ggml reads the
+    switch once): tinyBLAS_K_fewcols and ggml's tiled product alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, DELTARUN_K_AMX="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                        "-k", "matches_numpy"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_k_quant_tiles_are_reported_where_q8_0_tiles_are() -> None:
+    """The engine sizes its steps by `amx_columns` (16 columns a tile): Q4_K and Q6_K report the
+    tiles wherever Q8_0 does (the same permission and CPU; the K-quant kernel also needs AVX-512
+    VBMI), and none with DELTARUN_K_AMX=0."""
+    import os
+
+    from deltarun.base.ggml_compat import amx_columns
+
+    with open("/proc/cpuinfo") as f:
+        vbmi = "avx512vbmi" in f.read().split()
+    on = amx_columns(ggml.GGML_TYPE_Q8_0) == 16 and vbmi and os.environ.get("DELTARUN_K_AMX") != "0"
+    assert amx_columns(ggml.GGML_TYPE_Q4_K) == amx_columns(ggml.GGML_TYPE_Q6_K) == (16 if on else 0)

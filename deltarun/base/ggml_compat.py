@@ -44,10 +44,12 @@ def cpu_writes_slots_in_place() -> bool:
 
 def amx_columns(weight_type: int) -> int:
     """The columns of one AMX tile this ggml's CPU multiplies weights of `weight_type` by (0: no
-    tiles for that type here). The ggml patches q8_0-tiles-amx (Q8_0) and widened-half-tiles-amx
-    (F16, BF16) export the count, asking Linux for the tile permission first."""
+    tiles for that type here). The ggml patches q8_0-tiles-amx (Q8_0), widened-half-tiles-amx
+    (F16, BF16) and k-quant-tiles-amx (Q4_K, Q6_K) export the count, asking Linux for the tile
+    permission first."""
     export = {ggml.GGML_TYPE_Q8_0: "deltarun_q8_0_amx_columns", ggml.GGML_TYPE_F16: "deltarun_half_amx_columns",
-              ggml.GGML_TYPE_BF16: "deltarun_half_amx_columns"}.get(weight_type)
+              ggml.GGML_TYPE_BF16: "deltarun_half_amx_columns", ggml.GGML_TYPE_Q4_K: "deltarun_k_quant_amx_columns",
+              ggml.GGML_TYPE_Q6_K: "deltarun_k_quant_amx_columns"}.get(weight_type)
     fn = getattr(ggml.ggml.lib, export, None) if export else None
     if fn is None:
         return 0

@@ -80,11 +80,12 @@ def ggml_version() -> str:
 
 def amx_tile_types() -> list[str]:
     """The weight types this ggml's CPU multiplies on AMX tiles in this process (the patches
-    q8_0-tiles-amx and widened-half-tiles-amx; none without AMX, without the kernel's permission,
-    or with DELTARUN_Q8_0_AMX=0 / DELTARUN_HALF_AMX=0)."""
+    q8_0-tiles-amx, widened-half-tiles-amx and k-quant-tiles-amx; none without AMX, without the
+    kernel's permission, or with DELTARUN_Q8_0_AMX=0 / DELTARUN_HALF_AMX=0 / DELTARUN_K_AMX=0)."""
     from deltarun.base.ggml_compat import amx_columns
 
-    types = {"Q8_0": ggml.GGML_TYPE_Q8_0, "F16": ggml.GGML_TYPE_F16, "BF16": ggml.GGML_TYPE_BF16}
+    types = {"Q8_0": ggml.GGML_TYPE_Q8_0, "F16": ggml.GGML_TYPE_F16, "BF16": ggml.GGML_TYPE_BF16,
+             "Q4_K": ggml.GGML_TYPE_Q4_K, "Q6_K": ggml.GGML_TYPE_Q6_K}
     return [name for name, t in types.items() if amx_columns(t) > 0]
 
 
