@@ -12,11 +12,13 @@ over the threads, every tile width (1-8 columns, a short last block), the mins/o
 column groups (four columns for Q4_K, two for Q6_K), more columns than one chunk holds (51,200 x
 20: chunks of 8), and the tiled product (37 and 300 columns). They hold for the stock kernels as
 well; a wrong high-bit shift of Q6_K or a chunk written at the wrong column fails them.
-scripts/ggml-patches/tiles-amx-q4_k.patch takes Q4_K products of 5 or more columns on CPUs with
-AMX: groups of 16 rows (the rest to the kernel above), tiles of 8 columns up to 8 and of 16 from 9
-(48, 40, 35, 96 rows; 5-37 columns; 300 columns: two sets of 256), the mins against each
-column's sub-block sums; `test_q4_k_products_without_amx_tiles` runs the shapes with it switched
-off (DELTARUN_K_AMX=0). A sub-block order that ignores the nibbles' layout fails 30 cases.
+scripts/ggml-patches/k-quant-tiles-amx.patch takes Q4_K products of 5 or more columns and Q6_K of
+12 or more (24 and more too) on CPUs with AMX: groups of 16 rows (the rest to the kernel above),
+tiles of 8 columns up to 8 and of 16 from 9 (48, 40, 35, 96 rows; 5-37 columns; 300 columns: two
+sets of 256), Q4_K's mins against each column's sub-block sums, Q6_K's values less 32;
+`test_k_quant_products_without_amx_tiles` runs the shapes with it switched off (DELTARUN_K_AMX=0).
+Q4_K's sub-blocks taken in natural order (not the nibbles') fail 30 cases, as do Q6_K's values less
+31 or its scale bytes swapped.
 
 The weights are random blocks (any bit pattern of the values and scales is a valid block, the fp16
 super-block scales are set to small positive numbers), dequantized by gguf's numpy code; the activations lie on the Q8_K grid, which ggml's quantizer
@@ -79,7 +81,7 @@ def test_k_quant_product_matches_numpy(wtype: str, k: int, n_rows: int, n_tok: i
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
 
 
-def test_q4_k_products_without_amx_tiles() -> None:
+def test_k_quant_products_without_amx_tiles() -> None:
     """The shapes above with the AMX tiles switched off (a process of its own: ggml reads the
     switch once): tinyBLAS_K_fewcols and ggml's tiled product alone."""
     import os
