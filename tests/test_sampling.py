@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from deltarun.runner import sampling
-from deltarun.runner.sampling import (GREEDY, LogitsProcessors, Sampler, SamplingParams, accept_draft, log_softmax,
-                                      sample_rows)
+from deltarun.runner.sampling import (GREEDY, Distribution, LogitsProcessors, Sampler, SamplingParams, accept_draft,
+                                      log_softmax, sample_rows)
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
 
@@ -166,6 +166,26 @@ def test_top_k_by_partition_gives_the_full_sorts_tokens_and_draws(monkeypatch):
     assert not slow.partitions(logits.size)
     np.testing.assert_array_equal(dist, slow.distribution(logits, history))
     assert draws == [slow.sample(logits, history) for _ in range(300)]
+
+
+def test_a_distribution_by_its_support_draws_what_the_dense_row_draws():
+    """Drafts (`Sampler.draft`) and samples are drawn from the support alone; with the same seed
+    they must be the tokens `rng.choice` over the whole dense row gives (the random number mapped to
+    tokens in id order), and `prob` must read the dense row's value, 0 off the support."""
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=5000) * 3).astype(np.float32)
+    for params in (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=11),
+                   SamplingParams(temperature=1.5, top_k=0, top_p=0.9, min_p=0.0, seed=12)):
+        dense = Sampler(params).distribution(logits)
+        q = Sampler(params).support(logits)
+        assert q.ids.size > 5 and np.all(np.diff(q.ids) > 0)
+        np.testing.assert_array_equal(Distribution.of_dense(dense).ids, q.ids)
+        for t in (int(q.ids[0]), int(q.ids[-1]), int(np.argmin(dense))):
+            assert q.prob(t) == dense[t]
+        drafter, sampler, ref = Sampler(params), Sampler(params), np.random.default_rng(params.seed)
+        want = [int(ref.choice(dense.size, p=dense)) for _ in range(400)]
+        assert [drafter.draft(logits, [])[0] for _ in range(400)] == want
+        assert [sampler.sample(logits, []) for _ in range(400)] == want
 
 
 def test_drafts_are_not_verified_under_processors_with_state():

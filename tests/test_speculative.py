@@ -10,7 +10,7 @@ import pytest
 from deltarun.base.errors import RollbackError
 from deltarun.runner.generation import GenerationStats, generate_tokens
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import GREEDY, Sampler, SamplingParams, accept_draft
+from deltarun.runner.sampling import GREEDY, Distribution, Sampler, SamplingParams, accept_draft
 from deltarun.runner.speculative import Draft, ModelDraft, MtpDraft, NgramDraft
 
 from reference import ReferenceModel
@@ -153,7 +153,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     n = 20000
     for _ in range(n):
         d = int(sampler.rng.choice(vocab, p=q))
-        n_ok, nxt = accept_draft(sampler, logits, Draft([d], [q]), [])
+        n_ok, nxt = accept_draft(sampler, logits, Draft([d], [Distribution.of_dense(q)]), [])
         counts[d if n_ok == 1 else nxt] += 1
     # 4 standard deviations of a binomial proportion at n = 20000 is below 0.015
     np.testing.assert_allclose(counts / n, p, atol=0.015)
@@ -596,7 +596,7 @@ class TableDraft:
 
     def propose(self, history, n, sampler):
         q = self.table[history[-1]]
-        return Draft([int(sampler.rng.choice(q.size, p=q))], [q])
+        return Draft([int(sampler.rng.choice(q.size, p=q))], [Distribution.of_dense(q)])
 
     def commit(self, next_tokens, hiddens, start):
         pass

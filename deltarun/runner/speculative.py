@@ -22,7 +22,7 @@ import numpy as np
 
 from deltarun.base.errors import DeltarunError
 from deltarun.runner.model import Model
-from deltarun.runner.sampling import LogitsProcessors, Sampler, accept_draft
+from deltarun.runner.sampling import Distribution, LogitsProcessors, Sampler, accept_draft
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Draft:
     """Proposed tokens and, for sampled decoding, the distribution each was drawn from."""
 
     tokens: list[int]
-    probs: list[np.ndarray | None]   # None: a deterministic proposal (point mass)
+    probs: list[Distribution | None]   # None: a deterministic proposal (point mass)
 
 
 class DraftSource(Protocol):
@@ -94,7 +94,7 @@ def draft_steps(sampler: Sampler, logits: np.ndarray, history: list[int],
     (i, token i) and is sent the logits that follow drafted token i; returns the Draft. A
     generator, so that the chains of several sequences can advance in lockstep (`propose_mtp`)."""
     tokens: list[int] = []
-    probs: list[np.ndarray | None] = []
+    probs: list[Distribution | None] = []
     local = list(history)
     for i in range(n):
         tok, q = sampler.draft(logits, local)
