@@ -188,6 +188,49 @@ def test_a_distribution_by_its_support_draws_what_the_dense_row_draws():
         assert [sampler.sample(logits, []) for _ in range(400)] == want
 
 
+def _dense_accept(rng: np.random.Generator, p: np.ndarray, q: np.ndarray | None, d: int) -> int | None:
+    """Speculative sampling's rule on dense rows, as written in the papers: None (kept) with
+    probability min(1, p[d] / q[d]), else a draw from max(p - q, 0) normalised."""
+    q_d = 1.0 if q is None else q[d]
+    if rng.random() < min(1.0, p[d] / q_d):
+        return None
+    residual = np.maximum(p - (np.eye(1, p.size, d)[0] if q is None else q), 0.0)
+    return int(rng.choice(p.size, p=residual / residual.sum())) if residual.sum() > 0 else int(np.argmax(p))
+
+
+def test_acceptance_by_the_support_decides_as_the_dense_rule():
+    """`accept_draft` reads the distributions by their support; with the same seed every decision
+    and every resampled token must be those of the dense rule (drafts from a q that overlaps p in
+    part, and point-mass drafts, many of them rejected)."""
+    rng = np.random.default_rng(5)
+    vocab = 3000
+    params = SamplingParams(temperature=1.0, top_k=30, top_p=0.97, min_p=0.0, seed=21)
+    kept = rejected = 0
+    for trial in range(150):
+        logits = (rng.normal(size=(2, vocab)) * 2).astype(np.float32)
+        p = Sampler(params).distribution(logits[0])
+        q = np.zeros(vocab)
+        ps = np.flatnonzero(p)[:10]                           # some of p's tokens, some others
+        support = np.concatenate([ps, rng.choice(np.setdiff1d(np.arange(vocab), ps), 25 - ps.size, replace=False)])
+        q[support] = rng.dirichlet(np.ones(25))
+        if trial % 2:                                         # close to p: most drafts kept
+            q = 0.8 * p + 0.2 * q
+        point = trial % 3 == 0
+        d = int(np.flatnonzero(p)[0]) if point else int(rng.choice(vocab, p=q))
+        sampler = Sampler(params)
+        n_ok, tok = accept_draft(sampler, logits, types.SimpleNamespace(
+            tokens=[d], probs=[None if point else Distribution.of_dense(q)]), [])
+        ref_rng = np.random.default_rng(params.seed)
+        want = _dense_accept(ref_rng, p, None if point else q, d)
+        if want is None:
+            kept += 1
+            assert n_ok == 1
+        else:
+            rejected += 1
+            assert (n_ok, tok) == (0, want)
+    assert kept > 20 and rejected > 20
+
+
 def test_drafts_are_not_verified_under_processors_with_state():
     rows = np.zeros((2, 4), dtype=np.float32)
     draft = types.SimpleNamespace(tokens=[1], probs=[None])

@@ -155,9 +155,30 @@ class Distribution:
         ids = np.flatnonzero(p)
         return cls(ids, p[ids], p.shape[0])
 
+    @classmethod
+    def point(cls, token: int, n_vocab: int) -> Distribution:
+        """All the mass on one token (a greedy sampler's, a deterministic draft's)."""
+        return cls(np.array([token], dtype=np.int64), np.ones(1), n_vocab)
+
+    def at(self, tokens: np.ndarray) -> np.ndarray:
+        """The probabilities of `tokens` (0 off the support)."""
+        if not self.ids.size:
+            return np.zeros(np.shape(tokens))
+        where = np.minimum(np.searchsorted(self.ids, tokens), self.ids.size - 1)
+        return np.where(self.ids[where] == tokens, self.probs[where], 0.0)
+
     def prob(self, token: int) -> float:
-        at = int(np.searchsorted(self.ids, token))
-        return float(self.probs[at]) if at < self.ids.size and self.ids[at] == token else 0.0
+        return float(self.at(np.array([token]))[0])
+
+    def residual(self, q: Distribution) -> Distribution | None:
+        """max(self - q, 0), normalised: what speculative sampling draws from after rejecting a
+        draft drawn from q; None where q covers all of self."""
+        ids = np.union1d(self.ids, q.ids)
+        r = np.maximum(self.at(ids) - q.at(ids), 0.0)
+        total = r.sum()
+        if total <= 0:
+            return None
+        return Distribution(ids[r > 0], r[r > 0] / total, self.n_vocab)
 
     def dense(self) -> np.ndarray:
         out = np.zeros(self.n_vocab, dtype=np.float64)
@@ -216,8 +237,7 @@ class Sampler:
         """The distribution the sampler draws from (a point mass when greedy); speculative sampling's."""
         x = np.asarray(logits, dtype=np.float32) if processors is None else processors(logits)
         if self.params.greedy:
-            best = int(np.argmax(self.penalized(x, history or [])))
-            return Distribution(np.array([best], dtype=np.int64), np.ones(1), x.shape[0])
+            return Distribution.point(int(np.argmax(self.penalized(x, history or []))), x.shape[0])
         ids, w = self._candidates(x, history or [])
         by_id = np.argsort(ids)
         return Distribution(ids[by_id].astype(np.int64), w[by_id], x.shape[0])
@@ -344,10 +364,7 @@ def accept_draft(sampler: Sampler, logits: np.ndarray, draft: Proposal, history:
             q = draft.probs[i]
             q_d = 1.0 if q is None else q.prob(d)
             if sampler.rng.random() >= min(1.0, p.prob(d) / q_d):
-                dense = p.dense()
-                residual = np.maximum(dense - (np.eye(1, dense.size, d)[0] if q is None else q.dense()), 0.0)
-                total = residual.sum()
-                tok = int(sampler.rng.choice(dense.size, p=residual / total)) if total > 0 else int(np.argmax(dense))
-                return i, tok
+                residual = p.residual(q if q is not None else Distribution.point(d, p.n_vocab))
+                return i, residual.draw(sampler.rng) if residual is not None else int(p.ids[np.argmax(p.probs)])
         local.append(d)
     return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local, processors)
