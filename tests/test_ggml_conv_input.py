@@ -4,8 +4,8 @@ input, against numpy on every thread count.
 scripts/ggml-patches/concat-rows.patch shares concat's rows between the threads (it gave them
 dimension 2 only: one sequence, one thread) and copies a dimension-0 concatenation row by row;
 the cases cross thread boundaries inside a plane, read the second source through a transposed
-view (as `concat(conv_states, transpose(qkv), 0)` does), and concatenate along dimensions 1 and 2
-(the per-row element path). scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
+view (as `concat(conv_states, transpose(qkv), 0)` does), and concatenate 4-D tensors along each
+dimension (1-3: the per-row element path), the row's indices stepped across planes. scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
 channel along its window row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and
 past 16 (a second, partial group), one and several sequences. Concat reproduces its sources
 exactly; the conv sums float32 products in numpy's order below, within float32 rounding (a
@@ -60,8 +60,10 @@ def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("dim", [1, 2])
-def test_concat_along_other_dimensions(dim: int, threads: int) -> None:
+@pytest.mark.parametrize("dim", [0, 1, 2, 3])
+def test_concat_of_4d_tensors(dim: int, threads: int) -> None:
+    """Every dimension of 4-D tensors: each thread's rows start inside a plane and cross planes of
+    dimensions 2 and 3, whose indices are stepped from row to row."""
     rng = np.random.default_rng(dim * 7 + threads)
     shape_a, shape_b = [5, 4, 3, 2], [5, 4, 3, 2]
     shape_b[dim] = 6
