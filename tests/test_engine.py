@@ -113,6 +113,38 @@ def test_a_failing_sequence_ends_alone_and_its_filler_is_rolled_back(tiny_model_
         assert m.tokens(0) == running[0].history[:-1] and m.tokens(2) == running[2].history[:-1]
 
 
+def test_plain_steps_keep_their_start_only_for_sequences_that_may_be_undone(tiny_model_path):
+    """A one-token step without drafts saves the state it started from (the token stays undoable
+    within the rollback slots) when a sequence of its run is `undoable`; `generate`'s are not, and
+    their steps leave nothing to undo, at no cost to the tokens."""
+    path = tiny_model_path("tiny-echo", "f32")
+    prompts = _prompts()
+    kept = {}
+    for undoable in (True, False):
+        with Model(path, n_ctx=128, kv_type="f32", n_seq_max=2, rs_slots=3) as m:
+            engine = Engine(m)
+            running = [Running(i, Sampler(GREEDY), list(prompts[i]), undoable=undoable) for i in range(2)]
+            for s in running:
+                engine.first(s, m.eval(prompts[s.seq], s.seq))
+            for _ in range(3):
+                engine.step(running)
+            assert [m.memory.rollback_limit(i) for i in range(2)] == ([1, 1] if undoable else [0, 0])
+            kept[undoable] = [s.history for s in running]
+            if undoable:
+                m.rollback(1, 0)
+                assert m.tokens(0) == running[0].history[:-2]
+    assert kept[True] == kept[False]
+    # one undoable sequence in the run keeps the start of every sequence's step
+    with Model(path, n_ctx=128, kv_type="f32", n_seq_max=2, rs_slots=3) as m:
+        engine = Engine(m)
+        running = [Running(0, Sampler(GREEDY), list(prompts[0]), undoable=False),
+                   Running(1, Sampler(GREEDY), list(prompts[1]))]
+        for s in running:
+            engine.first(s, m.eval(prompts[s.seq], s.seq))
+        engine.step(running)
+        assert m.memory.rollback_limit(1) == 1
+
+
 def test_a_full_context_is_reported_not_evaluated(tiny_model_path):
     with Model(tiny_model_path("tiny", "f32"), n_ctx=16, n_seq_max=2) as m:
         engine = Engine(m)

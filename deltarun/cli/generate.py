@@ -96,9 +96,10 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
         stats.n_prompt, stats.prompt_seconds = n_before, before_seconds   # the images and the text before them
         decoder = StreamDecoder(m.tokenizer)
         interrupted = False
+        # nothing is rolled back after a step here: plain steps need not save their start state
         stream = generate_tokens(m, tokens, n_predict, Sampler(params), stats=stats, draft=source, draft_max=draft_max,
                                  processors=LogitsProcessors(budget=budget) if budget is not None else None,
-                                 feed=feed)
+                                 feed=feed, undoable=False)
         try:
             for tok in stream:
                 piece = decoder.push(tok)
@@ -140,7 +141,7 @@ def generate(model: Path | None, prompt: str | None, file: Path | None, n_predic
                 processors = LogitsProcessors(budget=again) if again is not None else None
                 sampler = Sampler(sampling_params(**{**opts, "seed": params.seed}))
                 same = list(generate_tokens(m, tokens, n_predict, sampler, stats=plain,
-                                            processors=processors)) == stats.tokens
+                                            processors=processors, undoable=False)) == stats.tokens
                 ratio = stats.generate_tps / plain.generate_tps if plain.generate_tps else 0.0
                 click.echo(_timing("plain", plain.n_generated, plain.generate_seconds), **err)
                 click.echo(f"{'speed-up':>13}: {ratio:.2f}x over plain decoding"

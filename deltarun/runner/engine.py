@@ -62,6 +62,10 @@ class Running:
     draft: DraftSource | None = None
     length: DraftLength | None = None     # drafts proposed and verified (None: no drafts)
     budget: int = NO_LIMIT                # tokens still wanted, the next one included (bounds the drafts)
+    #: a plain step (one token, no drafts) saves the state it started from, so that the caller can
+    #: still undo that token within the rollback slots (chat's stop strings, the server's prompt
+    #: cache); `generate` never does and turns it off (a copy of every recurrent state per step)
+    undoable: bool = True
     n_steps: int = 0                      # ubatches evaluated for it
     n_drafted: int = 0
     n_accepted: int = 0
@@ -224,8 +228,9 @@ class Engine:
         # saved (UbatchShape.keep_start), nor by a one-token step of sequences that draft (their
         # slots serve the drafts: a paused source's steps then cost what plain decoding costs); a
         # one-token step without drafts keeps it, so that the token it evaluated can still be
-        # undone within the rollback slots (a stop string's leftover, chat.py)
-        keep_start = width == 1 and all(s.draft is None for s in run)
+        # undone within the rollback slots (a stop string's leftover, chat.py), when a sequence of
+        # the run may be rolled back (`Running.undoable`)
+        keep_start = width == 1 and all(s.draft is None for s in run) and any(s.undoable for s in run)
         if ride is not None and in_graph:
             self._ride_apart(ride)
             ride = None

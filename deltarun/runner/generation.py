@@ -61,7 +61,7 @@ def decode_tokens(model: Model, logits: np.ndarray, n_predict: int, sampler: Sam
                   context: tuple[list[int], np.ndarray | None, int] | None = None,
                   on_full: Callable[[], np.ndarray | None] | None = None,
                   on_token: Callable[[int], bool | None] | None = None,
-                  processors: LogitsProcessors | None = None) -> Iterator[int]:
+                  processors: LogitsProcessors | None = None, undoable: bool = True) -> Iterator[int]:
     """Yield up to n_predict tokens (-1: no limit) following a sequence whose prompt is evaluated.
 
     `logits` are the prompt's last row. The end-of-generation token is not yielded. The last
@@ -74,11 +74,12 @@ def decode_tokens(model: Model, logits: np.ndarray, n_predict: int, sampler: Sam
     default for a source that needs hidden rows: the prompt's last row). `on_full()`, called when
     the context has no room for the next token, may make room (chat's context shift, which
     evaluates the tokens so far) and return the logits that follow them; None ends the loop.
+    `undoable=False`: the caller never rolls the sequence back after a step (`Running.undoable`).
     """
     stats = stats if stats is not None else GenerationStats()
     engine = Engine(model)
     length = DraftLength(draft_limit(model, draft_max)) if draft is not None else None
-    s = Running(seq, sampler, model.tokens(seq), processors, draft=draft, length=length)
+    s = Running(seq, sampler, model.tokens(seq), processors, draft=draft, length=length, undoable=undoable)
     if draft is not None and draft.needs_hidden and context is None and model.last_hidden is not None:
         context = ([], model.last_hidden[0][-1:], model.n_past(seq) - 1)
     limit = n_predict if n_predict >= 0 else None
@@ -127,7 +128,8 @@ def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sa
                     stats: GenerationStats | None = None, stop_at_eog: bool = True,
                     on_token: Callable[[int], bool | None] | None = None,
                     draft: DraftSource | None = None, draft_max: int = 0,
-                    processors: LogitsProcessors | None = None, feed: MtpFeed | None = None) -> Iterator[int]:
+                    processors: LogitsProcessors | None = None, feed: MtpFeed | None = None,
+                    undoable: bool = True) -> Iterator[int]:
     """Evaluate `prompt` (appended to what the sequence holds) and yield up to n_predict new tokens.
 
     The end-of-generation token is not yielded; `stats.stop_reason` says why the loop ended. With
@@ -153,4 +155,4 @@ def generate_tokens(model: Model, prompt: list[int], n_predict: int, sampler: Sa
         draft.start(prompt)
     yield from decode_tokens(model, logits, n_predict, sampler, seq=seq, stats=stats, stop_at_eog=stop_at_eog,
                              draft=draft, draft_max=draft_max, context=context, on_token=on_token,
-                             processors=processors)
+                             processors=processors, undoable=undoable)

@@ -140,9 +140,9 @@ class Distribution:
 
     What the sampler draws from is a few dozen tokens after top-k, top-p and min-p; speculative
     sampling asks a few probabilities of it per drafted token. A dense float64 row of a 151,936-token
-    vocabulary took ~0.5 ms to fill and a draw from it ~0.8 ms (`rng.choice` over every token), a
-    sixth of a 3-token MTP step at temperature > 0. `draw` maps the random number to tokens in id
-    order, so it draws the token a draw from the dense row draws.
+    vocabulary took ~0.5 ms to fill and a draw from it ~0.8 ms (`rng.choice` over every token):
+    about an eighth of a depth-3 MTP cycle at temperature > 0. `draw` maps the random number to
+    tokens in id order, so it draws the token a draw from the dense row draws.
     """
 
     ids: np.ndarray      # int64, ascending
