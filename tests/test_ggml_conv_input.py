@@ -4,8 +4,9 @@ input, against numpy on every thread count.
 scripts/ggml-patches/concat-rows.patch shares concat's rows between the threads (it gave them
 dimension 2 only: one sequence, one thread) and copies a dimension-0 concatenation row by row;
 the cases cross thread boundaries inside a plane, read the second source through a transposed
-view (as `concat(conv_states, transpose(qkv), 0)` does), and concatenate 4-D tensors along each
-dimension (1-3: the per-row element path), the row's indices stepped across planes. scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
+view (as `concat(conv_states, transpose(qkv), 0)` does), concatenate a prompt's channel-major conv
+input (`concat(transpose(conv_states), qkv, 1)`: rows copied whole, the state's through the
+transposed view), and 4-D tensors along each dimension, the row's indices stepped across planes. scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
 channel along its window row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and
 past 16 (a second, partial group), one and several sequences. Concat reproduces its sources
 exactly; the conv sums float32 products in numpy's order below, within float32 rounding (a
@@ -57,6 +58,30 @@ def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens
     finally:
         ggml.ggml_free(ctx)
     np.testing.assert_array_equal(got, np.concatenate([states_np, qkv_np.transpose(0, 2, 1)], axis=2))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs", [(3, 70, 37, 1), (3, 65, 16, 2), (1, 64, 5, 3)])
+def test_channel_major_concat_of_a_transposed_state_and_the_ubatch(d_state: int, n_tokens: int, channels: int,
+                                                                   n_seqs: int, threads: int) -> None:
+    """A prompt's conv input, channel-major: `concat(transpose(conv_states), qkv, 1)` ->
+    [channels, d_state + T, n_seqs]; the state's rows are read through the transposed view (a
+    strided row), the ubatch's rows whole."""
+    rng = np.random.default_rng(d_state * 100 + n_tokens + channels * 7 + threads)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
+    try:
+        states = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d_state, channels, n_seqs)
+        qkv = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, channels, n_tokens, n_seqs)
+        states_np = rng.standard_normal((n_seqs, channels, d_state)).astype(np.float32)
+        qkv_np = rng.standard_normal((n_seqs, n_tokens, channels)).astype(np.float32)
+        _write(states, states_np)
+        _write(qkv, qkv_np)
+        out = ggml.ggml_concat(ctx, ggml.ggml_transpose(ctx, states), qkv, 1)
+        _compute(ctx, out, threads)
+        got = _read(out, (n_seqs, d_state + n_tokens, channels))
+    finally:
+        ggml.ggml_free(ctx)
+    np.testing.assert_array_equal(got, np.concatenate([states_np.transpose(0, 2, 1), qkv_np], axis=1))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
