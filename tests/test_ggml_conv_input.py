@@ -38,12 +38,13 @@ def _compute(ctx, out, threads: int) -> None:
     ggml.ggml_graph_compute_with_ctx(ctx, gf, threads)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 8])
-@pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs", [(3, 1, 37, 1), (3, 8, 50, 1), (3, 5, 13, 3),
-                                                              (1, 2, 7, 2), (3, 1, 1, 1)])
-def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens: int, channels: int,
-                                                          n_seqs: int, threads: int) -> None:
-    rng = np.random.default_rng(d_state * 100 + n_tokens * 10 + channels + threads)
+def _conv_input(d_state: int, n_tokens: int, channels: int, n_seqs: int, threads: int,
+                channel_major: bool) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's conv input of random states and q|k|v, and numpy's: time-major
+    `concat(conv_states, transpose(qkv), 0)` -> [d_state + T, channels, n_seqs] (a decoding step),
+    or channel-major `concat(transpose(conv_states), qkv, 1)` -> [channels, d_state + T, n_seqs] (a
+    prompt: the state's rows read through the transposed view, the ubatch's whole)."""
+    rng = np.random.default_rng(d_state * 100 + n_tokens * 10 + channels + threads + 7 * channel_major)
     ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
     try:
         states = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d_state, channels, n_seqs)
@@ -52,36 +53,33 @@ def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens
         qkv_np = rng.standard_normal((n_seqs, n_tokens, channels)).astype(np.float32)
         _write(states, states_np)
         _write(qkv, qkv_np)
-        out = ggml.ggml_concat(ctx, states, ggml.ggml_transpose(ctx, qkv), 0)
+        if channel_major:
+            out = ggml.ggml_concat(ctx, ggml.ggml_transpose(ctx, states), qkv, 1)
+            want = np.concatenate([states_np.transpose(0, 2, 1), qkv_np], axis=1)
+        else:
+            out = ggml.ggml_concat(ctx, states, ggml.ggml_transpose(ctx, qkv), 0)
+            want = np.concatenate([states_np, qkv_np.transpose(0, 2, 1)], axis=2)
         _compute(ctx, out, threads)
-        got = _read(out, (n_seqs, channels, d_state + n_tokens))
+        return _read(out, want.shape), want
     finally:
         ggml.ggml_free(ctx)
-    np.testing.assert_array_equal(got, np.concatenate([states_np, qkv_np.transpose(0, 2, 1)], axis=2))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs", [(3, 1, 37, 1), (3, 8, 50, 1), (3, 5, 13, 3),
+                                                              (1, 2, 7, 2), (3, 1, 1, 1)])
+def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens: int, channels: int,
+                                                          n_seqs: int, threads: int) -> None:
+    got, want = _conv_input(d_state, n_tokens, channels, n_seqs, threads, channel_major=False)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs", [(3, 70, 37, 1), (3, 65, 16, 2), (1, 64, 5, 3)])
 def test_channel_major_concat_of_a_transposed_state_and_the_ubatch(d_state: int, n_tokens: int, channels: int,
                                                                    n_seqs: int, threads: int) -> None:
-    """A prompt's conv input, channel-major: `concat(transpose(conv_states), qkv, 1)` ->
-    [channels, d_state + T, n_seqs]; the state's rows are read through the transposed view (a
-    strided row), the ubatch's rows whole."""
-    rng = np.random.default_rng(d_state * 100 + n_tokens + channels * 7 + threads)
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
-    try:
-        states = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d_state, channels, n_seqs)
-        qkv = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, channels, n_tokens, n_seqs)
-        states_np = rng.standard_normal((n_seqs, channels, d_state)).astype(np.float32)
-        qkv_np = rng.standard_normal((n_seqs, n_tokens, channels)).astype(np.float32)
-        _write(states, states_np)
-        _write(qkv, qkv_np)
-        out = ggml.ggml_concat(ctx, ggml.ggml_transpose(ctx, states), qkv, 1)
-        _compute(ctx, out, threads)
-        got = _read(out, (n_seqs, d_state + n_tokens, channels))
-    finally:
-        ggml.ggml_free(ctx)
-    np.testing.assert_array_equal(got, np.concatenate([states_np.transpose(0, 2, 1), qkv_np], axis=1))
+    got, want = _conv_input(d_state, n_tokens, channels, n_seqs, threads, channel_major=True)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
