@@ -251,10 +251,8 @@ class Sampler:
                processors: LogitsProcessors | None = None) -> int:
         """One token: the argmax when greedy, else a draw from `support` (the random number
         mapped to tokens in token-id order)."""
-        if self.params.greedy:
-            x = np.asarray(logits, dtype=np.float32) if processors is None else processors(logits)
-            return int(np.argmax(self.penalized(x, history or [])))
-        return self.support(logits, history, processors).draw(self.rng)
+        p = self.support(logits, history, processors)
+        return int(p.ids[0]) if self.params.greedy else p.draw(self.rng)
 
     def draft(self, logits: np.ndarray, history: list[int]) -> tuple[int, Distribution | None]:
         """One drafted token and the distribution it was drawn from (None: greedy, a point mass),
