@@ -4,13 +4,15 @@ against numpy.
 scripts/ggml-patches/q8_0-read-ahead.patch rewrites the x86 loop of ggml_vec_dot_q8_0_q8_0 (two
 blocks per iteration on two accumulators, rows read ahead): one token (a vector) takes that path.
 scripts/ggml-patches/q8_0-few-columns.patch gives Q8_0 products a kernel of their own on AVX-512
-VNNI CPUs (llamafile's tinyBLAS otherwise): tiles of 4 rows (2 from 5 columns), block pairs with a
-one-block tail, each thread one contiguous range of rows, the next tile read ahead; past 8
-columns, blocks of 8 columns (the last one shorter) within chunks of columns sized for L2. These
-shapes cover an odd block count (the tail), a single block, row counts that leave a partial tile
-and rows that end where the read-ahead runs past the matrix, column counts of every tile shape,
-several blocks with a short last one, more columns than one chunk holds (2,048 x 200: chunks of
-168), and thread counts that split the rows unevenly. They hold for the stock kernels as well.
+VNNI CPUs (llamafile's tinyBLAS otherwise): up to 4 columns block pairs with a one-block tail in
+tiles of 4 rows; from 5 columns column lanes (16/P columns x P 4-byte groups per register: P = 2 up
+to 8 columns, 1 from 9) in tiles of 8 rows, the columns gathered in groups of 16/P (the last one
+shorter) within chunks sized for L2; each thread one contiguous range of rows, the next tile read
+ahead. These shapes cover an odd block count (the pairs' tail), a single block, row counts that
+leave a partial tile and rows that end where the read-ahead runs past the matrix, column counts of
+every tile and lane shape, several groups with a short last one, more columns than one chunk holds
+(3,200 x 300: chunks of 256 columns), and thread counts that split the rows unevenly. They hold for
+the stock kernels as well.
 scripts/ggml-patches/q8_0-tiles-amx.patch takes 5 or more columns on CPUs with AMX: groups of 16
 rows per thread (130 rows: 8 groups and 2 rows left to the AVX-512 kernel; 9, 10, 11 rows: none),
 tiles of 8 columns up to 8 columns (5-8: padded; 48 and 35 rows: 3 and 2 groups, one thread's
@@ -51,7 +53,8 @@ def _on_q8_0_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
                                             (3200, 11, 6), (224, 66, 7), (1056, 45, 8), (96, 21, 9),
                                             (64, 10, 16), (1056, 45, 13), (3200, 11, 37), (2048, 6, 200),
                                             (32, 3, 700), (512, 64, 16), (32, 16, 12), (4096, 35, 10),
-                                            (96, 48, 5), (3200, 35, 6), (160, 50, 37), (64, 40, 300)])
+                                            (96, 48, 5), (3200, 35, 6), (160, 50, 37), (64, 40, 300),
+                                            (3200, 9, 300)])
 def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows + threads)
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
