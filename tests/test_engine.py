@@ -246,31 +246,31 @@ def test_a_riding_prompt_chunk_takes_its_rows_first(tiny_model_path, n_seqs, rid
         assert a[:n] == b[:n] and n >= len(_prompts()[0]) + 1 + 5
 
 
-def test_models_step_sixteen_rows_where_ggml_has_amx_tiles(tiny_model_path, monkeypatch):
-    """Engine.max_rows on the CPU: AMX_ROWS (16) for a model whose layer matrices are of a type
-    ggml multiplies by 16 columns on AMX tiles (Q8_0; F16, BF16, Q4_K), then 4 sequences draft 3 each;
-    else CPU_ROWS (8): F32 weights, or without the tiles."""
+def test_models_step_sixteen_rows_where_ggml_multiplies_sixteen_columns_at_once(tiny_model_path, monkeypatch):
+    """Engine.max_rows on the CPU: WIDE_ROWS (16) for a model whose layer matrices are of a type
+    ggml multiplies by 16 columns at once (AMX tiles: Q8_0, F16, BF16, Q4_K; Q8_0's column lanes on
+    AVX-512 VNNI), then 4 sequences draft 3 each; else CPU_ROWS (8): F32 weights, or without them."""
     import deltarun.runner.engine as engine_module
-    from deltarun.base.ggml_compat import amx_columns, ggml
+    from deltarun.base.ggml_compat import ggml, wide_columns
 
     motif = _prompts()[0]
     with Model(tiny_model_path("tiny", "f32"), n_ctx=32) as m:
-        assert amx_columns(ggml.GGML_TYPE_F32) == 0 and Engine(m).max_rows == Engine.CPU_ROWS
+        assert wide_columns(ggml.GGML_TYPE_F32) == 0 and Engine(m).max_rows == Engine.CPU_ROWS
     for wtype, gtype in (("bf16", ggml.GGML_TYPE_BF16), ("f16", ggml.GGML_TYPE_F16), ("q4_k", ggml.GGML_TYPE_Q4_K)):
         with Model(tiny_model_path("tiny", wtype), n_ctx=32) as m:
-            want = Engine.AMX_ROWS if amx_columns(gtype) >= 16 else Engine.CPU_ROWS
+            want = Engine.WIDE_ROWS if wide_columns(gtype) >= 16 else Engine.CPU_ROWS
             assert Engine(m).max_rows == want
-            monkeypatch.setattr(engine_module, "amx_columns", lambda t, g=gtype: 16 if t == g else 0)
-            assert Engine(m).max_rows == Engine.AMX_ROWS
-            monkeypatch.setattr(engine_module, "amx_columns", lambda t, g=gtype: 0 if t == g else 16)
+            monkeypatch.setattr(engine_module, "wide_columns", lambda t, g=gtype: 16 if t == g else 0)
+            assert Engine(m).max_rows == Engine.WIDE_ROWS
+            monkeypatch.setattr(engine_module, "wide_columns", lambda t, g=gtype: 0 if t == g else 16)
             assert Engine(m).max_rows == Engine.CPU_ROWS
-            monkeypatch.setattr(engine_module, "amx_columns", amx_columns)
+            monkeypatch.setattr(engine_module, "wide_columns", wide_columns)
     with Model(tiny_model_path("tiny-echo", "q8_0"), n_ctx=128, n_seq_max=4, rs_slots=4) as m:
-        want = Engine.AMX_ROWS if amx_columns(ggml.GGML_TYPE_Q8_0) >= 16 else Engine.CPU_ROWS
+        want = Engine.WIDE_ROWS if wide_columns(ggml.GGML_TYPE_Q8_0) >= 16 else Engine.CPU_ROWS
         assert Engine(m).max_rows == want
-        monkeypatch.setattr(engine_module, "amx_columns", lambda t: 16 if t == ggml.GGML_TYPE_Q8_0 else 0)
+        monkeypatch.setattr(engine_module, "wide_columns", lambda t: 16 if t == ggml.GGML_TYPE_Q8_0 else 0)
         engine = Engine(m)
-        assert engine.max_rows == Engine.AMX_ROWS
+        assert engine.max_rows == Engine.WIDE_ROWS
         running = [Running(i, Sampler(GREEDY), list(motif), draft=NgramDraft(), length=DraftLength(3))
                    for i in range(4)]
         for s in running:
@@ -280,7 +280,7 @@ def test_models_step_sixteen_rows_where_ggml_has_amx_tiles(tiny_model_path, monk
             engine.step(running)
             widths += [w for _, w in engine.last_runs]
         assert max(widths) == 4
-        monkeypatch.setattr(engine_module, "amx_columns", lambda t: 0)
+        monkeypatch.setattr(engine_module, "wide_columns", lambda t: 0)
         assert Engine(m).max_rows == Engine.CPU_ROWS
 
 

@@ -24,6 +24,8 @@ last one; 300: two sets of 256 columns);
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -82,3 +84,18 @@ def test_q8_0_products_without_amx_tiles() -> None:
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
                         "-k", "matches_numpy"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_column_lanes_are_announced_where_they_are_compiled() -> None:
+    """q8_0-few-columns.patch exports deltarun_q8_0_lane_columns: 16 where its column lanes are
+    compiled (ggml built for AVX-512 VNNI: every such x86 CPU has AVX-512 F and BW too), else 0;
+    `wide_columns(Q8_0)` (the engine's rows per step) counts it, other types do not."""
+    from deltarun.base.ggml_compat import amx_columns, wide_columns
+
+    lanes = 16 if ggml.ggml_cpu_has_avx512() and ggml.ggml_cpu_has_avx512_vnni() else 0
+    fn = ggml.ggml.lib.deltarun_q8_0_lane_columns
+    fn.restype = ctypes.c_int
+    assert fn() == lanes
+    assert wide_columns(ggml.GGML_TYPE_Q8_0) == max(lanes, amx_columns(ggml.GGML_TYPE_Q8_0))
+    assert wide_columns(ggml.GGML_TYPE_F32) == 0
+    assert wide_columns(ggml.GGML_TYPE_F16) == amx_columns(ggml.GGML_TYPE_F16)

@@ -42,6 +42,15 @@ def cpu_writes_slots_in_place() -> bool:
     return hasattr(ggml.ggml.lib, "deltarun_gdn_slots_in_place")
 
 
+def _exported_count(name: str) -> int:
+    """An int a ggml patch exports by `name` (0 when this build lacks it)."""
+    fn = getattr(ggml.ggml.lib, name, None)
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
 def amx_columns(weight_type: int) -> int:
     """The columns of one AMX tile this ggml's CPU multiplies weights of `weight_type` by (0: no
     tiles for that type here). The ggml patches q8_0-tiles-amx (Q8_0), widened-half-tiles-amx
@@ -50,11 +59,17 @@ def amx_columns(weight_type: int) -> int:
     export = {ggml.GGML_TYPE_Q8_0: "deltarun_q8_0_amx_columns", ggml.GGML_TYPE_F16: "deltarun_half_amx_columns",
               ggml.GGML_TYPE_BF16: "deltarun_half_amx_columns", ggml.GGML_TYPE_Q4_K: "deltarun_k_quant_amx_columns",
               ggml.GGML_TYPE_Q6_K: "deltarun_k_quant_amx_columns"}.get(weight_type)
-    fn = getattr(ggml.ggml.lib, export, None) if export else None
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return int(fn())
+    return _exported_count(export) if export else 0
 
 
-__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place", "amx_columns"]
+def wide_columns(weight_type: int) -> int:
+    """The columns this ggml's CPU multiplies weights of `weight_type` by at once for well under
+    their count times one column's cost (0: none for that type here): an AMX tile's (`amx_columns`),
+    or a group of Q8_0's column lanes on AVX-512 VNNI CPUs (q8_0-few-columns.patch exports it: 16
+    columns cost 1.4-1.5x one on Zen 5)."""
+    lanes = _exported_count("deltarun_q8_0_lane_columns") if weight_type == ggml.GGML_TYPE_Q8_0 else 0
+    return max(amx_columns(weight_type), lanes)
+
+
+__all__ = ["ggml", "FIXED_FUNCTIONS", "POINTER_RESTYPE_FIXES", "cpu_writes_slots_in_place", "amx_columns",
+           "wide_columns"]

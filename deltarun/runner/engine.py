@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltarun.base.errors import DeltarunError
-from deltarun.base.ggml_compat import amx_columns, ggml
+from deltarun.base.ggml_compat import ggml, wide_columns
 from deltarun.runner.model import Model, PromptChunk
 from deltarun.runner.sampling import LogitsProcessors, Sampler, sample_rows
 from deltarun.runner.speculative import (Draft, DraftLength, DraftSource, MtpDraft, commit_held, commit_kept,
@@ -95,11 +95,11 @@ class Engine:
     #: rows of one step (sequences x tokens each) a CPU evaluates for at most about twice the
     #: cost of one: the AVX-512 matrix kernels read the weights once for up to 8 columns (8 cost
     #: 1.5x one at Qwen3.5-0.8B's shapes, bench/RESULTS.md "Small ubatches"), and where most of a
-    #: model's matrix bytes are of a type ggml multiplies on AMX tiles of 16 columns (Q8_0:
-    #: q8_0-tiles-amx.patch; F16, BF16: widened-half-tiles-amx.patch) 16 columns cost 1.2-2.1x
-    #: one (`cpu_step_rows`)
+    #: model's matrix bytes are of a type ggml multiplies 16 columns at once (`wide_columns`: AMX
+    #: tiles of Q8_0, F16, BF16, Q4_K, Q6_K; Q8_0's column lanes on AVX-512 VNNI CPUs) 16 columns
+    #: cost 1.2-2.1x one (`cpu_step_rows`)
     CPU_ROWS = 8
-    AMX_ROWS = 16
+    WIDE_ROWS = 16
 
     def __init__(self, model: Model, max_rows: int | None = None):
         self.model = model
@@ -312,12 +312,12 @@ class Engine:
 
 
 def cpu_step_rows(model: Model) -> int:
-    """`Engine.max_rows` on a CPU: AMX_ROWS when most of the layers' matrix bytes are of a type this
-    ggml multiplies by that many columns on AMX tiles (`amx_columns`), else CPU_ROWS."""
+    """`Engine.max_rows` on a CPU: WIDE_ROWS when most of the layers' matrix bytes are of a type this
+    ggml multiplies by that many columns at once (`wide_columns`), else CPU_ROWS."""
     matrices = [info for name, info in model.file.tensors.items() if name.startswith("blk.") and len(info.ne) >= 2]
-    on_tiles = {t for t in {info.ggml_type for info in matrices} if amx_columns(t) >= Engine.AMX_ROWS}
-    tiled = sum(info.nbytes for info in matrices if info.ggml_type in on_tiles)
-    return Engine.AMX_ROWS if 2 * tiled > sum(info.nbytes for info in matrices) else Engine.CPU_ROWS
+    wide = {t for t in {info.ggml_type for info in matrices} if wide_columns(t) >= Engine.WIDE_ROWS}
+    covered = sum(info.nbytes for info in matrices if info.ggml_type in wide)
+    return Engine.WIDE_ROWS if 2 * covered > sum(info.nbytes for info in matrices) else Engine.CPU_ROWS
 
 
 def _runs(running: list[Running]) -> list[list[Running]]:
