@@ -5,8 +5,9 @@ scripts/ggml-patches/k-quant-few-columns.patch gives Q4_K and Q6_K products of 1
 kernel of their own on AVX-512 CPUs (ggml's per-pair `ggml_vec_dot_q4_K_q8_K` / `_q6_K_q8_K`
 below 8 columns otherwise, its tiled K-quant product from 8): each
 row unpacked once (Q4_K's nibbles with the 6-bit scales and mins of ggml's packing, Q6_K's 4+2-bit
-values with signed 8-bit scales and the offset 32), up to 8 prepared columns per tile, chunks of
-columns sized for L2, each thread one contiguous range of rows; from 24 columns on ggml's tiled
+values with signed 8-bit scales and the offset 32: for at most 8 columns super-block by super-block
+into registers, used at once; for more into a buffer the blocks of columns read), up to 8 prepared
+columns per tile, chunks of columns sized for L2, each thread one contiguous range of rows; from 24 columns on ggml's tiled
 product runs. These shapes cover one and several super-blocks, row counts that split unevenly
 over the threads, every tile width (1-8 columns, a short last block), the mins/offset term's
 column groups (four columns for Q4_K, two for Q6_K), more columns than one chunk holds (51,200 x
@@ -18,7 +19,8 @@ tiles of 8 columns up to 8 and of 16 from 9 (48, 40, 35, 96 rows; 5-37 columns; 
 sets of 256), Q4_K's mins against each column's sub-block sums, Q6_K's values less 32;
 `test_k_quant_products_without_amx_tiles` runs the shapes with it switched off (DELTARUN_K_AMX=0).
 Q4_K's sub-blocks taken in natural order (not the nibbles') fail 30 cases, as do Q6_K's values less
-31 or its scale bytes swapped.
+31 or its scale bytes swapped; the in-register path unpacking the row's first super-block every
+time fails 49.
 
 The weights are random blocks (any bit pattern of the values and scales is a valid block, the fp16
 super-block scales are set to small positive numbers), dequantized by gguf's numpy code; the activations lie on the Q8_K grid, which ggml's quantizer
