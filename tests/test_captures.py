@@ -22,10 +22,10 @@ N = 130          # tokens of the captured call: ubatches of 64, 64, 2 at --ubatc
 CAPTURES = [5, 17, 62, 64, 100]
 
 
-def _slot0_conv(row: np.ndarray, model: Model) -> np.ndarray:
-    """Slot 0 of a conv row (bytes of [d_conv-1, K, channels] floats; a capture writes only slot 0)."""
-    hp, K = model.hp, model.rs_slots
-    return row.view(np.float32).reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)[:, 0, :]
+def _conv_windows(saved: np.ndarray, model: Model) -> np.ndarray:
+    """The conv windows [channels, d_conv-1] of a state copy (bytes of slot 0 of a conv row)."""
+    hp = model.hp
+    return saved.view(np.float32).reshape(hp.conv_dim, hp.ssm_d_conv - 1)
 
 
 def _tokens(n: int, seed: int = 1) -> list[int]:
@@ -54,18 +54,25 @@ def test_captured_states_equal_those_of_a_split_evaluation(tiny_model_path, pres
             assert got.n_past == want.n_past == PROMPT + t
             for il in want.ssm:
                 np.testing.assert_allclose(got.ssm[il].view(np.float32), want.ssm[il].view(np.float32), rtol=0, atol=1e-5)
-                np.testing.assert_allclose(_slot0_conv(got.conv[il], m), _slot0_conv(want.conv[il], ref),
+                np.testing.assert_allclose(_conv_windows(got.conv[il], m), _conv_windows(want.conv[il], ref),
                                            rtol=0, atol=1e-5)   # projections of other batch sizes round apart
         # F32 model: the only differences are summation orders of differently split ubatches
         np.testing.assert_allclose(logits, np.concatenate(parts), rtol=0, atol=2e-4)
 
 
 @pytest.mark.parametrize("delta_net", ["fused", "primitive"])
-def test_a_restored_capture_continues_as_the_unbroken_sequence(tiny_model_path, delta_net):
+@pytest.mark.parametrize("rs_slots", [1, 3])
+def test_a_restored_capture_continues_as_the_unbroken_sequence(tiny_model_path, delta_net, rs_slots):
+    """A state copy holds the live slot only (`Memory._conv_slot0`); written into a cell with
+    rollback slots it fills each of them, and the sequence goes on as if never broken."""
     path = tiny_model_path("tiny", "f32")
     toks = _tokens(80, seed=2)
-    with Model(path, n_ctx=256, n_ubatch=64, n_threads=2, capture_slots=2, delta_net=delta_net, n_seq_max=2) as m:
+    with Model(path, n_ctx=256, n_ubatch=64, n_threads=2, capture_slots=2, delta_net=delta_net, n_seq_max=2,
+               rs_slots=rs_slots) as m:
+        hp = m.hp
         m.eval(toks[:40], seq=0, captures=[13, 29])
+        assert m.last_captures[29].nbytes == 4 * sum(hp.conv_state_size_of(il) + hp.ssm_state_size
+                                                     for il in hp.linear_layers)
         m.memory.write_recurrent(1, m.last_captures[29])      # a checkpoint restored into another cell
         m.memory.write_kv(1, m.memory.read_kv(0, 29), 29)
         m.memory.set_tokens(1, toks[:29])

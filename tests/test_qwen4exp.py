@@ -329,7 +329,7 @@ def test_states_match_reference(q4_path, hf):
         hp = m.hp
         row = m.memory.read_recurrent(0).conv[1].view(np.float32)
         hist = (CFG.ple_conv_kernel_size - 1) * CFG.ngram_size
-        ple_slot0 = row[hp.conv_state_size * 2:][:hist * H * E].reshape(H * E, hist).T
+        ple_slot0 = row[hp.conv_state_size:][:hist * H * E].reshape(H * E, hist).T   # a state copy: slot 0
         np.testing.assert_allclose(ple_slot0, ref.ple_conv_state(1), rtol=1e-4, atol=1e-5)
         k_rows = m.memory.read_kv(0, len(toks)).rows[3][0].view(np.float32).reshape(len(toks), -1)
         np.testing.assert_allclose(k_rows[:, -CFG.indexer_head_dim:], ref.index_keys(3), rtol=1e-4, atol=1e-5)

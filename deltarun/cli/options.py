@@ -214,9 +214,12 @@ def open_model(model: str | Path | None = None, *, ctx: int = MODEL_DEFAULTS["ct
                mtp: bool = False, rpc: str | None = None, tensor_split: str | None = None, capture_slots: int = 0,
                repack: bool = MODEL_DEFAULTS["repack"], pin_threads: bool | None = MODEL_DEFAULTS["pin_threads"],
                draft_vocab: int | None = None, **_other: Any):
-    """Open `model` (or the built-in model when None) with the model options' values."""
+    """Open `model` (or the built-in model when None) with the model options' values, in a
+    process whose host memory is settled for it (`runner.host_memory`)."""
+    from deltarun.runner.host_memory import settle_host_memory
     from deltarun.runner.model import Model
 
+    settle_host_memory()
     path = resolve_model(model, quiet=quiet)
     check_backends([backend])
     if not quiet:

@@ -299,16 +299,52 @@ class Memory:
         return self._read_state(self.capture_conv, self.capture_ssm, i, n_past)
 
     def _read_state(self, conv: dict[int, Tensor], ssm: dict[int, Tensor], row: int, n_past: int) -> RecurrentState:
-        """Row `row` (a cell's, or a capture slot's) of every layer's conv and SSM tensors."""
-        def rows(ts: dict[int, Tensor]) -> dict[int, np.ndarray]:
-            return {il: self._read_bytes(t, row * t.contents.nb[1], t.contents.nb[1]) for il, t in ts.items()}
-        return RecurrentState(n_past, rows(conv), rows(ssm))
+        """Slot 0 of row `row` (a cell's, or a capture slot's) of every layer's conv and SSM tensors."""
+        return RecurrentState(n_past, {il: self._conv_slot0(t, row) for il, t in conv.items()},
+                              {il: self._read_bytes(t, row * t.contents.nb[1], t.contents.nb[1]) for il, t in ssm.items()})
+
+    def _conv_slot_views(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A conv row's windows [channels, K, d_conv-1] and extra state [K, extra] (see the module
+        docstring), as views of its floats."""
+        hp, K = self.hp, self.rs_slots
+        windows = row[:hp.conv_state_size * K].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
+        return windows, row[hp.conv_state_size * K:].reshape(K, -1)
+
+    def _conv_slot0(self, t: Tensor, row: int) -> np.ndarray:
+        """Slot 0 of row `row` of conv tensor t as bytes: every channel's window, then the extra
+        state's slot 0. A state copy keeps only the live slot: with K rollback slots the row holds
+        K windows per channel (4 MB of a checkpoint's 24 at Qwen3.5-0.8B's shapes with K = 4), and
+        nothing can be rolled back past a restored state."""
+        size = t.contents.nb[1]
+        if self.rs_slots == 1:
+            return self._read_bytes(t, row * size, size)
+        whole = self._scratch_array(size)
+        ggml.ggml_backend_tensor_get(t, whole.ctypes.data, row * size, size)
+        windows, extra = self._conv_slot_views(whole.view(np.float32))
+        n = windows[:, 0, :].size
+        out = np.empty(n + extra.shape[1], dtype=np.float32)
+        out[:n].reshape(windows.shape[0], -1)[:] = windows[:, 0, :]
+        out[n:] = extra[0]
+        return out.view(np.uint8)
+
+    def _conv_row_of(self, t: Tensor, slot0: np.ndarray) -> np.ndarray:
+        """The whole conv row for a saved slot 0 (`_conv_slot0`): the saved state in every slot."""
+        if self.rs_slots == 1:
+            return slot0
+        whole = self._scratch_array(t.contents.nb[1])
+        windows, extra = self._conv_slot_views(whole.view(np.float32))
+        saved = slot0.view(np.float32)
+        n = windows[:, 0, :].size
+        windows[:] = saved[:n].reshape(windows.shape[0], 1, -1)
+        extra[:] = saved[n:]
+        return whole
 
     def write_recurrent(self, seq: int, state: RecurrentState) -> None:
         """Make `state` the live recurrent state of `seq` (any cell of the same model)."""
         for il in self.conv:
-            for t, saved in ((self.conv[il], state.conv[il]), (self.ssm[il], state.ssm[il])):
-                self._write_bytes(t, saved, seq * t.contents.nb[1])
+            conv = self.conv[il]
+            self._write_bytes(conv, self._conv_row_of(conv, state.conv[il]), seq * conv.contents.nb[1])
+            self._write_bytes(self.ssm[il], state.ssm[il], seq * self.ssm[il].contents.nb[1])
 
     def _v_layout(self, v: Tensor) -> tuple[int, int]:
         """A V tensor's channels per cell and bytes per position: V is stored transposed, a row per
@@ -385,13 +421,12 @@ class Memory:
         Slots 1..r keep their contents; the graph always reads slot 0, so after this the next
         ubatch continues from the state r tokens back.
         """
-        hp, K = self.hp, self.rs_slots
+        hp = self.hp
         for il in self.conv:
             row_bytes = self.conv[il].contents.nb[1]      # the cell's row only, not every cell's
             cell = self._read_bytes(self.conv[il], seq * row_bytes, row_bytes).view(np.float32)
-            row = cell[:hp.conv_state_size * K].reshape(hp.conv_dim, K, hp.ssm_d_conv - 1)
-            row[:, 0, :] = row[:, r, :]
-            extra = cell[hp.conv_state_size * K:].reshape(K, -1)     # slot-major, see the module doc
+            windows, extra = self._conv_slot_views(cell)
+            windows[:, 0, :] = windows[:, r, :]
             extra[0] = extra[r]
             self._write_bytes(self.conv[il], cell, seq * row_bytes)
             ssm = self.ssm[il]
@@ -411,14 +446,18 @@ class Memory:
             data = np.ascontiguousarray(data)
             ggml.ggml_backend_tensor_set(t, data.ctypes.data, offset, data.nbytes)
 
-    def _scratch_of(self, size: int) -> int:
-        """The address of `size` bytes of host scratch, kept between calls, that a cell's state moves
-        through (`_copy_bytes`: rollbacks, `copy_seq`; `_swap_bytes`: a server's moves). A move
-        through fresh arrays (both cells' KV rows and states alive at once, 4 x 18 MB at
-        Qwen3.5-0.8B's shapes) spent most of its ~50 ms in page faults."""
+    def _scratch_array(self, size: int) -> np.ndarray:
+        """`size` bytes of host scratch, kept between calls, that a cell's state moves through
+        (`_copy_bytes`: rollbacks, `copy_seq`; `_swap_bytes`: a server's moves; conv rows of state
+        copies). A move through fresh arrays (both cells' KV rows and states alive at once, 4 x 18
+        MB at Qwen3.5-0.8B's shapes) spent most of its ~50 ms in page faults."""
         if self._scratch.nbytes < size:
             self._scratch = np.empty(size, dtype=np.uint8)
-        return self._scratch.ctypes.data
+        return self._scratch[:size]
+
+    def _scratch_of(self, size: int) -> int:
+        """The address of `_scratch_array(size)`."""
+        return self._scratch_array(size).ctypes.data
 
     def _copy_bytes(self, t: Tensor, src: int, dst: int, size: int) -> None:
         """Copy `size` bytes of backend tensor t from offset src to offset dst (through the host)."""
@@ -440,10 +479,8 @@ class Memory:
     # --- reading state back (tests, debugging) ------------------------------------------------
     def conv_slots(self, il: int, seq: int = 0) -> np.ndarray:
         """Conv state of one sequence as numpy (K, d_conv-1, channels): slot, then oldest column first."""
-        hp = self.hp
         row = tensor_to_numpy(self.conv[il]).reshape(self.n_seq_max, -1)[seq]   # [(d_conv-1)*K*channels (+ extra)]
-        arr = row[:hp.conv_state_size * self.rs_slots].reshape(hp.conv_dim, self.rs_slots, hp.ssm_d_conv - 1)
-        return arr.transpose(1, 2, 0).copy()
+        return self._conv_slot_views(row)[0].transpose(1, 2, 0).copy()
 
     def ssm_slots(self, il: int, seq: int = 0) -> np.ndarray:
         """SSM state of one sequence as numpy (K, H_v, S_k, S_v): M[k, v] per head and slot."""
