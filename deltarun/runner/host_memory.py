@@ -6,13 +6,16 @@ huge pages (madvise MADV_HUGEPAGE). A decoding step's logits are such arrays (16
 serves them from its heap, so the advice stays on heap ranges that later hold other arrays: the
 prompt cache's state copies (`Memory.read_recurrent`, 24 MB of 1 MB rows at Qwen3.5-0.8B's shapes)
 and the next steps' outputs. With the kernel's default THP defrag setting ("madvise") a fault in
-such a range compacts memory to find a huge page. In a `serve --draft mtp` process (Zen 5 VM, after
-a load test) touching a fresh 24 MB array took 120-163 ms against 17-24 ms with the advice off, and
-the server's checkpoints (`read_recurrent`) 72-89 ms against 14-35 ms (medians of 28); a plain
-server, whose logits (4 rows, 2.4 MB) stay under numpy's threshold, took 10 ms either way. A model's
-arrays gain nothing measurable from huge pages (they are read once or copied once), so
-`settle_host_memory` turns the advice off for the process; `cli.options.open_model` calls it, so
-every command and the server's model process (`serve --rpc`'s child too) run with it off.
+such a range allocates a huge page (compacting memory for it), which on a VM that backs guest memory
+lazily costs several times what small pages cost (Zen 5 VM: 2.6-3.4 against 0.5-1.2 ms/MB). In a
+`serve --draft mtp` process after a load test, the server's checkpoints (`read_recurrent`, medians
+of 28) took 58-78 ms in five runs of six with the advice on, 12-17 ms in seven runs of twelve with
+it off (bench/RESULTS.md, thirteenth session: new memory on that VM costs more at some minutes than
+at others, for every process, which the other five show); a plain server, whose logits (4 rows,
+2.4 MB) stay under numpy's threshold, took 8-13 ms. Huge pages would only save TLB misses on arrays that are
+written or read once, so `settle_host_memory` turns the advice off for the process;
+`cli.options.open_model` calls it, so every command and the server's model process (`serve
+--rpc`'s child too) run with it off.
 """
 
 from __future__ import annotations
