@@ -246,6 +246,41 @@ def test_a_riding_prompt_chunk_takes_its_rows_first(tiny_model_path, n_seqs, rid
         assert a[:n] == b[:n] and n >= len(_prompts()[0]) + 1 + 5
 
 
+def test_a_chunk_rides_in_the_graph_of_one_greedy_mtp_sequence(tiny_model_path):
+    """One sequence drafting with the MTP block greedily verifies with the block in its graph
+    (`mtp_argmax`), unless a prompt chunk rides along: then the chunk goes into that one graph and
+    the source fills its MTP rows afterwards (it used to be evaluated apart: every weight read a
+    second time). The sequence keeps the float64 reference's greedy tokens either way, and the chunk
+    is evaluated."""
+    from deltarun.runner.model import PromptChunk
+
+    path = tiny_model_path("tiny-mtp")
+    p = _prompts()[0][:9]
+    want = _reference_greedy(path, p, N_NEW)
+    chunk_prompt = list(range(100, 140))
+    for with_ride in (False, True):
+        with Model(path, n_ctx=128, kv_type="f32", n_seq_max=2, rs_slots=4, mtp=True) as m:
+            engine = Engine(m, max_rows=8)
+            s = Running(0, Sampler(GREEDY), list(p), draft=MtpDraft(m, seq=0), length=DraftLength(3))
+            logits = m.eval(p, 0, all_hidden=True)
+            engine.first(s, logits, (list(p[1:]), m.last_hidden[0], 0))
+            m.eval(chunk_prompt[:4], 1)
+            done, graphs = 4, []
+            while len(s.history) - len(p) < N_NEW:
+                ride = PromptChunk(1, chunk_prompt[done:done + 4]) if with_ride and done < 36 else None
+                before = m.stats.n_eval_calls
+                s.budget = N_NEW - (len(s.history) - len(p))
+                (outcome,) = engine.step([s], ride=ride)
+                assert outcome.error is None
+                graphs.append(m.stats.n_eval_calls - before)
+                done += len(ride.tokens) if ride is not None else 0
+            assert s.history[len(p):len(p) + N_NEW] == want
+            if with_ride:
+                assert m.tokens(1) == chunk_prompt[:done] and done > 8
+                assert graphs[:(done - 4) // 4] == [1] * ((done - 4) // 4)     # the chunk in the step's graph
+            assert s.n_drafted > 0
+
+
 def test_models_step_sixteen_rows_where_ggml_multiplies_sixteen_columns_at_once(tiny_model_path, monkeypatch):
     """Engine.max_rows on the CPU: WIDE_ROWS (16) for a model whose layer matrices are of a type
     ggml multiplies by 16 columns at once (AMX tiles: Q8_0, F16, BF16, Q4_K; Q8_0's column lanes on

@@ -220,8 +220,11 @@ class Engine:
         self.last_runs.append((run, width))
         only = run[0] if len(run) == 1 else None
         # a greedy MTP source: the verification graph also runs the MTP block on its argmax rows
-        # (not for a deferring source without drafts: it keeps the row aside)
-        in_graph = only is not None and only.draft is not None and \
+        # (not for a deferring source without drafts: it keeps the row aside; not beside a riding
+        # prompt chunk: the chunk takes this graph, and the source fills its rows afterwards with
+        # the other held sources, as in a run of several sequences, for one MTP ubatch of a few
+        # rows instead of a second pass over every weight for the chunk alone)
+        in_graph = ride is None and only is not None and only.draft is not None and \
             bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
             (bool(proposals[id(only)].tokens) or not getattr(only.draft, "defer", False))
         # a verification ubatch undoes at most its drafted rows: the state it started from is not
@@ -231,9 +234,6 @@ class Engine:
         # undone within the rollback slots (a stop string's leftover, chat.py), when a sequence of
         # the run may be rolled back (`Running.undoable`)
         keep_start = width == 1 and all(s.draft is None for s in run) and any(s.undoable for s in run)
-        if ride is not None and in_graph:
-            self._ride_apart(ride)
-            ride = None
         try:
             if only is not None and ride is None:
                 out = {only.seq: model.eval(batch[only.seq], only.seq, all_logits=width > 1 or in_graph,
