@@ -321,7 +321,7 @@ class Memory:
         whole = self._scratch_array(size)
         ggml.ggml_backend_tensor_get(t, whole.ctypes.data, row * size, size)
         windows, extra = self._conv_slot_views(whole.view(np.float32))
-        n = windows[:, 0, :].size
+        n = self.hp.conv_state_size
         out = np.empty(n + extra.shape[1], dtype=np.float32)
         out[:n].reshape(windows.shape[0], -1)[:] = windows[:, 0, :]
         out[n:] = extra[0]
@@ -334,7 +334,7 @@ class Memory:
         whole = self._scratch_array(t.contents.nb[1])
         windows, extra = self._conv_slot_views(whole.view(np.float32))
         saved = slot0.view(np.float32)
-        n = windows[:, 0, :].size
+        n = self.hp.conv_state_size
         windows[:] = saved[:n].reshape(windows.shape[0], 1, -1)
         extra[:] = saved[n:]
         return whole
