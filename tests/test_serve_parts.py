@@ -345,6 +345,52 @@ def test_worker_compaction_puts_generating_jobs_side_by_side(model):
     assert all(model.tokens(j.seq) == held[j.id] for j in jobs)
 
 
+def test_the_first_token_goes_out_before_the_prompt_end_is_checkpointed(tiny_model_path, monkeypatch):
+    """The prompt's last chunk is evaluated, then its first token is sampled and streamed, then the
+    prompt's end is checkpointed (a copy of the recurrent state to host memory, which a request's
+    time to first token need not wait for); the checkpoint still holds the state after the prompt,
+    the one a fresh evaluation of the prompt leaves."""
+    import threading
+
+    from deltarun.apps.serve.protocol import SamplingRequest
+    from deltarun.apps.serve.worker import GenParams, Job, Worker
+
+    events: list = []
+    taken: list[tuple[int, int]] = []        # (position, events emitted before it) per checkpoint
+    checkpoint = PromptCache.checkpoint
+
+    def spy(self, seq, logits=None, state=None):
+        taken.append((state.n_past if state is not None else self.model.n_past(seq), len(events)))
+        return checkpoint(self, seq, logits, state)
+
+    monkeypatch.setattr(PromptCache, "checkpoint", spy)
+    path = tiny_model_path("tiny", "f32")
+    w = Worker(lambda: Model(path, n_ctx=256, n_seq_max=2, n_threads=1), 2)
+    w.start()
+    try:
+        assert w.ready.wait(60) and w.load_error is None
+        prompt = list(range(10, 40))
+        done = threading.Event()
+
+        def emit(ev) -> None:
+            events.append(ev)
+            if ev.finish_reason is not None or ev.error is not None:
+                done.set()
+
+        job = Job(GenParams(prompt=prompt, max_tokens=3, req=SamplingRequest(ignore_eos=True, logprobs=True)), emit)
+        w.submit(job)
+        assert done.wait(60) and events[-1].error is None
+        fresh = w.call(lambda m: (m.memory.clear_seq(1), m.eval(prompt, 1), m.memory.read_recurrent(1))[2]).result(60)
+    finally:
+        w.shutdown(wait=30)
+    assert [pos for pos, _ in taken] == [len(prompt)]
+    assert taken[0][1] == 1 and events[0].logprobs          # after the first token's event, before the second
+    saved = w.cache.seqs[job.seq].checkpoints[len(prompt)].state
+    assert saved.n_past == fresh.n_past == len(prompt)
+    assert all(np.array_equal(saved.conv[il], fresh.conv[il]) and np.array_equal(saved.ssm[il], fresh.ssm[il])
+               for il in fresh.ssm)
+
+
 def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
     """PromptBuilder finds a boundary's token count from the prompt tokens' byte offsets instead of
     tokenizing the text before it again: the same counts, on contents that start with spaces,

@@ -634,14 +634,25 @@ class Worker:
         self.metrics.prefill_step(end - job.pos, seconds, ahead=p.ahead, ridden=ridden)
         job.n_evaluated += end - job.pos
         job.pos = end
-        if end in p.checkpoints or end == n:
-            self.cache.checkpoint(job.seq, logits if end == n else None)
-            self.metrics.cache_bytes.set(self.cache.nbytes())
-        if end == n and p.ahead:
-            self._release(job)
-        elif end == n:
+        if end == n and not p.ahead:
+            # the first token goes out before the prompt's end is checkpointed: sampling it evaluates
+            # nothing, so the seq still holds the prompt's state, and the copy (a recurrent state
+            # to host memory: 9-55 ms on a VM that backs new memory lazily) leaves the time to
+            # first token
             job.state = "decode"
-            self._first(job, logits)
+            try:
+                self._first(job, logits)
+            finally:
+                self._checkpoint(job.seq, logits)
+            return
+        if end in p.checkpoints or end == n:
+            self._checkpoint(job.seq, logits if end == n else None)
+        if end == n:
+            self._release(job)
+
+    def _checkpoint(self, seq: int, logits: np.ndarray | None) -> None:
+        self.cache.checkpoint(seq, logits)
+        self.metrics.cache_bytes.set(self.cache.nbytes())
 
     def _adapt_chunk(self, n: int, seconds: float) -> None:
         """Halve or double the shared chunk so that one takes about STALL_FACTOR decode steps."""
