@@ -651,6 +651,8 @@ class Worker:
             self._release(job)
 
     def _checkpoint(self, seq: int, logits: np.ndarray | None) -> None:
+        """Checkpoint the live state of `seq` in the prompt cache (with the prompt's last logits at
+        its end) and report the cache's new size."""
         self.cache.checkpoint(seq, logits)
         self.metrics.cache_bytes.set(self.cache.nbytes())
 
