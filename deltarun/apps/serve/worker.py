@@ -647,7 +647,7 @@ class Worker:
             return
         if end in p.checkpoints or end == n:
             self._checkpoint(job.seq, logits if end == n else None)
-        if end == n:
+        if end == n:                      # work ahead: its prompt is all it evaluates
             self._release(job)
 
     def _checkpoint(self, seq: int, logits: np.ndarray | None) -> None:
