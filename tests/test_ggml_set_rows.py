@@ -4,7 +4,9 @@ scripts/ggml-patches/set-rows-threads.patch rewrites that kernel's loop (all row
 split between the threads, broadcast indices stepped instead of divided): these cases cross every
 wrap of the stepped indices (rows, planes, index rows ne11 < ne02, index planes ne12 < ne03) and
 thread boundaries that fall inside a plane, and a strided source such as the conv-window view the
-delta net stores. They hold for the stock kernel as well.
+delta net stores. scripts/ggml-patches/set-rows-short-copy.patch copies F32 rows of up to 32
+bytes inline (two overlapping moves of 4, 8 or 16 bytes): rows of 1 to 9 floats take each size
+and the memcpy past it. They hold for the stock kernel as well.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ CASES = [  # nc, nr (rows per plane), ne02, ne03, ne11, ne12, dst rows
     (5, 3, 12, 4, 4, 2, 7),        # per-plane index rows and index planes (broadcast wraps)
     (8, 7, 6, 1, 6, 1, 9),         # one index row per plane
     (2, 1, 1, 1, 1, 1, 1),         # a single row (threads without work)
+    (1, 2, 5, 1, 1, 1, 3),         # rows of 4, 16, 28 and 36 bytes: each way
+    (4, 3, 7, 2, 1, 1, 4),         # set-rows-short-copy.patch copies rows of
+    (7, 2, 9, 1, 1, 1, 3),         # up to 32 bytes (the 12-byte windows
+    (9, 2, 5, 1, 1, 1, 3),         # too), longer ones with memcpy
 ]
 
 
