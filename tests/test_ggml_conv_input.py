@@ -8,7 +8,10 @@ view (as `concat(conv_states, transpose(qkv), 0)` does), concatenate a prompt's 
 input (`concat(transpose(conv_states), qkv, 1)`: rows copied whole, the state's through the
 transposed view), and 4-D tensors along each dimension, the row's indices stepped across planes. scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
 channel along its window row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and
-past 16 (a second, partial group), one and several sequences. Concat reproduces its sources
+past 16 (a second, partial group), one and several sequences. scripts/ggml-patches/conv-input-rows.patch
+copies a d_conv = 4 conv input's rows (three state columns, then T) in runs along each plane, the
+state read through slot 0 of rollback cells too (`slots`), and convolves one token of 16 channels
+at a time where d_conv = 4 (33 and 70 channels: whole groups and a rest). Concat reproduces its sources
 exactly; the conv sums float32 products in numpy's order below, within float32 rounding (a
 compiler may fuse a product and its sum). They hold for the stock kernels as well.
 """
@@ -39,19 +42,24 @@ def _compute(ctx, out, threads: int) -> None:
 
 
 def _conv_input(d_state: int, n_tokens: int, channels: int, n_seqs: int, threads: int,
-                channel_major: bool) -> tuple[np.ndarray, np.ndarray]:
+                channel_major: bool, slots: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """ggml's conv input of random states and q|k|v, and numpy's: time-major
     `concat(conv_states, transpose(qkv), 0)` -> [d_state + T, channels, n_seqs] (a decoding step),
     or channel-major `concat(transpose(conv_states), qkv, 1)` -> [channels, d_state + T, n_seqs] (a
-    prompt: the state's rows read through the transposed view, the ubatch's whole)."""
+    prompt: the state's rows read through the transposed view, the ubatch's whole). With `slots`
+    > 1 each channel's state is the first of `slots` windows, read through a strided view (as a
+    model with rollback slots reads slot 0 of its conv states)."""
     rng = np.random.default_rng(d_state * 100 + n_tokens * 10 + channels + threads + 7 * channel_major)
     ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 1024 * 1024, mem_buffer=None))
     try:
-        states = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d_state, channels, n_seqs)
+        cells = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d_state * slots, channels, n_seqs)
+        states = ggml.ggml_view_3d(ctx, cells, d_state, channels, n_seqs, 4 * d_state * slots,
+                                   4 * d_state * slots * channels, 0)
         qkv = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, channels, n_tokens, n_seqs)
-        states_np = rng.standard_normal((n_seqs, channels, d_state)).astype(np.float32)
+        cells_np = rng.standard_normal((n_seqs, channels, d_state * slots)).astype(np.float32)
+        states_np = cells_np[:, :, :d_state]
         qkv_np = rng.standard_normal((n_seqs, n_tokens, channels)).astype(np.float32)
-        _write(states, states_np)
+        _write(cells, cells_np)
         _write(qkv, qkv_np)
         if channel_major:
             out = ggml.ggml_concat(ctx, ggml.ggml_transpose(ctx, states), qkv, 1)
@@ -66,11 +74,13 @@ def _conv_input(d_state: int, n_tokens: int, channels: int, n_seqs: int, threads
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-@pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs", [(3, 1, 37, 1), (3, 8, 50, 1), (3, 5, 13, 3),
-                                                              (1, 2, 7, 2), (3, 1, 1, 1)])
+@pytest.mark.parametrize("d_state,n_tokens,channels,n_seqs,slots", [(3, 1, 37, 1, 1), (3, 8, 50, 1, 1),
+                                                                    (3, 5, 13, 3, 1), (1, 2, 7, 2, 1),
+                                                                    (3, 1, 1, 1, 1), (3, 1, 37, 2, 4),
+                                                                    (3, 4, 21, 3, 4), (2, 1, 9, 2, 3)])
 def test_concat_of_the_conv_state_and_a_transposed_ubatch(d_state: int, n_tokens: int, channels: int,
-                                                          n_seqs: int, threads: int) -> None:
-    got, want = _conv_input(d_state, n_tokens, channels, n_seqs, threads, channel_major=False)
+                                                          n_seqs: int, slots: int, threads: int) -> None:
+    got, want = _conv_input(d_state, n_tokens, channels, n_seqs, threads, channel_major=False, slots=slots)
     np.testing.assert_array_equal(got, want)
 
 
@@ -108,7 +118,7 @@ def test_concat_of_4d_tensors(dim: int, threads: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("d_conv,n_tokens,channels,n_seqs", [(4, 1, 33, 1), (4, 2, 33, 2), (4, 8, 70, 1),
+@pytest.mark.parametrize("d_conv,n_tokens,channels,n_seqs", [(4, 1, 33, 1), (4, 1, 70, 3), (4, 2, 33, 2), (4, 8, 70, 1),
                                                              (4, 16, 9, 1), (4, 37, 21, 2), (3, 5, 6, 1)])
 def test_ssm_conv_matches_numpy(d_conv: int, n_tokens: int, channels: int, n_seqs: int, threads: int) -> None:
     rng = np.random.default_rng(d_conv * 1000 + n_tokens * 10 + channels + threads)
