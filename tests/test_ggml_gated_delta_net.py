@@ -5,12 +5,11 @@ passes) at the tiny models' head sizes; this one checks the op alone at the head
 patched AVX-512 kernels take (S_v a multiple of 16 up to 128, Qwen3.5's 128 included), with the
 rollback snapshots: scripts/ggml-patches/gated-delta-net-rows.patch keeps each state row in
 registers (one token a ubatch), gated-delta-net-tiles.patch takes 16 rows at a time from two
-tokens on (two tiles in step from S_v = 32) and keeps the decay as one scalar for the tile,
-folded back into the rows before it leaves [1e-12, 1e12]. The shapes cover token counts below,
-at and above K (the snapshot slots), more tokens than the kernel's 64-token chunk (65, 130), q/k
-heads shared by several value heads, two sequences, thread counts that split the heads
-unevenly, and decays that leave that range within a few tokens (-30: every token; 0: none;
--0.5: after ~55). A per-channel gate (Kimi's KDA) takes ggml's generic loop.
+tokens on (two tiles in step from S_v = 32), with the row kernel's operations in its order. The
+shapes cover token counts below, at and above K (the snapshot slots), more tokens than the
+kernel's 64-token chunk (65, 130), q/k heads shared by several value heads, two sequences, thread
+counts that split the heads unevenly, and decays from none (0) to near-total (-30). A
+per-channel gate (Kimi's KDA) takes ggml's generic loop.
 """
 
 from __future__ import annotations
@@ -99,3 +98,21 @@ def test_per_channel_gate_matches_numpy(T: int) -> None:
     want_out, want_snaps = _reference(q, k, v, g, beta, state, 4)
     np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(snaps, want_snaps, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("S", [128, 32])
+def test_results_do_not_depend_on_the_ubatch_split(S: int) -> None:
+    """The same tokens in one call and in calls of 1, 2, 1 and 5 tokens (each starting from the
+    state the last one left): bit for bit the same outputs and state. A prompt read in chunks, a
+    resume from the prompt cache and a verification step of drafts then give exactly what one
+    evaluation gives (the row kernel takes single tokens, the tile kernel the others)."""
+    rng = np.random.default_rng(S)
+    q, k, v, g, beta, state = _inputs(rng, 1, 9, 2, 2, S, "mixed")
+    whole, whole_snaps = ggml_gated_delta_net(q, k, v, g, beta, state, 1, 2)
+    outs, s = [], state
+    for a, b in ((0, 1), (1, 3), (3, 4), (4, 9)):
+        out, snaps = ggml_gated_delta_net(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s, 1, 2)
+        outs.append(out)
+        s = snaps[0]
+    np.testing.assert_array_equal(np.concatenate(outs, axis=1), whole)
+    np.testing.assert_array_equal(s, whole_snaps[0])
