@@ -6,14 +6,15 @@ dimension 2 only: one sequence, one thread) and copies a dimension-0 concatenati
 the cases cross thread boundaries inside a plane, read the second source through a transposed
 view (as `concat(conv_states, transpose(qkv), 0)` does), concatenate a prompt's channel-major conv
 input (`concat(transpose(conv_states), qkv, 1)`: rows copied whole, the state's through the
-transposed view), and 4-D tensors along each dimension, the row's indices stepped across planes. scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per
-channel along its window row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and
-past 16 (a second, partial group), one and several sequences. scripts/ggml-patches/conv-input-rows.patch
-copies a d_conv = 4 conv input's rows (three state columns, then T) in runs along each plane, the
-state read through slot 0 of rollback cells too (`slots`), and convolves one token of 16 channels
-at a time where d_conv = 4 (33 and 70 channels: whole groups and a rest). Concat reproduces its sources
-exactly; the conv sums float32 products in numpy's order below, within float32 rounding (a
-compiler may fuse a product and its sum). They hold for the stock kernels as well.
+transposed view), and 4-D tensors along each dimension, the row's indices stepped across planes.
+scripts/ggml-patches/ssm-conv-tokens.patch computes several tokens per channel along its window
+row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and past 16 (a second, partial
+group), one and several sequences. scripts/ggml-patches/conv-input-rows.patch copies a d_conv = 4
+conv input's rows (three state columns, then T) in runs along each plane, the state read through
+slot 0 of rollback cells too (`slots`), and convolves one token of 16 channels at a time where
+d_conv = 4 (33 and 70 channels: whole groups and a rest). Concat reproduces its sources exactly;
+the conv sums float32 products in numpy's order below, within float32 rounding (a compiler may
+fuse a product and its sum). They hold for the stock kernels as well.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def test_concat_of_4d_tensors(dim: int, threads: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("d_conv,n_tokens,channels,n_seqs", [(4, 1, 33, 1), (4, 1, 70, 3), (4, 2, 33, 2), (4, 8, 70, 1),
-                                                             (4, 16, 9, 1), (4, 37, 21, 2), (3, 5, 6, 1)])
+@pytest.mark.parametrize("d_conv,n_tokens,channels,n_seqs", [(4, 1, 33, 1), (4, 1, 70, 3), (4, 2, 33, 2),
+                                                             (4, 8, 70, 1), (4, 16, 9, 1), (4, 37, 21, 2),
+                                                             (3, 5, 6, 1)])
 def test_ssm_conv_matches_numpy(d_conv: int, n_tokens: int, channels: int, n_seqs: int, threads: int) -> None:
     rng = np.random.default_rng(d_conv * 1000 + n_tokens * 10 + channels + threads)
     width = d_conv - 1 + n_tokens
