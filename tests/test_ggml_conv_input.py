@@ -12,7 +12,10 @@ row, up to 16 at a time: token counts of 1 (ggml's own loop), 2-16, and past 16 
 group), one and several sequences. scripts/ggml-patches/conv-input-rows.patch copies a d_conv = 4
 conv input's rows (three state columns, then T) in runs along each plane, the state read through
 slot 0 of rollback cells too (`slots`), and convolves one token of 16 channels at a time where
-d_conv = 4 (33 and 70 channels: whole groups and a rest). Concat reproduces its sources exactly;
+d_conv = 4 (33 and 70 channels: whole groups and a rest).
+scripts/ggml-patches/ssm-conv-windows-permuted.patch convolves 2-4 tokens with d_conv = 4 by
+permuting four channels' rows in registers instead of gathering (2, 3 and 4 tokens over 33, 50 and
+70 channels, split between threads inside a group of 16). Concat reproduces its sources exactly;
 the conv sums float32 products in numpy's order below, within float32 rounding (a compiler may
 fuse a product and its sum). They hold for the stock kernels as well.
 """
