@@ -123,8 +123,8 @@ def test_concat_of_4d_tensors(dim: int, threads: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("d_conv,n_tokens,channels,n_seqs", [(4, 1, 33, 1), (4, 1, 70, 3), (4, 2, 33, 2),
-                                                             (4, 3, 70, 2), (4, 4, 50, 3), (4, 8, 70, 1), (4, 16, 9, 1), (4, 37, 21, 2),
-                                                             (3, 5, 6, 1)])
+                                                             (4, 3, 70, 2), (4, 4, 50, 3), (4, 8, 70, 1),
+                                                             (4, 16, 9, 1), (4, 37, 21, 2), (3, 5, 6, 1)])
 def test_ssm_conv_matches_numpy(d_conv: int, n_tokens: int, channels: int, n_seqs: int, threads: int) -> None:
     rng = np.random.default_rng(d_conv * 1000 + n_tokens * 10 + channels + threads)
     width = d_conv - 1 + n_tokens
