@@ -4,8 +4,9 @@ against numpy.
 scripts/ggml-patches/q8_0-read-ahead.patch rewrites the x86 loop of ggml_vec_dot_q8_0_q8_0 (two
 blocks per iteration on two accumulators, rows read ahead): one token (a vector) takes that path.
 scripts/ggml-patches/q8_0-few-columns.patch gives Q8_0 products a kernel of their own on AVX-512
-VNNI CPUs (llamafile's tinyBLAS otherwise): up to 4 columns block pairs with a one-block tail in
-tiles of 4 rows; from 5 columns column lanes (16/P columns x P 4-byte groups per register: P = 2 up
+VNNI CPUs (llamafile's tinyBLAS otherwise): up to 4 columns block pairs with a one-block tail, one
+row at a time (x86-one-row-streams.patch: the columns offset to unsigned bytes, each row's sums the
+dots' starting value; long rows such as ffn_down's 3,584 and 3,616 values with 2-4 columns); from 5 columns column lanes (16/P columns x P 4-byte groups per register: P = 2 up
 to 8 columns, 1 from 9) in tiles of 8 rows, the columns gathered in groups of 16/P within chunks
 sized for L2, past 16 columns a partial last group in narrower lanes (P = 4 for 1-4 of its columns:
 17, 20, 34 and 276 = 256 + 16 + 4, the last in the second chunk; P = 2 for 5-8: 24, 37, 200; the 16
@@ -57,7 +58,8 @@ def _on_q8_0_grid(rng: np.random.Generator, n_tok: int, k: int) -> np.ndarray:
                                             (32, 3, 700), (512, 64, 16), (32, 16, 12), (4096, 35, 10),
                                             (96, 48, 5), (3200, 35, 6), (160, 50, 37), (64, 40, 300),
                                             (3200, 9, 300), (1024, 45, 17), (96, 21, 20), (160, 40, 34),
-                                            (64, 33, 24), (3200, 9, 276)])
+                                            (64, 33, 24), (3200, 9, 276), (3584, 19, 4), (3616, 9, 2),
+                                            (3616, 10, 3)])
 def test_q8_0_matvec_matches_numpy(k: int, n_rows: int, n_tok: int, threads: int) -> None:
     rng = np.random.default_rng(k * 7 + n_rows + threads)
     w = rng.standard_normal((n_rows, k)).astype(np.float32)
