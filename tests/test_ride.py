@@ -135,3 +135,54 @@ def test_a_sequence_cannot_ride_along_itself(tiny_model_path):
     with Model(tiny_model_path("tiny"), n_ctx=64, n_seq_max=2) as m:
         with pytest.raises(DeltarunError, match="cannot ride along a batch that holds it"):
             m.eval_batch({0: [1], 1: [2]}, ride=PromptChunk(1, [3, 4]))
+
+
+def _floats(a: np.ndarray) -> np.ndarray:
+    return np.frombuffer(np.ascontiguousarray(a).tobytes(), dtype=np.float32)
+
+
+@pytest.mark.parametrize("preset, delta_net, ends", [("tiny", "fused", False), ("tiny-qwen35", "fused", True),
+                                                     ("tiny", "primitive", True)])
+def test_riding_chunk_keeps_its_capture_points(tiny_model_path, preset, delta_net, ends):
+    """A riding chunk with capture points (a prompt's message boundaries, checkpointed by serve
+    without ending the chunk there) leaves in `last_captures` the state after each: equal to the
+    live state of the sequence evaluated up to that point alone; evaluated apart, the same."""
+    history, chunk, caps = prompt(10, seed=60), prompt(9, seed=61), (2, 5, 8)
+    opts = dict(n_ctx=128, kv_type="f32", n_seq_max=3, rs_slots=4, delta_net=delta_net)
+    want = {}
+    with Model(tiny_model_path(preset), **opts) as m:
+        for t in caps:
+            m.reset()
+            m.eval(history + chunk[:t], 2)
+            want[len(history) + t] = m.memory.read_recurrent(2)
+    for mode in ("ride", "apart"):
+        with Model(tiny_model_path(preset), capture_slots=4, **opts) as m:
+            for s in range(3):
+                m.eval(history if s == 2 else prompt(6, seed=62 + s), s)
+            ride = PromptChunk(2, chunk, logits=ends, captures=caps)
+            calls = m.stats.n_eval_calls
+            if mode == "ride":
+                m.eval_batch({0: [3], 1: [4]}, ride=ride)
+                assert m.stats.n_eval_calls == calls + 1                       # one graph for both
+                assert any(s.ride is not None and s.ride.captures == caps for s in m._graphs)
+            else:
+                m.eval_chunk(ride)
+            assert sorted(m.last_captures) == sorted(want) and m.tokens(2) == history + chunk
+            for pos, state in want.items():
+                got = m.last_captures[pos]
+                assert got.n_past == pos
+                for il in m.hp.linear_layers:
+                    assert rel_err(_floats(got.ssm[il]), _floats(state.ssm[il])) < APART_TOL
+                    assert rel_err(_floats(got.conv[il]), _floats(state.conv[il])) < APART_TOL
+
+
+def test_riding_chunk_capture_points_are_checked_first(tiny_model_path):
+    from deltarun.base.errors import DeltarunError
+
+    with Model(tiny_model_path("tiny"), n_ctx=64, n_seq_max=3, capture_slots=2) as m:
+        for s in range(3):
+            m.eval(prompt(4, seed=70 + s), s)
+        for caps, match in [((0,), "must lie inside"), ((6,), "must lie inside"), ((1, 2, 3), "3 capture points")]:
+            with pytest.raises(DeltarunError, match=match):
+                m.eval_batch({0: [1], 1: [2]}, ride=PromptChunk(2, prompt(6, seed=73), captures=caps))
+        assert [m.n_past(s) for s in range(3)] == [4, 4, 4]

@@ -499,6 +499,48 @@ def test_long_prompt_prefills_in_chunks_between_decode_steps(model_path):
     assert all(a[0] != b[0] for a, b in zip(between, between[1:]))
 
 
+def test_a_riding_prompt_captures_its_checkpoints_without_ending_chunks_there(model_path):
+    """A conversation's prompt riding along another stream's steps is checkpointed at its message
+    boundaries by the steps' graphs (`PromptChunk.captures`), not by chunks that end at each: fewer
+    chunks than boundaries, the same checkpoints (positions and states) and answer as the prompt
+    evaluated alone, and its next turn resumes from them."""
+    convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two three"},
+             {"role": "assistant", "content": "four five"}, {"role": "user", "content": "six seven"}]
+    results = {}
+    for mode in ("alone", "riding"):
+        with _server(model_path, parallel=2, chunk=256, checkpoint_every=0) as h:
+            c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+            stream = None
+            if mode == "riding":
+                stream = iter(_ask(c, [{"role": "user", "content": "keep going"}], max_tokens=900, ignore_eos=True,
+                                   stream=True))
+                next(stream), next(stream)
+            h.worker.trace = trace = []
+            answer = _ask(c, convo, max_tokens=4, temperature=0)
+            h.worker.trace = None
+            seq = 1 if mode == "riding" else next(s for s, info in enumerate(h.worker.cache.seqs) if info.checkpoints)
+            checkpoints = dict(h.worker.cache.seqs[seq].checkpoints)
+            again = _ask(c, convo + [{"role": "assistant", "content": answer.choices[0].message.content},
+                                     {"role": "user", "content": "eight"}], max_tokens=2, temperature=0)
+            if stream is not None:
+                stream.close()
+        steps = [n for kind, _, n in trace if kind == "prefill"]
+        results[mode] = (answer.choices[0].message.content, checkpoints, steps, again.usage)
+    text, checkpoints, steps, usage = results["riding"]
+    assert text == results["alone"][0]
+    ends = set(np.cumsum(steps).tolist())                     # where each riding chunk ended
+    inside = [p for p in checkpoints if p < sum(steps)]
+    assert len(inside) >= 3 and not ends >= set(inside)       # chunks ended at each checkpoint before
+    assert sorted(checkpoints) == sorted(results["alone"][1])
+    for pos, cp in checkpoints.items():
+        other = results["alone"][1][pos].state
+        for il in cp.state.ssm:
+            a, b = (np.frombuffer(np.ascontiguousarray(x).tobytes(), dtype=np.float32)
+                    for x in (cp.state.ssm[il], other.ssm[il]))
+            assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
+    assert usage.prompt_tokens_details.cached_tokens >= max(inside)
+
+
 def _metric_value(h: ServeHandle, name: str) -> float:
     text = httpx.get(h.base_url + "/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))

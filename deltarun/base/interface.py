@@ -82,7 +82,7 @@ class UbatchShape:
         """The shape the riding chunk's own ops (conv, delta rule, attention) are built for."""
         r = self.ride
         return UbatchShape(n_seq_tokens=r.n_tokens, n_seqs=1, n_outputs=0, n_kv=r.n_kv, seq_head=r.seq,
-                           delta_net=self.delta_net, continued=not r.logits)
+                           delta_net=self.delta_net, continued=not r.logits, captures=r.captures)
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class Ride:
     n_kv: int                # KV positions its attention sees (padded)
     logits: bool = False     # its last row's logits and hidden state are outputs too (the prompt's end)
     hidden: bool = False     # every row's hidden state is an output (rows an MTP block reads)
+    captures: tuple[int, ...] = ()   # its capture points (`UbatchShape.captures`: checkpoints inside it)
 
 
 @dataclass

@@ -120,6 +120,9 @@ class PromptChunk:
     tokens: list[int]
     logits: bool = False
     hidden: bool = False     # every row's hidden state too (`Model.last_ride_hidden`: an MTP block reads them)
+    #: states to keep inside it, as `eval(..., captures=...)` keeps them (`Model.last_captures`):
+    #: a prompt's message boundaries, checkpointed without ending the chunk there
+    captures: tuple[int, ...] = ()
 
 
 @dataclass
@@ -341,10 +344,9 @@ class Model:
             raise DeltarunError("a continued evaluation computes no logits (all_logits, mtp_argmax)")
         self._check_tokens(toks, seq)
         caps = sorted({int(t) for t in captures})
-        if caps and (caps[0] < 1 or caps[-1] >= len(toks)):
-            raise DeltarunError(f"capture points must lie inside the {len(toks)} tokens (1..{len(toks) - 1})")
-        if caps and (mtp_argmax or not self.hp.linear_layers):
-            raise DeltarunError("captures need a model with recurrent layers and no mtp_argmax")
+        self._check_captures(caps, len(toks))
+        if caps and mtp_argmax:
+            raise DeltarunError("captures and mtp_argmax do not go together")
         self.last_captures = {}
         start = self.memory.seqs[seq].n_past
         if mtp_argmax:
@@ -758,8 +760,9 @@ class Model:
         share ubatches (one graph with n_seqs > 1); other batches are evaluated sequence by sequence.
         `keep_start` as in `eval`.
 
-        `ride`: a prompt chunk of another sequence, evaluated as `eval(tokens, seq, continued=True)`
-        is (with `ride.logits` as `eval(tokens, seq)`, its last logits in `last_ride_logits`); where
+        `ride`: a prompt chunk of another sequence, evaluated as `eval(tokens, seq, continued=True,
+        captures=ride.captures)` is (with `ride.logits` as `eval(tokens, seq)`, its last logits in
+        `last_ride_logits`, its captured states in `last_captures`); where
         the family's graphs take it and the batch is one ubatch, in the same graph
         (`UbatchShape.ride`: every weight read once for both), else first, apart."""
         seqs = sorted(batch)
@@ -768,6 +771,7 @@ class Model:
         per_ubatch = max(self.memory.rs_slots, self.n_ubatch // len(seqs))
         if ride is not None:
             self.last_ride_logits = self.last_ride_hidden = None
+            self.last_captures = {}
             if ride.seq in batch:
                 raise DeltarunError(f"sequence {ride.seq} cannot ride along a batch that holds it")
             if self.family.rides and len(lengths) == 1 and consecutive and max(lengths) <= per_ubatch \
@@ -798,16 +802,29 @@ class Model:
 
     def check_chunk(self, chunk: PromptChunk) -> None:
         """A DeltarunError when the chunk cannot be evaluated (no tokens, ids outside the
-        vocabulary, a sequence out of range, a full context), before anything is."""
+        vocabulary, a sequence out of range, a full context, capture points it cannot keep), before
+        anything is."""
         self._check_tokens([int(t) for t in chunk.tokens], chunk.seq)
+        self._check_captures(sorted(chunk.captures), len(chunk.tokens))
+        if len(set(chunk.captures)) > self.memory.n_capture:
+            raise DeltarunError(f"{len(set(chunk.captures))} capture points in one prompt chunk; the model has "
+                                f"{self.memory.n_capture} capture slots")
 
     def eval_chunk(self, chunk: PromptChunk) -> np.ndarray | None:
         """Evaluate a prompt chunk apart (what `eval_batch` does with one that cannot ride along):
         its last logits with `chunk.logits` (also in `last_ride_logits`), else None; its rows'
         hidden states in `last_ride_hidden` with `chunk.hidden`."""
-        self.last_ride_logits = self.eval(chunk.tokens, chunk.seq, continued=not chunk.logits, all_hidden=chunk.hidden)
+        self.last_ride_logits = self.eval(chunk.tokens, chunk.seq, continued=not chunk.logits, all_hidden=chunk.hidden,
+                                          captures=chunk.captures)
         self.last_ride_hidden = self.last_hidden[0] if chunk.hidden else None
         return self.last_ride_logits
+
+    def _check_captures(self, caps: list[int], n: int) -> None:
+        """Capture points (sorted) of n tokens: inside them, on a model with recurrent layers."""
+        if caps and (caps[0] < 1 or caps[-1] >= n):
+            raise DeltarunError(f"capture points must lie inside the {n} tokens (1..{n - 1})")
+        if caps and not self.hp.linear_layers:
+            raise DeltarunError("captures need a model with recurrent layers")
 
     def _check_tokens(self, toks: list[int], seq: int) -> None:
         if not toks:
@@ -843,7 +860,7 @@ class Model:
         if ride is not None:
             ride_start = self.memory.seqs[ride.seq].n_past
             ride_shape = Ride(ride.seq, len(ride.tokens), padded_n_kv(ride_start + len(ride.tokens), self.n_ctx),
-                              ride.logits, ride.hidden)
+                              ride.logits, ride.hidden, tuple(sorted({int(t) for t in ride.captures})))
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
                             embeddings=embd is not None, logits_last=logits_last,
@@ -877,6 +894,8 @@ class Model:
         for i, toks in enumerate(tokens):
             self.memory.advance(seq_head + i, toks, keep_start, undoable=not continued)
         if ride is not None:
+            for i, t in enumerate(ride_shape.captures):
+                self.last_captures[ride_start + t] = self.memory.read_capture(i, ride_start + t)
             self.memory.advance(ride.seq, list(ride.tokens), undoable=ride.logits)
             self.stats.n_eval_tokens += len(ride.tokens)
         self.stats.n_eval_tokens += n * n_seqs

@@ -9,11 +9,10 @@ the model. The worker loops over steps; each step
    (step 3: one graph, `Worker._ride`, `Engine.step(..., ride=...)`): its rows share the step's
    reads of the weights, sized first to fill the engine's row budget, then halved or doubled
    with what riding adds to the step (`_adapt_ride`), and the prompt's last chunk brings its
-   logits (the first token); riding chunks end at the checkpoint positions (taken from the live
-   state after the step). Chunks apart (nobody decoding, an image, rows an MTP block reads): the
-   checkpoint positions inside one (message boundaries) are captured by the same graph evaluation
-   when the model has capture slots (`serve` opens it with CAPTURE_SLOTS; a chunk then ends early
-   only past that many), else the chunk ends there. With nobody decoding a chunk is `chunk`
+   logits (the first token). Riding or apart (nobody decoding, an image): the checkpoint
+   positions inside a chunk (message boundaries) are captured by the same graph evaluation when
+   the model has capture slots (`serve` opens it with CAPTURE_SLOTS; a chunk then ends early only
+   past that many), else the chunk ends there. With nobody decoding a chunk is `chunk`
    tokens; while others decode, its size (a power of two, >= MIN_CHUNK, so few graph shapes) is
    adjusted after each chunk so that it takes about STALL_FACTOR decode steps: the streams'
    inter-token latency stays within about (1 + STALL_FACTOR) x what it is without the prefill;
@@ -583,10 +582,12 @@ class Worker:
 
     def _ride(self, job: Job) -> PromptChunk | None:
         """`job`'s next prompt chunk when it can ride along the decode step (`Engine.step(...,
-        ride=...)`: the layers read each weight once for both): text, ending at the first
-        checkpoint inside it (taken from the live state afterwards, not captured), with its hidden
-        rows when an MTP block reads them, on a family whose graphs take it; else None (evaluated
-        apart)."""
+        ride=...)`: the layers read each weight once for both): text, the checkpoints inside it
+        captured by the same graph evaluation (as a chunk apart; a chat prompt's message
+        boundaries are 3-4 checkpoints in its last 12 tokens, and a chunk ending at each took a
+        step each: 4 requests arriving together waited 6 steps each for their prompts), with its
+        hidden rows when an MTP block reads them, on a family whose graphs take it; else None
+        (evaluated apart)."""
         if not self.model.family.rides or job.params.ahead:
             return None
         if job.id != self._ride_job:      # another prompt: its rides start afresh
@@ -595,10 +596,10 @@ class Worker:
         end, inside, image = self._chunk_bounds(job, self._ride_planned)
         if image is not None:
             return None
-        end = min([end] + inside)
         n = len(job.params.prompt)
         return PromptChunk(job.seq, job.params.prompt[job.pos:end], logits=end == n,
-                           hidden=job.draft is not None and job.draft.needs_hidden)
+                           hidden=job.draft is not None and job.draft.needs_hidden,
+                           captures=tuple(c - job.pos for c in inside))
 
     def _prefill_chunk(self, job: Job) -> None:
         p = job.params
@@ -792,8 +793,11 @@ class Worker:
         if self._decode_s > 0:
             self._adapt_ride(len(ride.tokens), added)
         logits, rows = self.model.last_ride_logits, self.model.last_ride_hidden
+        captured = [self.model.last_captures[job.pos + t] for t in ride.captures]
 
         def done(j: Job) -> None:
+            for state in captured:
+                self.cache.checkpoint(j.seq, state=state)
             if ride.hidden:                # the MTP block's KV rows follow the prompt chunk by chunk
                 self._feed_mtp(j, rows, j.pos)
                 self.cache.note_hidden(j.seq, rows)
