@@ -391,6 +391,38 @@ def test_the_first_token_goes_out_before_the_prompt_end_is_checkpointed(tiny_mod
                for il in fresh.ssm)
 
 
+def test_the_first_token_is_handed_over_before_the_step_decodes_on(tiny_model_path):
+    """The step that ends a prompt goes on to decode the new stream (and the others): the first
+    token's event is handed to the server (`Worker.after_step`, which wakes the event loop) at once,
+    not with the next token's at the end of that step."""
+    import threading
+
+    from deltarun.apps.serve.protocol import SamplingRequest
+    from deltarun.apps.serve.worker import GenParams, Job, Worker
+
+    events: list = []
+    wakes: list[int] = []                   # events emitted so far, at each hand-over
+    done = threading.Event()
+
+    def emit(ev) -> None:
+        events.append(ev)
+        if ev.finish_reason is not None or ev.error is not None:
+            done.set()
+
+    path = tiny_model_path("tiny", "f32")
+    w = Worker(lambda: Model(path, n_ctx=256, n_seq_max=2, n_threads=1), 2)
+    w.after_step = lambda: wakes.append(len(events))
+    w.start()
+    try:
+        assert w.ready.wait(60) and w.load_error is None
+        w.submit(Job(GenParams(prompt=list(range(10, 40)), max_tokens=4, req=SamplingRequest(ignore_eos=True,
+                                                                                           logprobs=True)), emit))
+        assert done.wait(60) and events[-1].error is None
+    finally:
+        w.shutdown(wait=30)
+    assert len(events) >= 2 and 1 in wakes
+
+
 def test_message_boundaries_from_token_offsets_equal_retokenizing(model):
     """PromptBuilder finds a boundary's token count from the prompt tokens' byte offsets instead of
     tokenizing the text before it again: the same counts, on contents that start with spaces,

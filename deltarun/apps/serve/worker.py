@@ -555,6 +555,10 @@ class Worker:
         context = job.mtp_feed.context(self.model.n_past(job.seq)) if job.mtp_feed is not None else None
         token = self.engine.first(job.running, logits, context)
         self._take(job, token, self._logprobs(job, logits, token))
+        # handed over now, not at the step's end: the step goes on to decode every stream, the new
+        # one too (with drafts a verification of up to 16 rows: 60-100 ms on the 0.8B bench model)
+        if self.after_step is not None:
+            self.after_step()
 
     def _chunk_bounds(self, job: Job, size: int | None = None) -> tuple[int, list[int], PlacedImage | None]:
         """The end of `job`'s next prompt chunk (of `size` tokens at most: a riding chunk's; else
