@@ -12,7 +12,9 @@ SIMD step cover the scalar tail; thread counts split the rows unevenly.
 
 scripts/ggml-patches/half-few-columns.patch gives F16 and BF16 weights with 1-4 F32 columns a kernel
 of its own on AVX-512 CPUs (row lengths that are multiples of 16): tiles of 4 rows (a partial tile
-row by row), each thread one contiguous range of rows, the next tile read ahead, the columns
+row by row; x86-one-row-streams.patch: 1-2 columns of at most 12 KB one row at a time, so 1,024
+values and 2 columns or 3,072 and 1 column, longer rows in tiles: 3,584 x 1 and x 2 here), each
+thread one contiguous range of rows, the next tile read ahead, the columns
 rounded to the weights' type as ggml's own path rounds them. From 5 columns, and where a row's
 length is not a multiple of 16, ggml's conversion and llamafile's tinyBLAS take them; the shapes
 below cover both sides, and hold for the stock kernels as well.
@@ -68,7 +70,8 @@ def _bf16_values(bits: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])
 @pytest.mark.parametrize("k,n_rows,n_tok", [(16, 3, 1), (1024, 129, 1), (3584, 65, 1), (100, 7, 2), (1024, 130, 2),
                                             (16, 5, 3), (2048, 33, 3), (1024, 129, 4), (3584, 9, 4), (1040, 66, 5),
-                                            (1024, 45, 8), (2049, 30, 4), (512, 300, 7)])
+                                            (1024, 45, 8), (2049, 30, 4), (512, 300, 7), (3584, 66, 2),
+                                            (3072, 9, 1)])
 def test_half_products_match_numpy(k: int, n_rows: int, n_tok: int, wtype: str, threads: int) -> None:
     _check_half_product(k, n_rows, n_tok, wtype, threads)
 
