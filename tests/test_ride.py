@@ -145,8 +145,10 @@ def _floats(a: np.ndarray) -> np.ndarray:
                                                      ("tiny", "primitive", True)])
 def test_riding_chunk_keeps_its_capture_points(tiny_model_path, preset, delta_net, ends):
     """A riding chunk with capture points (a prompt's message boundaries, checkpointed by serve
-    without ending the chunk there) leaves in `last_captures` the state after each: equal to the
-    live state of the sequence evaluated up to that point alone; evaluated apart, the same."""
+    without ending the chunk there) leaves in `last_ride_captures` the state after each: equal to
+    the live state of the sequence evaluated up to that point alone; the same evaluated apart, and
+    when the batch cannot take it in its graph (rows of unequal lengths: the chunk first, then the
+    sequences one by one, whose evaluations start `last_captures` afresh)."""
     history, chunk, caps = prompt(10, seed=60), prompt(9, seed=61), (2, 5, 8)
     opts = dict(n_ctx=128, kv_type="f32", n_seq_max=3, rs_slots=4, delta_net=delta_net)
     want = {}
@@ -155,7 +157,7 @@ def test_riding_chunk_keeps_its_capture_points(tiny_model_path, preset, delta_ne
             m.reset()
             m.eval(history + chunk[:t], 2)
             want[len(history) + t] = m.memory.read_recurrent(2)
-    for mode in ("ride", "apart"):
+    for mode in ("ride", "apart", "unequal"):
         with Model(tiny_model_path(preset), capture_slots=4, **opts) as m:
             for s in range(3):
                 m.eval(history if s == 2 else prompt(6, seed=62 + s), s)
@@ -165,11 +167,14 @@ def test_riding_chunk_keeps_its_capture_points(tiny_model_path, preset, delta_ne
                 m.eval_batch({0: [3], 1: [4]}, ride=ride)
                 assert m.stats.n_eval_calls == calls + 1                       # one graph for both
                 assert any(s.ride is not None and s.ride.captures == caps for s in m._graphs)
-            else:
+            elif mode == "apart":
                 m.eval_chunk(ride)
-            assert sorted(m.last_captures) == sorted(want) and m.tokens(2) == history + chunk
+            else:
+                m.eval_batch({0: [3], 1: [4, 5]}, ride=ride)
+                assert m.stats.n_eval_calls == calls + 3
+            assert sorted(m.last_ride_captures) == sorted(want) and m.tokens(2) == history + chunk
             for pos, state in want.items():
-                got = m.last_captures[pos]
+                got = m.last_ride_captures[pos]
                 assert got.n_past == pos
                 for il in m.hp.linear_layers:
                     assert rel_err(_floats(got.ssm[il]), _floats(state.ssm[il])) < APART_TOL

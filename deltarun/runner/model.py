@@ -120,7 +120,7 @@ class PromptChunk:
     tokens: list[int]
     logits: bool = False
     hidden: bool = False     # every row's hidden state too (`Model.last_ride_hidden`: an MTP block reads them)
-    #: states to keep inside it, as `eval(..., captures=...)` keeps them (`Model.last_captures`):
+    #: states to keep inside it, as `eval(..., captures=...)` keeps them (`Model.last_ride_captures`):
     #: a prompt's message boundaries, checkpointed without ending the chunk there
     captures: tuple[int, ...] = ()
 
@@ -271,6 +271,7 @@ class Model:
         #: its rows' hidden states [n, n_embd] with `hidden`
         self.last_ride_logits: np.ndarray | None = None
         self.last_ride_hidden: np.ndarray | None = None
+        self.last_ride_captures: dict[int, RecurrentState] = {}   # a riding chunk's captures: length -> state
         self.last_mtp: MtpRows | None = None         # the last ubatch's MTP rows, when it computed them
         self.last_captures: dict[int, RecurrentState] = {}   # eval(captures=...): length -> state
         #: the merged grid of each image token a sequence may hold (eval_image's `token`)
@@ -762,7 +763,7 @@ class Model:
 
         `ride`: a prompt chunk of another sequence, evaluated as `eval(tokens, seq, continued=True,
         captures=ride.captures)` is (with `ride.logits` as `eval(tokens, seq)`, its last logits in
-        `last_ride_logits`, its captured states in `last_captures`); where
+        `last_ride_logits`, its captured states in `last_ride_captures`); where
         the family's graphs take it and the batch is one ubatch, in the same graph
         (`UbatchShape.ride`: every weight read once for both), else first, apart."""
         seqs = sorted(batch)
@@ -771,7 +772,7 @@ class Model:
         per_ubatch = max(self.memory.rs_slots, self.n_ubatch // len(seqs))
         if ride is not None:
             self.last_ride_logits = self.last_ride_hidden = None
-            self.last_captures = {}
+            self.last_ride_captures = {}
             if ride.seq in batch:
                 raise DeltarunError(f"sequence {ride.seq} cannot ride along a batch that holds it")
             if self.family.rides and len(lengths) == 1 and consecutive and max(lengths) <= per_ubatch \
@@ -813,10 +814,12 @@ class Model:
     def eval_chunk(self, chunk: PromptChunk) -> np.ndarray | None:
         """Evaluate a prompt chunk apart (what `eval_batch` does with one that cannot ride along):
         its last logits with `chunk.logits` (also in `last_ride_logits`), else None; its rows'
-        hidden states in `last_ride_hidden` with `chunk.hidden`."""
+        hidden states in `last_ride_hidden` with `chunk.hidden`; its captured states in
+        `last_ride_captures` (the batch evaluated after it starts `last_captures` afresh)."""
         self.last_ride_logits = self.eval(chunk.tokens, chunk.seq, continued=not chunk.logits, all_hidden=chunk.hidden,
                                           captures=chunk.captures)
         self.last_ride_hidden = self.last_hidden[0] if chunk.hidden else None
+        self.last_ride_captures = dict(self.last_captures)
         return self.last_ride_logits
 
     def _check_captures(self, caps: list[int], n: int) -> None:
@@ -895,7 +898,7 @@ class Model:
             self.memory.advance(seq_head + i, toks, keep_start, undoable=not continued)
         if ride is not None:
             for i, t in enumerate(ride_shape.captures):
-                self.last_captures[ride_start + t] = self.memory.read_capture(i, ride_start + t)
+                self.last_ride_captures[ride_start + t] = self.memory.read_capture(i, ride_start + t)
             self.memory.advance(ride.seq, list(ride.tokens), undoable=ride.logits)
             self.stats.n_eval_tokens += len(ride.tokens)
         self.stats.n_eval_tokens += n * n_seqs

@@ -797,7 +797,7 @@ class Worker:
         if self._decode_s > 0:
             self._adapt_ride(len(ride.tokens), added)
         logits, rows = self.model.last_ride_logits, self.model.last_ride_hidden
-        captured = [self.model.last_captures[job.pos + t] for t in ride.captures]
+        captured = [self.model.last_ride_captures[job.pos + t] for t in ride.captures]
 
         def done(j: Job) -> None:
             for state in captured:
