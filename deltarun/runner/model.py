@@ -344,8 +344,7 @@ class Model:
         if continued and (all_logits or mtp_argmax):
             raise DeltarunError("a continued evaluation computes no logits (all_logits, mtp_argmax)")
         self._check_tokens(toks, seq)
-        caps = sorted({int(t) for t in captures})
-        self._check_captures(caps, len(toks))
+        caps = self._capture_points(captures, len(toks))
         if caps and mtp_argmax:
             raise DeltarunError("captures and mtp_argmax do not go together")
         self.last_captures = {}
@@ -806,9 +805,9 @@ class Model:
         vocabulary, a sequence out of range, a full context, capture points it cannot keep), before
         anything is."""
         self._check_tokens([int(t) for t in chunk.tokens], chunk.seq)
-        self._check_captures(sorted(chunk.captures), len(chunk.tokens))
-        if len(set(chunk.captures)) > self.memory.n_capture:
-            raise DeltarunError(f"{len(set(chunk.captures))} capture points in one prompt chunk; the model has "
+        caps = self._capture_points(chunk.captures, len(chunk.tokens))
+        if len(caps) > self.memory.n_capture:
+            raise DeltarunError(f"{len(caps)} capture points in one prompt chunk; the model has "
                                 f"{self.memory.n_capture} capture slots")
 
     def eval_chunk(self, chunk: PromptChunk) -> np.ndarray | None:
@@ -822,12 +821,15 @@ class Model:
         self.last_ride_captures = dict(self.last_captures)
         return self.last_ride_logits
 
-    def _check_captures(self, caps: list[int], n: int) -> None:
-        """Capture points (sorted) of n tokens: inside them, on a model with recurrent layers."""
+    def _capture_points(self, captures: Iterable[int], n: int) -> tuple[int, ...]:
+        """Capture points of n tokens, sorted without repeats; a DeltarunError unless they lie
+        inside them, on a model with recurrent layers."""
+        caps = tuple(sorted({int(t) for t in captures}))
         if caps and (caps[0] < 1 or caps[-1] >= n):
             raise DeltarunError(f"capture points must lie inside the {n} tokens (1..{n - 1})")
         if caps and not self.hp.linear_layers:
             raise DeltarunError("captures need a model with recurrent layers")
+        return caps
 
     def _check_tokens(self, toks: list[int], seq: int) -> None:
         if not toks:
@@ -863,7 +865,7 @@ class Model:
         if ride is not None:
             ride_start = self.memory.seqs[ride.seq].n_past
             ride_shape = Ride(ride.seq, len(ride.tokens), padded_n_kv(ride_start + len(ride.tokens), self.n_ctx),
-                              ride.logits, ride.hidden, tuple(sorted({int(t) for t in ride.captures})))
+                              ride.logits, ride.hidden, self._capture_points(ride.captures, len(ride.tokens)))
         shape = UbatchShape(n_seq_tokens=n, n_seqs=n_seqs, n_outputs=n_hidden * n_seqs, n_kv=n_kv,
                             seq_head=seq_head, delta_net=self.delta_net, mtp_argmax=mtp_argmax, captures=captures,
                             embeddings=embd is not None, logits_last=logits_last,
