@@ -129,6 +129,15 @@ def test_a_missing_built_in_model_is_a_clear_error(tmp_path, monkeypatch):
     (["--delta-net", "magic"], "--delta-net"),
     (["--kv-type", "q8_0"], "--kv-type"),
     (["--temp", "hot"], "--temp"),
+    # nan passes every bound check (it compares false) and then broke sampling; inf means nothing
+    (["--temp", "nan"], "--temp"),
+    (["--top-p", "nan"], "--top-p"),
+    (["--min-p", "nan"], "--min-p"),
+    (["--repeat-penalty", "inf"], "--repeat-penalty"),
+    # past what ggml takes: its thread limit, I32 positions, the slots kept per sequence
+    (["--threads", "513"], "--threads"),
+    (["--ctx", "2147483648"], "--ctx"),
+    (["--rs-slots", "257"], "--rs-slots"),
 ])
 def test_generate_rejects_bad_options(tiny_model, args, fragment):
     r = run("generate", tiny_model, "-p", "hi", *args)
@@ -381,6 +390,36 @@ def test_bench_validates_before_printing(tiny_model, tmp_path):
     assert r.exit_code == 2 and r.stdout == "" and r.stderr == f"error: {tmp_path / 'missing.gguf'}: no such file\n"
     for backend in ("cpu", "cpu-ref", "vulkan[:N]", "cuda[:N]", "auto"):
         assert backend in " ".join(ok("bench", "--help").stdout.split())
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["-p", "2147483648"], 2, "Invalid value for '--n-prompt'"),
+    (["-t", "513"], 2, "Invalid value for '--threads'"),
+    (["--parallel", "257"], 2, "Invalid value for '--parallel'"),
+    (["-d", "2147483000", "-n", "1000"], 1, "need a context of 2147484000 tokens, above the longest, 2147483647"),
+])
+def test_bench_sizes_past_the_runtime_are_refused_before_the_work(tiny_model, args, code, text):
+    """Each once aborted the process inside ggml (a tensor of more than 2^63 elements, a thread pool
+    too large) or raised from numpy after the plain tests had run."""
+    p = deltarun_process("bench", tiny_model, "-r", "1", *(["-p", "0", "-n", "2"] if args[0] != "-p" else []), *args)
+    assert p.returncode == code and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert text in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"n_ctx": 2**63}, "--ctx must be between 1 and 2147483647"),
+    ({"n_seq_max": 2**40}, "the number of sequences must be between 1 and 256"),
+    ({"rs_slots": 2**62, "n_ubatch": 2**62}, "--rs-slots must be between 1 and 256"),
+    ({"n_threads": 2**62}, "--threads must be between 1 and 512"),
+])
+def test_model_refuses_sizes_ggml_cannot_lay_out(tiny_model, kwargs, text):
+    """The API's checks, behind the CLI's: in a child process, since ggml aborts the process on
+    these sizes (GGML_ASSERT on a tensor's element count, std::bad_alloc for the thread pool)."""
+    code = ("import sys; from deltarun.base.errors import DeltarunError; from deltarun.runner.model import Model\n"
+            f"try: Model(sys.argv[1], **{kwargs!r})\n"
+            "except DeltarunError as e: print(e); sys.exit(7)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 7 and text in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
 
 
 def test_values_are_one_line_errors_and_malformed_lines_get_usage(tiny_model):

@@ -243,6 +243,28 @@ def bench_context(cfg: BenchConfig) -> int:
     return need
 
 
+def check_config(cfg: BenchConfig) -> None:
+    """Refuse a grid that cannot run, before anything is measured or printed."""
+    from deltarun.runner.memory import MAX_CONTEXT
+
+    if cfg.repetitions < 1:
+        raise DeltarunError("repetitions must be at least 1")
+    tgs = [n for n in cfg.n_gen if n > 0]
+    depths = _depths(cfg)
+    if (depths or any(p > 0 for p in cfg.parallel)) and not tgs:
+        raise DeltarunError("--depth and --parallel measure generation: give -n N > 0")
+    if not any(p > 0 for p in cfg.n_prompt) and not tgs and not cfg.profile:
+        raise DeltarunError("nothing to measure: every -p and -n is 0")
+    longest = max([bench_context(cfg)] + ([max(depths) + max(tgs)] if depths else []))
+    if longest > MAX_CONTEXT:
+        raise DeltarunError(f"the tests need a context of {longest} tokens, above the longest, {MAX_CONTEXT}")
+
+
+def _bench_tokens(n_vocab: int, n: int) -> list[int]:
+    """The tests' token ids, the same for every model of a vocabulary size (TOKEN_SEED)."""
+    return np.random.default_rng(TOKEN_SEED).integers(0, n_vocab, size=n, dtype=np.int64).tolist()
+
+
 def _depths(cfg: BenchConfig) -> list[int]:
     return [d for d in cfg.depth if d > 0]
 
@@ -258,16 +280,11 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
     from deltarun.runner.devices import physical_cores
     from deltarun.runner.model import Model
 
-    if cfg.repetitions < 1:
-        raise DeltarunError("repetitions must be at least 1")
+    check_config(cfg)
     pps = sorted((p for p in cfg.n_prompt if p > 0), key=lambda p: p != 1)   # pp1 first: ubatch_cost
     tgs = [n for n in cfg.n_gen if n > 0]
     depths = _depths(cfg)
     parallel = [p for p in cfg.parallel if p > 0]
-    if (depths or parallel) and not tgs:
-        raise DeltarunError("--depth and --parallel measure generation: give -n N > 0")
-    if not pps and not tgs and not cfg.profile:
-        raise DeltarunError("nothing to measure: every -p and -n is 0")
     threads = list(cfg.threads) or [physical_cores()]
     n_ctx = bench_context(cfg)
     if settings_out is not None:
@@ -310,9 +327,8 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
         with open_model(backend, ngl, ubatch, ctx) as m:
             if info_out is not None and not info_out:
                 info_out.update(model_info(m))
-            rng = np.random.default_rng(TOKEN_SEED)
-            n_tok = max(pps + [TG_PROMPT] + depths + ([n_pp_profile] if cfg.profile else []))
-            tokens = rng.integers(0, m.hp.n_vocab, size=n_tok, dtype=np.int64).tolist()
+            n_tok = max(pps + [TG_PROMPT] + ([n_pp_profile] if cfg.profile else []))
+            tokens = _bench_tokens(m.hp.n_vocab, n_tok)
             for t in threads:
                 m.backend.set_threads(t)
                 for p in pps:
@@ -325,11 +341,12 @@ def iter_bench(cfg: BenchConfig, settings_out: dict[str, Any] | None = None,
             m.reset()
         if depths:
             with open_model(backend, ngl, ubatch, max(depths) + max(tgs)) as m:
+                context = _bench_tokens(m.hp.n_vocab, max(depths))   # once its cache is allocated
                 for t in threads:
                     m.backend.set_threads(t)
                     for d in depths:
                         m.reset()
-                        first = m.eval(tokens[:d])
+                        first = m.eval(context[:d])
                         start = m.checkpoint()
                         for n in tgs:
                             yield measure(m, ngl, ubatch, t, "tg", 0, n,

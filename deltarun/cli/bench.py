@@ -10,13 +10,20 @@ import click
 from deltarun.base.errors import ModelFileError
 from deltarun.base.interface import DELTA_NET_MODES
 from deltarun.cli.options import check_backends, model_argument, note_gpu_layers, pin_threads_option, rpc_options
-from deltarun.runner.memory import KV_TYPES
+from deltarun.runner.backend import MAX_THREADS
+from deltarun.runner.memory import KV_TYPES, MAX_CONTEXT, MAX_SEQUENCES
+
+#: the largest value of each list option: threads and sequences as the runtime takes them, token
+#: counts (-p, -n, -d, -ub) and layers (-ngl) within the longest context
+_MOST = {"threads": MAX_THREADS, "parallel": MAX_SEQUENCES}
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[int]:
-    """-p 128 -p 256,512 -> [128, 256, 512]; each value a non-negative integer (positive for -t/-b)."""
+    """-p 128 -p 256,512 -> [128, 256, 512]; each value a non-negative integer (positive for -t/-b),
+    at most what the model can take (`_MOST`)."""
     out: list[int] = []
     minimum = 1 if param.name in ("threads", "ubatch", "parallel") else 0   # -p/-n 0 skip; -ngl 0 is all on the CPU
+    most = _MOST.get(param.name or "", MAX_CONTEXT)
     for value in values:
         for part in value.split(","):
             part = part.strip()
@@ -28,6 +35,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
                 raise click.BadParameter(f"{part!r} is not an integer", ctx=ctx, param=param)
             if n < minimum:
                 raise click.BadParameter(f"{n} is below {minimum}", ctx=ctx, param=param)
+            if n > most:
+                raise click.BadParameter(f"{n} is above {most}", ctx=ctx, param=param)
             if n not in out:
                 out.append(n)
     return out
@@ -92,8 +101,8 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
     --profile: seconds per ggml op and node group of one pp and one tg ubatch (a table after the
     results; "profiles" in the JSON).
     """
-    from deltarun.apps.bench import (BenchConfig, BenchReport, has_ubatch_cost, iter_bench, machine_info,
-                                       markdown_header, markdown_row, to_csv, to_json)
+    from deltarun.apps.bench import (BenchConfig, BenchReport, check_config, has_ubatch_cost, iter_bench,
+                                       machine_info, markdown_header, markdown_row, to_csv, to_json)
     from deltarun.runner.devices import llamafile_note
 
     cfg = BenchConfig(model=model, n_prompt=n_prompt or [512], n_gen=n_gen or [128], threads=threads,
@@ -102,6 +111,7 @@ def bench(model: Path, n_prompt: list[int], n_gen: list[int], repetitions: int, 
                       kv_type=kv_type, delta_net=delta_net, depth=depth, parallel=parallel, profile=profile,
                       rpc=rpc, tensor_split=tensor_split, repack=repack, pin_threads=pin_threads)
     check_backends(cfg.backends)          # before the table header: nothing is printed for a bad option
+    check_config(cfg)
     note_gpu_layers(cfg.backends, gpu_layers)
     if not model.is_file():
         raise ModelFileError(f"{model}: no such file")

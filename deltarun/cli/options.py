@@ -17,6 +17,7 @@ the ones that are not theirs, so a command can pass `**opts` straight through.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +28,8 @@ from deltarun.base.errors import DeltarunError
 from deltarun.base.interface import DELTA_NET_MODES
 from deltarun.runner.devices import physical_cores
 from deltarun.runner.draft_vocab import DEFAULT_DRAFT_VOCAB, MIN_HEAD_SHARE
-from deltarun.runner.memory import KV_TYPES
+from deltarun.runner.backend import MAX_THREADS
+from deltarun.runner.memory import KV_TYPES, MAX_CONTEXT, MAX_RS_SLOTS
 from deltarun.runner.sampling import SamplingParams
 
 F = Callable[..., Any]
@@ -39,6 +41,19 @@ MODEL_DEFAULTS: dict[str, Any] = {
     "ctx": 4096, "ubatch": 512, "threads": None, "rs_slots": 1, "delta_net": "fused", "kv_type": "f16",
     "backend": "cpu", "gpu_layers": None, "rpc": None, "tensor_split": None, "repack": True, "pin_threads": None,
 }
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange that also refuses nan and inf: nan passes every bound check (it compares
+    false), and no setting here means anything at infinity."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def _apply(f: F, decorators: list[Callable[[F], F]]) -> F:
@@ -57,14 +72,14 @@ def model_options(f: F) -> F:
     """--ctx --ubatch --threads --pin-threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack
     --rpc --tensor-split."""
     return _apply(f, [
-        click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
+        click.option("--ctx", "-c", type=click.IntRange(min=1, max=MAX_CONTEXT), default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
         click.option("--ubatch", "-ub", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ubatch"],
                      show_default=True, help="Ubatch size: most tokens evaluated by one graph."),
-        click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
+        click.option("--threads", "-t", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
                      help=f"CPU threads [default: physical cores, here {physical_cores()}]."),
         pin_threads_option(),
-        click.option("--rs-slots", type=click.IntRange(min=1), default=MODEL_DEFAULTS["rs_slots"],
+        click.option("--rs-slots", type=click.IntRange(min=1, max=MAX_RS_SLOTS), default=MODEL_DEFAULTS["rs_slots"],
                      show_default=True,
                      help="Recurrent-state slots K per sequence (K-1 tokens can be rolled back)."),
         click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default=MODEL_DEFAULTS["delta_net"],
@@ -116,15 +131,15 @@ def sampling_options(f: F) -> F:
     return _apply(f, [
         click.option("--seed", "-s", type=click.IntRange(min=0), default=None,
                      help="Random seed of the sampler [default: random, printed at the end]."),
-        click.option("--temp", type=click.FloatRange(min=0.0), default=_DEFAULTS.temperature, show_default=True,
+        click.option("--temp", type=FiniteFloatRange(min=0.0), default=_DEFAULTS.temperature, show_default=True,
                      help="Temperature; 0 is greedy (argmax)."),
         click.option("--top-k", type=click.IntRange(min=0), default=_DEFAULTS.top_k, show_default=True,
                      help="Keep the k most likely tokens (0 = all)."),
-        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=_DEFAULTS.top_p,
+        click.option("--top-p", type=FiniteFloatRange(min=0.0, max=1.0, min_open=True), default=_DEFAULTS.top_p,
                      show_default=True, help="Nucleus sampling: smallest set with this probability (1 = off)."),
-        click.option("--min-p", type=click.FloatRange(min=0.0, max=1.0), default=_DEFAULTS.min_p,
+        click.option("--min-p", type=FiniteFloatRange(min=0.0, max=1.0), default=_DEFAULTS.min_p,
                      show_default=True, help="Drop tokens below min-p x the top probability (0 = off)."),
-        click.option("--repeat-penalty", type=click.FloatRange(min=0.0, min_open=True),
+        click.option("--repeat-penalty", type=FiniteFloatRange(min=0.0, min_open=True),
                      default=_DEFAULTS.repeat_penalty, show_default=True,
                      help="Penalty for recently seen tokens (1 = off)."),
         click.option("--repeat-last-n", type=click.IntRange(min=-1), default=_DEFAULTS.repeat_last_n,

@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from deltarun.base.errors import DeltarunError
-from deltarun.cli.options import (check_draft, draft_model_options, draft_options, model_argument, model_options,
-                                  open_model, reasoning_budget_option, resolve_model)
+from deltarun.cli.options import (FiniteFloatRange, check_draft, draft_model_options, draft_options, model_argument,
+                                  model_options, open_model, reasoning_budget_option, resolve_model)
 
 
 def is_loopback(host: str) -> bool:
@@ -86,11 +86,11 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
 @click.option("--allowed-origins", multiple=True, metavar="ORIGINS",
               help="Web origins (https://app.example.com) whose pages may call the API, with CORS for them; '*' "
                    "for any. By default only the server's own pages may.")
-@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="S",
+@click.option("--header-timeout", type=FiniteFloatRange(min=0.1), default=10.0, show_default=True, metavar="S",
               help="Seconds a client has to send a whole request head.")
-@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True, metavar="S",
+@click.option("--body-timeout", type=FiniteFloatRange(min=0.1), default=60.0, show_default=True, metavar="S",
               help="Seconds a client has to send a whole request body.")
-@click.option("--keep-alive", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="S",
+@click.option("--keep-alive", type=FiniteFloatRange(min=0.1), default=5.0, show_default=True, metavar="S",
               help="Seconds an idle kept-alive connection stays open.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
               help="Open connections at most; more are answered 503 and closed.")

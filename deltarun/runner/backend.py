@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from deltarun.base.errors import BackendError
+from deltarun.base.errors import BackendError, DeltarunError
 from deltarun.base.ggml_util import Tensor, c_text, ctypes, ggml
 from deltarun.runner import rpc
 from deltarun.runner.cpu_threads import ThreadPinning
@@ -62,6 +62,7 @@ class Backend:
         return c_text(ggml.ggml_backend_name(self.handle)) + (" (reference kernels)" if self.cpu_ref else "")
 
     def set_threads(self, n_threads: int) -> None:
+        check_threads(n_threads)
         if self.is_cpu:
             ggml.ggml_backend_cpu_set_n_threads(self.handle, n_threads)
             self.pinning = ThreadPinning.choose(n_threads, self.pin)
@@ -80,7 +81,19 @@ class Backend:
             self.handle = 0
 
 
+#: the most CPU threads a graph computes with: ggml's GGML_MAX_N_THREADS (more aborts the process)
+MAX_THREADS = int(ggml.GGML_MAX_N_THREADS)
+
+
+def check_threads(n_threads: int) -> None:
+    """Refuse a thread count ggml's CPU backend cannot take, before it is given one."""
+    if not 1 <= n_threads <= MAX_THREADS:
+        raise DeltarunError(f"--threads must be between 1 and {MAX_THREADS} (got {n_threads})")
+
+
 def _init_cpu(n_threads: int | None, ref: bool = False, pin: bool | None = None) -> Backend:
+    if n_threads is not None:
+        check_threads(n_threads)
     handle = ggml.ggml_backend_cpu_init()
     if not handle:
         raise BackendError("ggml could not start the CPU backend")

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from deltarun.base.errors import BackendError, RollbackError
+from deltarun.base.errors import BackendError, DeltarunError, RollbackError
 from deltarun.base.ggml_compat import cpu_writes_slots_in_place
 from deltarun.base.ggml_util import (Tensor, ggml, new_context, set_name,
                                      tensor_to_numpy)
@@ -35,6 +35,23 @@ from deltarun.runner.backend import Backend, alloc_tensors
 from deltarun.runner.placement import Placement
 
 KV_TYPES = {"f16": ggml.GGML_TYPE_F16, "f32": ggml.GGML_TYPE_F32}
+#: the longest context (--ctx): token positions are I32 graph inputs
+MAX_CONTEXT = 2**31 - 1
+#: the most sequences one model holds (--parallel, n_seq_max): llama.cpp's LLAMA_MAX_SEQ
+MAX_SEQUENCES = 256
+#: the most rollback slots a sequence keeps (--rs-slots): drafts verify at most 64 tokens
+#: (--draft-max) and every slot is a copy of the whole recurrent state, so a wider window is
+#: better served by a checkpoint
+MAX_RS_SLOTS = 256
+
+
+def check_memory_shape(n_ctx: int, n_seq_max: int, rs_slots: int) -> None:
+    """Refuse sizes ggml cannot lay out (its tensor sizes are 64-bit element counts and a larger
+    request aborts the process) before anything is allocated: one line each, the CLI's names."""
+    for value, name, most in ((n_ctx, "--ctx", MAX_CONTEXT), (n_seq_max, "the number of sequences", MAX_SEQUENCES),
+                              (rs_slots, "--rs-slots", MAX_RS_SLOTS)):
+        if not 1 <= value <= most:
+            raise DeltarunError(f"{name} must be between 1 and {most} (got {value})")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from deltarun.base.registry import graph_family_for
 from deltarun.runner import layer_split
 from deltarun.runner.backend import Backend, init_backend
 from deltarun.runner.draft_vocab import resolve_draft_vocab
-from deltarun.runner.memory import Memory, RecurrentState, Checkpoint
+from deltarun.runner.memory import Checkpoint, Memory, RecurrentState, check_memory_shape
 from deltarun.runner.repack import RepackMode
 from deltarun.runner.scheduler import Scheduler
 from deltarun.runner.weights import Weights
@@ -214,8 +214,9 @@ class Model:
                  draft_vocab: int | None = None, ssm_slots_in_place: bool = True):
         if delta_net not in DELTA_NET_MODES:
             raise DeltarunError(f"unknown delta-net mode {delta_net!r}; choose from {', '.join(DELTA_NET_MODES)}")
-        if n_ctx <= 0 or n_ubatch <= 0 or rs_slots <= 0 or n_seq_max <= 0:
-            raise DeltarunError("n_ctx, n_ubatch, rs_slots and n_seq_max must be positive")
+        if n_ubatch <= 0:
+            raise DeltarunError(f"--ubatch must be positive (got {n_ubatch})")
+        check_memory_shape(n_ctx, n_seq_max, rs_slots)
         if n_ubatch < rs_slots:
             raise DeltarunError(f"--ubatch {n_ubatch} must be at least --rs-slots {rs_slots}")
         if repack not in (True, False, "all"):
