@@ -406,6 +406,17 @@ def test_bench_sizes_past_the_runtime_are_refused_before_the_work(tiny_model, ar
     assert text in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("command, args, option", [
+    ("graph", ["--ctx", "2147483648"], "--ctx"), ("graph", ["--rs-slots", "257"], "--rs-slots"),
+    ("graph", ["-t", "513"], "--threads"), ("compare", ["--tokens", "2147483648"], "--tokens"),
+    ("compare", ["-t", "513"], "--threads"), ("inspect", ["--rs-slots", "257"], "--rs-slots"),
+])
+def test_every_command_bounds_the_sizes_alike(tiny_model, command, args, option):
+    """The commands with options of their own take the same types as the model options."""
+    r = run(command, tiny_model, *args)
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: Invalid value for '{option}'"), r.output
+
+
 @pytest.mark.parametrize("kwargs, text", [
     ({"n_ctx": 2**63}, "--ctx must be between 1 and 2147483647"),
     ({"n_seq_max": 2**40}, "the number of sequences must be between 1 and 256"),

@@ -17,7 +17,8 @@ import numpy as np
 
 from deltarun.base.errors import DeltarunError
 from deltarun.base.interface import DELTA_NET_MODES
-from deltarun.cli.options import check_backends, explicit_options, model_argument, note_gpu_layers, resolve_model
+from deltarun.cli.options import (CONTEXT_SIZE, THREAD_COUNT, check_backends, explicit_options, model_argument,
+                                  note_gpu_layers, resolve_model)
 
 DEFAULT_TOKENS = 16
 DEFAULT_STEPS = 8
@@ -62,7 +63,7 @@ def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: i
               metavar="B.gguf", help="Side b runs this file (another weight type of the same model, e.g. Q8_0 "
                                      "against F32): what the quantisation costs.")
 @click.option("--prompt", "-p", default=None, help="Prompt text [default: --tokens random token ids].")
-@click.option("--tokens", "n_tokens", type=click.IntRange(min=1), default=None,
+@click.option("--tokens", "n_tokens", type=CONTEXT_SIZE, default=None,
               help=f"Prompt length in tokens [default: {DEFAULT_TOKENS} random ids; with -p the prompt is "
                    "repeated or cut to this length].")
 @click.option("--seed", "-s", type=click.IntRange(min=0), default=0, show_default=True,
@@ -75,9 +76,9 @@ def prompt_tokens(model: Path, prompt: str | None, n_tokens: int | None, seed: i
               help="Layers on the device for device sides (like llama.cpp -ngl) [default: all].")
 @click.option("--kv-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="KV cache type of both sides.")
-@click.option("--ctx", "-c", type=click.IntRange(min=1), default=None,
+@click.option("--ctx", "-c", type=CONTEXT_SIZE, default=None,
               help="Context size [default: prompt + decode steps + 1].")
-@click.option("--threads", "-t", type=click.IntRange(min=1), default=None, help="CPU threads.")
+@click.option("--threads", "-t", type=THREAD_COUNT, default=None, help="CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema in deltarun.apps.compare).")
 @click.option("--show", type=click.Choice(["named", "all", "failures"]), default="named", show_default=True,
               help="Table rows: named nodes, every node, or only failed nodes.")

@@ -20,7 +20,8 @@ import click
 
 from deltarun.base.errors import DeltarunError
 from deltarun.base.interface import DELTA_NET_MODES
-from deltarun.cli.options import check_backends, explicit_options, note_gpu_layers
+from deltarun.cli.options import (CONTEXT_SIZE, RS_SLOT_COUNT, THREAD_COUNT, check_backends, explicit_options,
+                                  note_gpu_layers)
 
 if TYPE_CHECKING:
     from deltarun.apps.graph_dump import GraphDump
@@ -44,15 +45,15 @@ DEFAULT_DECODE_PAST = 32
 @click.option("--decode", is_flag=True, help="The one-token decode graph (n_tokens = 1 after some past).")
 @click.option("--outputs", type=click.Choice(["last", "all"]), default="last", show_default=True,
               help="Logit rows computed: the last token of each sequence, or every token.")
-@click.option("--rs-slots", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--rs-slots", type=RS_SLOT_COUNT, default=1, show_default=True,
               help="Recurrent-state slots K per sequence (K-1 tokens can be rolled back).")
 @click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default="fused", show_default=True,
               help="Gated delta-net kernel: ggml's fused op or primitive ops.")
-@click.option("--ctx", "-c", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--ctx", "-c", type=CONTEXT_SIZE, default=4096, show_default=True,
               help="Context size in tokens (KV rows per sequence).")
 @click.option("--kv-type", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
               help="Type of the KV cache.")
-@click.option("--threads", "-t", type=click.IntRange(min=1), default=None, help="CPU threads.")
+@click.option("--threads", "-t", type=THREAD_COUNT, default=None, help="CPU threads.")
 @click.option("--backend", default="cpu", show_default=True, metavar="NAME",
               help="ggml backend: cpu, cpu-ref, vulkan[:N], cuda[:N], auto (`deltarun devices`).")
 @click.option("--gpu-layers", "-ngl", type=click.IntRange(min=0), default=None,

@@ -19,7 +19,7 @@ import click
 
 from deltarun.base.errors import ModelFileError
 from deltarun.base.gguf_file import GGUFFile
-from deltarun.cli.options import MODEL_DEFAULTS
+from deltarun.cli.options import CONTEXT_SIZE, MODEL_DEFAULTS, RS_SLOT_COUNT
 from deltarun.runner.memory import KV_TYPES, memory_bytes
 from deltarun.runner.units import format_bytes, format_count
 
@@ -338,9 +338,9 @@ def _ids(ids: list[int]) -> str:
 
 @click.command("inspect")
 @click.argument("model", metavar="MODEL.gguf", type=click.Path(path_type=Path))
-@click.option("--ctx", "-c", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ctx"], show_default=True,
+@click.option("--ctx", "-c", type=CONTEXT_SIZE, default=MODEL_DEFAULTS["ctx"], show_default=True,
               help="Context size the memory figures are for.")
-@click.option("--rs-slots", type=click.IntRange(min=1), default=MODEL_DEFAULTS["rs_slots"], show_default=True,
+@click.option("--rs-slots", type=RS_SLOT_COUNT, default=MODEL_DEFAULTS["rs_slots"], show_default=True,
               help="Recurrent-state slots K the memory figures are for.")
 @click.option("--kv-type", type=click.Choice(sorted(KV_TYPES)), default=MODEL_DEFAULTS["kv_type"],
               show_default=True, help="KV cache type the memory figures are for.")

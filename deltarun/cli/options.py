@@ -43,6 +43,13 @@ MODEL_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: the click types of the sizes the runtime bounds (runner.memory, runner.backend), one per concept
+#: for every command that takes them
+CONTEXT_SIZE = click.IntRange(min=1, max=MAX_CONTEXT)
+THREAD_COUNT = click.IntRange(min=1, max=MAX_THREADS)
+RS_SLOT_COUNT = click.IntRange(min=1, max=MAX_RS_SLOTS)
+
+
 class FiniteFloatRange(click.FloatRange):
     """click's FloatRange that also refuses nan and inf: nan passes every bound check (it compares
     false), and no setting here means anything at infinity."""
@@ -72,14 +79,14 @@ def model_options(f: F) -> F:
     """--ctx --ubatch --threads --pin-threads --rs-slots --delta-net --kv-type --backend --gpu-layers --repack
     --rpc --tensor-split."""
     return _apply(f, [
-        click.option("--ctx", "-c", type=click.IntRange(min=1, max=MAX_CONTEXT), default=MODEL_DEFAULTS["ctx"], show_default=True,
+        click.option("--ctx", "-c", type=CONTEXT_SIZE, default=MODEL_DEFAULTS["ctx"], show_default=True,
                      help="Context size in tokens (KV cache rows per sequence)."),
         click.option("--ubatch", "-ub", type=click.IntRange(min=1), default=MODEL_DEFAULTS["ubatch"],
                      show_default=True, help="Ubatch size: most tokens evaluated by one graph."),
-        click.option("--threads", "-t", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
+        click.option("--threads", "-t", type=THREAD_COUNT, default=None,
                      help=f"CPU threads [default: physical cores, here {physical_cores()}]."),
         pin_threads_option(),
-        click.option("--rs-slots", type=click.IntRange(min=1, max=MAX_RS_SLOTS), default=MODEL_DEFAULTS["rs_slots"],
+        click.option("--rs-slots", type=RS_SLOT_COUNT, default=MODEL_DEFAULTS["rs_slots"],
                      show_default=True,
                      help="Recurrent-state slots K per sequence (K-1 tokens can be rolled back)."),
         click.option("--delta-net", type=click.Choice(DELTA_NET_MODES), default=MODEL_DEFAULTS["delta_net"],

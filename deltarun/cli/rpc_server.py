@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from deltarun.cli.options import THREAD_COUNT
 from deltarun.runner.rpc import DEFAULT_PORT
 
 
@@ -27,7 +28,7 @@ from deltarun.runner.rpc import DEFAULT_PORT
 @click.option("--port", "-p", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True)
 @click.option("--backend", default="cpu", show_default=True, metavar="cpu|vulkan[:N]|cuda[:N]",
               help="The local device to serve (`deltarun devices` lists them).")
-@click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
+@click.option("--threads", "-t", type=THREAD_COUNT, default=None,
               help="CPU threads of the served backend [default: physical cores].")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep large tensors uploaded by clients in this folder (by hash), so a client that "
