@@ -134,6 +134,7 @@ def test_a_missing_built_in_model_is_a_clear_error(tmp_path, monkeypatch):
     (["--top-p", "nan"], "--top-p"),
     (["--min-p", "nan"], "--min-p"),
     (["--repeat-penalty", "inf"], "--repeat-penalty"),
+    (["--repeat-penalty", "1e-30"], "--repeat-penalty"),     # seen tokens' logits to inf: NaN probabilities
     # past what ggml takes: its thread limit, I32 positions, the slots kept per sequence
     (["--threads", "513"], "--threads"),
     (["--ctx", "2147483648"], "--ctx"),

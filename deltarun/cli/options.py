@@ -30,7 +30,7 @@ from deltarun.runner.devices import physical_cores
 from deltarun.runner.draft_vocab import DEFAULT_DRAFT_VOCAB, MIN_HEAD_SHARE
 from deltarun.runner.backend import MAX_THREADS
 from deltarun.runner.memory import KV_TYPES, MAX_CONTEXT, MAX_RS_SLOTS
-from deltarun.runner.sampling import SamplingParams
+from deltarun.runner.sampling import MAX_REPEAT_PENALTY, MIN_REPEAT_PENALTY, SamplingParams
 
 F = Callable[..., Any]
 
@@ -146,7 +146,7 @@ def sampling_options(f: F) -> F:
                      show_default=True, help="Nucleus sampling: smallest set with this probability (1 = off)."),
         click.option("--min-p", type=FiniteFloatRange(min=0.0, max=1.0), default=_DEFAULTS.min_p,
                      show_default=True, help="Drop tokens below min-p x the top probability (0 = off)."),
-        click.option("--repeat-penalty", type=FiniteFloatRange(min=0.0, min_open=True),
+        click.option("--repeat-penalty", type=FiniteFloatRange(min=MIN_REPEAT_PENALTY, max=MAX_REPEAT_PENALTY),
                      default=_DEFAULTS.repeat_penalty, show_default=True,
                      help="Penalty for recently seen tokens (1 = off)."),
         click.option("--repeat-last-n", type=click.IntRange(min=-1), default=_DEFAULTS.repeat_last_n,

@@ -30,6 +30,12 @@ import numpy as np
 from deltarun.runner.reasoning import ThinkingBudget
 
 
+#: The range of `repeat_penalty`: it divides a seen token's positive logit and multiplies a negative
+#: one, and beyond these bounds takes them past float32's range (inf logits and NaN probabilities:
+#: nothing left to sample, or a grammar's allowed tokens all at -inf).
+MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-6, 1e6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.8

@@ -51,6 +51,7 @@ MATCHERS = 64
 #: ("\n\n"), and a model may split it in two (newlines only: the answer's content drops them, as
 #: llama-server's parser leaves the space before the JSON out of the content)
 BLANK_LEAD = 2
+NL = "\n"
 
 
 class _Vocabulary:
@@ -134,15 +135,20 @@ class GrammarFactory:
         alternatives = []
         for i, tool in enumerate(tools):
             fn = tool["function"]
-            params = fn.get("parameters") or {"type": "object"}
+            name, params = fn["name"], fn.get("parameters") or {"type": "object"}
             if xml:
                 props = params.get("properties") or {}
-                required = set(params.get("required") or [])
-                body = "".join(f' ("<parameter={n}>\\n" {_xml_value(v)} "\\n</parameter>\\n")'
+                required = params.get("required") or []
+                if not isinstance(props, dict) or not isinstance(required, list) \
+                        or not all(isinstance(n, str) for n in required):
+                    raise ApiError(f"the parameters of tool {name!r} need 'properties' as an object and "
+                                   f"'required' as a list of names", param=param)
+                # the tags as JSON strings (Lark reads those): any name, quotes and newlines included
+                body = "".join(f' ({json.dumps(f"<parameter={n}>{NL}")} {_xml_value(v)} "\\n</parameter>\\n")'
                                + ("" if n in required else "?") for n, v in props.items())
-                alternatives.append(f'"<function={fn["name"]}>\\n"{body} "</function>"')
+                alternatives.append(f'{json.dumps(f"<function={name}>{NL}")}{body} "</function>"')
             else:
-                schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                           "required": ["name", "arguments"], "additionalProperties": False,
                           "x-guidance": _CALL_JSON_OPTIONS}
                 alternatives.append(f"%json {json.dumps(schema)}")

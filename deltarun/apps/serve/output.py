@@ -26,6 +26,7 @@ A block that does not parse is passed on as content, so nothing the model wrote 
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -60,10 +61,28 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+def _strict_json(text: str) -> Any:
+    """`json.loads` without Python's extensions: NaN, Infinity and numbers beyond a double are not
+    JSON (a call's arguments holding one could not be sent as JSON), a ValueError like any other."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(digits: str) -> float:
+    value = float(digits)
+    if not math.isfinite(value):
+        raise ValueError(f"{digits} is beyond the range of a double")
+    return value
+
+
 def _xml_value(text: str) -> Any:
-    """A parameter value: JSON when it parses (numbers, objects, true), else the text itself."""
+    """A parameter value: JSON when it parses (numbers, objects, true), else the text itself (so
+    `NaN` is the string "NaN")."""
     try:
-        return json.loads(text)
+        return _strict_json(text)
     except ValueError:
         return text
 
@@ -78,7 +97,7 @@ def parse_tool_call(body: str) -> dict[str, Any] | None:
         args = {name: _xml_value(value) for name, value in _XML_PARAMETER.findall(m.group(2))}
         return {"name": m.group(1), "arguments": json.dumps(args, ensure_ascii=False)}
     try:
-        obj = json.loads(body)
+        obj = _strict_json(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -86,7 +105,7 @@ def parse_tool_call(body: str) -> dict[str, Any] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            json.loads(args)
+            _strict_json(args)
         except ValueError:
             return None
         return {"name": obj["name"], "arguments": args}
@@ -120,7 +139,7 @@ def parse_kimi_tool_calls(block: str) -> list[dict[str, Any]] | None:
         if not sep or m is None:
             return None
         try:
-            obj = json.loads(args)
+            obj = _strict_json(args)
         except ValueError:
             return None
         if not isinstance(obj, dict):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import regex
 
-from deltarun.runner.sampling import SamplingParams
+from deltarun.runner.sampling import MAX_REPEAT_PENALTY, MIN_REPEAT_PENALTY, SamplingParams
 
 _DEFAULTS = SamplingParams()
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -42,6 +42,11 @@ MAX_JSON_DEPTH = 64
 #: Messages in one conversation, and tools, as OpenAI's API limits them.
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
+#: `chat_template_kwargs` the server sets itself: the template's own variables, and the other
+#: arguments of `ChatTemplate.render` (the kwargs are passed beside them: "images" or "self" would
+#: be a second value for one argument)
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "images",
+                               "self"})
 
 
 class ApiError(Exception):
@@ -89,7 +94,8 @@ _STRINGS = regex.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"')     # JSON strings (pos
 def parse_json_body(raw: bytes) -> Any:
     """A request body's JSON, refused with a 4xx before or instead of anything that would fail later:
     more than MAX_JSON_ITEMS values or MAX_JSON_KEYS keys (413, counted before parsing), text that is
-    not UTF-8, numbers of more than MAX_NUMBER_DIGITS digits, nesting deeper than MAX_JSON_DEPTH,
+    not UTF-8, numbers of more than MAX_NUMBER_DIGITS digits, NaN, Infinity and numbers beyond a
+    double (not JSON: an answer echoing one could not be encoded), nesting deeper than MAX_JSON_DEPTH,
     and lone UTF-16 surrogates (`"\\ud800"`: Python strings may hold them, but no UTF-8 text
     can, so an answer echoing one could not be sent).
 
@@ -104,7 +110,8 @@ def parse_json_body(raw: bytes) -> Any:
             f"{keys} JSON object keys (at most {MAX_JSON_KEYS})"
         raise ApiError(f"the request body holds {what}", status=413, code="body_too_large")
     try:
-        body = json.loads(text, parse_int=_json_int, parse_float=_json_float, object_pairs_hook=_json_object)
+        body = json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant,
+                          object_pairs_hook=_json_object)
     except RecursionError:
         raise ApiError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json") \
             from None
@@ -133,7 +140,14 @@ def _json_int(digits: str) -> int:
 def _json_float(digits: str) -> float:
     if len(digits) > MAX_NUMBER_DIGITS:
         raise ValueError(f"a number of {len(digits)} characters (at most {MAX_NUMBER_DIGITS})")
-    return float(digits)
+    value = float(digits)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {digits} is beyond the range of a double")
+    return value
+
+
+def _json_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -288,7 +302,8 @@ def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = F
         top_k=_integer(body, "top_k", _DEFAULTS.top_k, lo=0),
         top_p=_number(body, "top_p", _DEFAULTS.top_p, lo=0.0, hi=1.0, lo_open=True),
         min_p=_number(body, "min_p", _DEFAULTS.min_p, lo=0.0, hi=1.0),
-        repeat_penalty=_number(body, "repeat_penalty", _DEFAULTS.repeat_penalty, lo=0.0, lo_open=True),
+        repeat_penalty=_number(body, "repeat_penalty", _DEFAULTS.repeat_penalty, lo=MIN_REPEAT_PENALTY,
+                               hi=MAX_REPEAT_PENALTY),
         repeat_last_n=_integer(body, "repeat_last_n", _DEFAULTS.repeat_last_n, lo=-1),
         seed=None if seed is None else seed % 2**63)
     req.presence_penalty = _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
@@ -525,7 +540,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise ApiError("'response_format' and a forced 'tool_choice' cannot be combined", param="response_format",
                        code="invalid_value")
     kwargs = _object(body, "chat_template_kwargs") or {}
-    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs)
+    reserved = TEMPLATE_RESERVED & set(kwargs)
     if reserved:
         raise ApiError(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}",
                        param="chat_template_kwargs", code="invalid_value")
