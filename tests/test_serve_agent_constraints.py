@@ -428,4 +428,4 @@ def test_a_forced_call_without_a_tool_call_token_writes_the_tag_as_text():
     for t in tok.encode(text, add_special=False, parse_special=True):
         assert np.isfinite(m.mask(x)[t]), tok.token_bytes(t)
         m.accept(t)
-    assert m.done and m.error is None
+    assert m.done and not m.matcher.is_error()

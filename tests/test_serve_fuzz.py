@@ -719,6 +719,31 @@ def test_a_huge_repeat_penalty_cannot_push_a_grammar_s_tokens_to_minus_inf(serve
             assert answer["choices"][0]["message"]["content"].startswith('"')     # the grammar held
 
 
+@pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])
+def test_a_grammar_that_fails_while_generating_fails_the_request(servers, path):
+    """A pattern llguidance cannot build a lexer for fails only once the output reaches it (after
+    `{"s":"`), and then at the first mask of every later copy of that compiled grammar: the matcher
+    allowed nothing but the end, and the answer was `{` with finish_reason "stop". Now the
+    request fails with llguidance's reason, as a 400 or, once streaming, an error event; twice, the
+    second from the kept compiled grammar."""
+    s = servers["tiny"]
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["s"]}
+    if path == CHAT:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    elif path == MESSAGES:
+        body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tool_choice":
+                {"type": "tool", "name": "f"}, "tools": [{"name": "f", "input_schema": schema}]}
+    else:
+        body = {"input": "hi", "max_output_tokens": 8,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    with httpx.Client(base_url=s.base, timeout=REQUEST_TIMEOUT_S) as client:
+        for stream in (False, True, False):
+            status, answer = send(s, client, path, {**body, "stream": stream})
+            text = json.dumps(answer) if not stream else "\n".join(answer)
+            assert "too many expressions" in text and (stream or status == 400), text[-1500:]
+
+
 ODD_IDS = ["x", "resp_" + "0" * 32, "resp_" + "a" * 5000, "%00", "%ED%A0%80", "..", "%2E%2E", "a%2Fb", "null",
            "%22%27%3C%3E", "%E2%80%AE", "resp_%F0%9F%98%80", " ", "%0A", "-1", "1e999", "NaN"]
 

@@ -244,11 +244,22 @@ class Constraint:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """Logits with every token the grammar forbids at -inf (a new array)."""
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        self._check()
         allowed = bits[:logits.shape[0]].astype(bool)
         return np.where(allowed, logits, -np.inf).astype(np.float32)
 
     def accept(self, token: int) -> None:
         self.matcher.consume_token(int(token))
+        self._check()
+
+    def _check(self) -> None:
+        """A matcher that failed (a schema whose regular expressions outgrow llguidance's lexer, met
+        only once the output reaches them, or at the first mask of a copy whose compiled grammar
+        failed so before) allows nothing but the end: the request fails with llguidance's reason
+        instead of ending an answer that does not follow its schema."""
+        if self.matcher.is_error():
+            reason = self.matcher.get_error().splitlines()[0]
+            raise ApiError(f"the output's grammar cannot go on: {reason}", code="grammar_error")
 
     def verifiable(self, draft: Sequence[int]) -> int:
         """Drafted tokens are not verified under a grammar (each row's mask follows the tokens before)."""
@@ -258,10 +269,6 @@ class Constraint:
     def done(self) -> bool:
         """The grammar is complete: nothing more may follow."""
         return self.matcher.is_stopped()
-
-    @property
-    def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
 
 
 class LazyConstraint:
@@ -297,10 +304,6 @@ class LazyConstraint:
         if self.active is not None:
             return 0
         return draft.index(self.trigger) if self.trigger in draft else len(draft)
-
-    @property
-    def error(self) -> str | None:
-        return self.active.error if self.active is not None else None
 
 
 class AfterThinking:
@@ -341,7 +344,3 @@ class AfterThinking:
     @property
     def done(self) -> bool:
         return self.started and self.constraint.done
-
-    @property
-    def error(self) -> str | None:
-        return self.constraint.error if self.started else None

@@ -431,9 +431,12 @@ class Worker:
             self._copying = False
 
     def _guard(self, job: Job, fn: Callable[[Job], None]) -> None:
-        """Run one job's step; an error ends that job (HTTP 500 / an error event), never the worker."""
+        """Run one job's step; an error ends that job (its ApiError, else HTTP 500; an error event
+        once streaming), never the worker."""
         try:
             fn(job)
+        except ApiError as e:             # the request's own fault, found while it ran (its grammar)
+            self._fail(job, e)
         except Exception as e:  # noqa: BLE001 - reported to the client, logged, and the worker goes on
             self._fail(job, _server_error(e))
 
