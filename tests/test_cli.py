@@ -434,6 +434,19 @@ def test_model_refuses_sizes_ggml_cannot_lay_out(tiny_model, kwargs, text):
     assert p.returncode == 7 and text in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
 
 
+def test_a_failed_allocation_is_one_line_with_ggml_s_reason(tiny_model):
+    """ggml prints two lines of its own when an allocation fails; they are held and its reason goes
+    into deltarun's error. 256 sequences of 2^31 - 1 positions: 256 TiB of cache, past any address
+    space, so the allocation fails whatever the kernel's overcommit policy."""
+    code = ("import sys; from deltarun.base.errors import BackendError; from deltarun.runner.model import Model\n"
+            "try: Model(sys.argv[1], n_ctx=2**31 - 1, n_seq_max=256, n_threads=1)\n"
+            "except BackendError as e: print(e); sys.exit(7)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 7 and p.stderr == "", (p.returncode, p.stdout, p.stderr[-2000:])
+    assert p.stdout.startswith("backend cpu could not allocate 256.00 TiB for the KV cache and recurrent state: ")
+    assert "memory" in p.stdout and p.stdout.count("\n") == 1, p.stdout
+
+
 def test_values_are_one_line_errors_and_malformed_lines_get_usage(tiny_model):
     bad_value = run("generate", tiny_model, "-p", "hi", "--top-p", "2")
     assert bad_value.exit_code == 2 and bad_value.stderr.count("\n") == 1

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltarun.base.errors import BackendError, DeltarunError
+from deltarun.base.ggml_log import HeldLog
 from deltarun.base.ggml_util import Tensor, c_text, ctypes, ggml
 from deltarun.runner import rpc
 from deltarun.runner.cpu_threads import ThreadPinning
 from deltarun.runner.devices import (DEVICE_KINDS, DeviceInfo, best_device, find_device, parse_backend_name,
                                      physical_cores)
+from deltarun.runner.units import format_bytes
 
 
 @dataclass
@@ -174,9 +176,12 @@ def alloc_tensors(backend: Backend, tensors: list[Tensor], what: str, buft: Any 
     for t in tensors:
         offsets.append(size)
         size += -(-int(ggml.ggml_backend_buft_get_alloc_size(buft, t)) // align) * align
-    buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
+    with HeldLog() as held:     # ggml says why in lines of its own: the error says it in one
+        buffer = ggml.ggml_backend_buft_alloc_buffer(buft, max(size, align))
     if not buffer:
-        raise BackendError(f"backend {backend.name} could not allocate {size} bytes for {what}")
+        raise BackendError(f"backend {backend.name} could not allocate {format_bytes(size)} for {what}: "
+                           f"{held.reason}")
+    held.release()
     base = int(ggml.ggml_backend_buffer_get_base(buffer) or 0)
     for t, off in zip(tensors, offsets):
         if ggml.ggml_backend_tensor_alloc(buffer, t, ctypes.c_void_p(base + off)) != 0:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from typing import Any, Iterator, Literal, Union
+from typing import Any, Literal, Union
 
 from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context
 
@@ -101,25 +100,3 @@ def repack_supports(weight: Tensor, buft: Any) -> bool:
             ggml.ggml_backend_buffer_free(probe_buffer)
 
 
-@contextlib.contextmanager
-def without_debug_log() -> Iterator[None]:
-    """ggml's log without its DEBUG lines for the duration (the CPU repack announces every tensor
-    it lays out); other lines go where they went before."""
-    cb, ud = ggml.ggml_log_callback(), ctypes.c_void_p()
-    ggml.ggml_log_get(ctypes.byref(cb), ctypes.byref(ud))
-    previous = cb if ctypes.cast(cb, ctypes.c_void_p).value else None
-
-    def forward(level: int, text: bytes, user_data: Any) -> None:
-        if level == ggml.GGML_LOG_LEVEL_DEBUG:
-            return
-        if previous is not None:
-            previous(level, text, user_data)
-        elif text:
-            os.write(2, text)
-
-    hook = ggml.ggml_log_callback(forward)
-    ggml.ggml_log_set(hook, ud)
-    try:
-        yield
-    finally:
-        ggml.ggml_log_set(previous if previous is not None else ggml.ggml_log_callback(), ud)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deltarun.base.errors import BackendError
+from deltarun.base.ggml_log import HeldLog
 from deltarun.base.ggml_util import c_array, ctypes, ggml
 from deltarun.runner.backend import Backend
 
@@ -214,9 +215,12 @@ class Scheduler:
     def reserve(self, gf: Any) -> None:
         """Size the compute buffers for the largest graph once, so later graphs never reallocate."""
         self._allocated = None   # reserving resets the scheduler: the next graph is allocated anew
-        if not ggml.ggml_backend_sched_reserve(self.handle, gf):
-            raise BackendError("the backend could not reserve compute buffers for the largest ubatch "
+        with HeldLog() as held:
+            reserved = ggml.ggml_backend_sched_reserve(self.handle, gf)
+        if not reserved:
+            raise BackendError(f"the backend could not reserve compute buffers for the largest ubatch: {held.reason} "
                                "(lower --ubatch or --ctx)")
+        held.release()
 
     def allocate(self, gf: Any, ctx: Any) -> None:
         """Allocate `gf` (whose tensors live in `ctx`) unless it is the graph allocated last.

@@ -15,11 +15,12 @@ import mmap
 from typing import Any
 
 from deltarun.base.errors import BackendError, ModelFileError
+from deltarun.base.ggml_log import without_debug_log
 from deltarun.base.ggml_util import Tensor, ctypes, ggml, new_context, set_name
 from deltarun.base.gguf_file import GGUFFile, TensorInfo
 from deltarun.runner.backend import Backend, alloc_tensors
 from deltarun.runner.placement import Placement
-from deltarun.runner.repack import RepackMode, cpu_repack_buffer_type, repack_supports, without_debug_log, worth_repacking
+from deltarun.runner.repack import RepackMode, cpu_repack_buffer_type, repack_supports, worth_repacking
 
 TENSOR_ALIGNMENT = 32
 
