@@ -4,6 +4,7 @@ and draws that follow them."""
 from __future__ import annotations
 
 import types
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -124,8 +125,30 @@ class _Grammar:
     def accept(self, token):
         self.accepted.append(token)
 
-    def verifiable(self, draft):
-        return 0
+    def fork(self):
+        twin = _Grammar(self.allowed)
+        twin.accepted = list(self.accepted)
+        return twin
+
+
+class _Alternating(_Grammar):
+    """A grammar whose mask follows its state: after an even token only odd ones, and the reverse
+    (so a row's mask depends on every drafted token before it)."""
+
+    def __init__(self, n_vocab):
+        super().__init__(list(range(n_vocab)))
+        self.n_vocab = n_vocab
+
+    def mask(self, logits):
+        if not self.accepted:
+            return np.asarray(logits, dtype=np.float32).copy()
+        want = 1 - self.accepted[-1] % 2
+        return np.where(np.arange(logits.shape[0]) % 2 == want, logits, -np.inf).astype(np.float32)
+
+    def fork(self):
+        twin = _Alternating(self.n_vocab)
+        twin.accepted = list(self.accepted)
+        return twin
 
 
 def test_logits_processors_penalties_bias_ban_and_grammar():
@@ -136,14 +159,16 @@ def test_logits_processors_penalties_bias_ban_and_grammar():
     grammar = _Grammar([0, 1, 2, 3])
     proc = LogitsProcessors(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={1: 2.0, 9: 5.0, -1: 1.0},
                             banned=[3], grammar=grammar)
-    assert proc.verifiable([1, 2]) == 0 and proc.verifiable([]) == 0
     np.testing.assert_array_equal(proc(x), [1.0, 4.0, 3.0, -np.inf, -np.inf])     # nothing accepted yet
     for t in (0, 0, 2):
         proc.accept(t)
     np.testing.assert_array_equal(proc(x), [1.0 - 2 * 0.25 - 0.5, 4.0, 3.0 - 0.25 - 0.5, -np.inf, -np.inf])
     np.testing.assert_array_equal(x, [1.0, 2.0, 3.0, 4.0, 5.0])
     assert grammar.accepted == [0, 0, 2]
-    assert LogitsProcessors()(x) is x and LogitsProcessors(logit_bias={2: 1.0}).verifiable([1, 2]) == 2
+    assert LogitsProcessors()(x) is x
+    twin = proc.fork()                                   # a fork moves on its own
+    twin.accept(1)
+    assert grammar.accepted == [0, 0, 2] and proc.counts[1] == 0 and twin.counts[1] == 1
     assert Sampler(GREEDY).sample(x, [], proc) == 1
     rows = np.stack([x, x[::-1].copy()])
     assert sample_rows([Sampler(GREEDY), Sampler(GREEDY)], rows, [[], []], processors=[proc, None]) == [1, 0]
@@ -231,10 +256,33 @@ def test_acceptance_by_the_support_decides_as_the_dense_rule():
     assert kept > 20 and rejected > 20
 
 
-def test_drafts_are_not_verified_under_processors_with_state():
-    rows = np.zeros((2, 4), dtype=np.float32)
-    draft = types.SimpleNamespace(tokens=[1], probs=[None])
-    for proc in (LogitsProcessors(presence_penalty=1.0), LogitsProcessors(grammar=_Grammar([1]))):
-        with pytest.raises(ValueError):
-            accept_draft(Sampler(GREEDY), rows, draft, [], proc)
-    assert accept_draft(Sampler(GREEDY), rows, draft, [], LogitsProcessors(banned=[0]))[0] == 1
+def test_drafts_are_verified_as_plain_sampling_draws_under_processors_with_state():
+    """Greedy verification under penalties and a grammar whose mask follows every token: the kept
+    drafts and the token after them are what drawing the rows one by one gives (the processors
+    moved past each drawn token), and the request's own processors stay where they were."""
+    rng = np.random.default_rng(7)
+    n_vocab, cases, rejected_at = 12, 300, Counter()
+    for _ in range(cases):
+        rows = rng.standard_normal((5, n_vocab)).astype(np.float32)
+        history = [int(t) for t in rng.integers(0, n_vocab, 3)]
+        make = lambda: LogitsProcessors(presence_penalty=0.7, frequency_penalty=0.3,  # noqa: E731
+                                        counts=Counter(history), grammar=_Alternating(n_vocab))
+        ref, ref_history, plain = make(), list(history), []
+        for row in rows:                                  # plain decoding, one row at a time
+            t = Sampler(GREEDY).sample(row, ref_history, ref)
+            plain.append(t)
+            ref.accept(t)
+            ref_history.append(t)
+        cut = int(rng.integers(0, 5))                     # drafts right up to `cut`, then one wrong
+        tokens = plain[:4]
+        if cut < 4:
+            tokens = tokens[:cut] + [(plain[cut] + 1 + int(rng.integers(0, n_vocab - 1))) % n_vocab]
+        proc = make()
+        n_ok, nxt = accept_draft(Sampler(GREEDY), rows, types.SimpleNamespace(tokens=tokens, probs=[None] * len(tokens)),
+                                 history, proc)
+        assert (n_ok, nxt) == (min(cut, 4), plain[min(cut, 4)])
+        assert proc.counts == Counter(history) and proc.grammar.accepted == []
+        rejected_at[n_ok] += 1
+    assert all(rejected_at[k] > 20 for k in range(5))
+
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import json
 
 import httpx
 import numpy as np
@@ -130,6 +131,26 @@ def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_pat
     assert len(a.choices[0].logprobs.content) == N_TOKENS
     assert "draft_n" not in a.model_extra["timings"] and b.model_extra["timings"]["draft_n"] > 0
     assert any(len(ids) == 2 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
+
+
+@pytest.mark.parametrize("draft", ["ngram", "mtp"])
+def test_drafts_are_verified_under_a_json_schema_and_penalties(tiny_model_path, draft):
+    """A request with a JSON schema, a presence penalty and a logit bias drafts too: its processors
+    verify each draft on a fork that walks the drafts before it (`sampling.accept_draft`), so the
+    greedy answer is the plain server's and drafts are kept (the echo model repeats its last token
+    until the string's maxLength closes it: the grammar's mask and the penalty move with every
+    drafted token)."""
+    kw = dict(max_tokens=40, presence_penalty=0.3, logit_bias={"7": 1.5},
+              response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                  "type": "object", "properties": {"a": {"type": "string", "maxLength": 60}}, "required": ["a"],
+                  "additionalProperties": False}}})
+    with _server(tiny_model_path("tiny-echo")) as h:
+        want = [_ask(_client(h), p, **kw).choices[0].message.content for p in PROMPTS[:2]]
+    with _server(tiny_model_path("tiny-echo"), draft=draft) as h:
+        got = [_ask(_client(h), p, **kw) for p in PROMPTS[:2]]
+    assert [r.choices[0].message.content for r in got] == want
+    assert all(len(json.loads(r.choices[0].message.content)["a"]) <= 60 for r in got)    # the schema held
+    assert sum(r.model_extra["timings"]["draft_n_accepted"] for r in got) > 4
 
 
 def _mtp_rows(h: ServeHandle, tokens: list[int]) -> tuple[int, list[np.ndarray]]:

@@ -86,25 +86,27 @@ def test_the_marker_waits_for_a_whole_character():
     assert ends_inside_a_character(b"\xf0\x9f\x98") and not ends_inside_a_character(b"\x80")
 
 
-def test_forced_rows_and_verifiable_drafts():
-    """A forced row keeps only the marker's token (with its own logit, 0 where that was -inf);
-    drafts are verifiable while every verification row stays inside the budget."""
+def test_forced_rows_and_forks():
+    """A forced row keeps only the marker's token (with its own logit, 0 where that was -inf); a
+    fork (what verifies drafts) counts and forces on its own."""
     b = ThinkingBudget(TAGS, 3, True, _ascii)
     x = np.arange(VOCAB, dtype=np.float32)
-    assert b.force(x) is x and b.verifiable(5) == 2
+    assert b.force(x) is x
+    walk = b.fork()
+    for t in (10, 11, 12):
+        walk.accept(t)
+    assert _only(walk.force(x)) == MARK[0] and b.force(x) is x and b.remaining == 3    # the original waits
     b.accept(10)
-    assert b.verifiable(5) == 1
     b.accept(11)
-    assert b.verifiable(5) == 0
     b.accept(12)
     row = b.force(x)
-    assert _only(row) == MARK[0] and row[MARK[0]] == x[MARK[0]] and b.verifiable(5) == 0
+    assert _only(row) == MARK[0] and row[MARK[0]] == x[MARK[0]]
     forbidden = x.copy()
     forbidden[MARK[0]] = -np.inf                          # e.g. a grammar's mask: not forced
     assert b.force(forbidden) is forbidden
     for t in MARK:
         b.accept(t)
-    assert b.forcing is None and b.verifiable(5) == 2     # outside: a new block would get 3 again
+    assert b.forcing is None and not b.state.inside and walk.forcing == 0
     with pytest.raises(ValueError):
         ThinkingBudget(TAGS, -1, True, _ascii)
     with pytest.raises(ValueError):
@@ -120,7 +122,7 @@ def test_a_refused_marker_stands_the_budget_down():
     x[MARK[0]] = -np.inf
     assert b.force(x) is x
     b.accept(11)
-    assert b.off and b.forcing is None and b.verifiable(5) == 5
+    assert b.off and b.forcing is None
     assert _run(b, [12, 13, *OPEN, 14, 15]) == [12, 13, *OPEN, 14, 15]
 
 

@@ -10,10 +10,9 @@
 case; the server's worker calls `step` with every generating request's sequence and keeps only
 the scheduling (admission, prompt chunks, work ahead, cancellation, the prompt cache).
 
-One step: each sequence that drafts (`Running.length` set) gets its drafts (`speculative.propose`),
-cut to what its logits processors can verify as they stand (`LogitsProcessors.verifiable`: a lazy
-grammar up to its trigger, a thinking budget short of its end);
-the sequences are evaluated in runs of consecutive memory sequences, one ubatch per run whose rows
+One step: each sequence that drafts (`Running.length` set) gets its drafts (`speculative.propose`;
+its logits processors verify them on a fork that walks the drafts: `sampling.accept_draft`); the
+sequences are evaluated in runs of consecutive memory sequences, one ubatch per run whose rows
 all hold the same number of tokens: the last token plus the most drafts any of them has, a
 sequence with fewer drafts padded with filler. Then per sequence: drafts accepted or not
 (`speculative.verify`: the longest agreeing prefix, or speculative sampling's min(1, p/q) rule) or,
@@ -51,8 +50,7 @@ class Running:
 
     `history` holds every token so far, prompt included; its last token (`pending`) is the one the
     next step evaluates. `draft` alone (no `length`): the source is handed the kept rows but no
-    drafts are verified (a server request whose sampling the drafts cannot be verified with still
-    fills its cell's MTP rows).
+    drafts are verified (a server request that asks for logprobs still fills its cell's MTP rows).
     """
 
     seq: int
@@ -158,12 +156,8 @@ class Engine:
                 continue
             try:
                 k = wanted[id(s)]
-                d = chained[id(s)] if id(s) in chained else \
+                proposals[id(s)] = chained[id(s)] if id(s) in chained else \
                     s.draft.propose(s.history, k, s.sampler) if k else Draft([], [])
-                if d.tokens and s.processors is not None:     # what the processors' state lets verify
-                    n = s.processors.verifiable(d.tokens)
-                    d = Draft(d.tokens[:n], d.probs[:n])
-                proposals[id(s)] = d
             except Exception as e:  # noqa: BLE001 - a failing draft source ends its sequence's step
                 outcomes[id(s)].error = e
         live = sorted((s for s in running if id(s) in proposals), key=lambda s: s.seq)
@@ -212,7 +206,8 @@ class Engine:
         where it can go along (returned when it did not)."""
         model = self.model
         width = 1 + max(len(proposals[id(s)].tokens) for s in run)
-        width = min([width] + [model.n_ctx - model.n_past(s.seq) for s in run])
+        # within the context, and within the rollback slots: all drafts rejected undo width - 1 tokens
+        width = min([width, model.rs_slots] + [model.n_ctx - model.n_past(s.seq) for s in run])
         for s in run:
             d = proposals[id(s)]
             proposals[id(s)] = Draft(d.tokens[:width - 1], d.probs[:width - 1])

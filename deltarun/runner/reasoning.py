@@ -21,6 +21,8 @@ marker at once, N a budget) to a processor: `deltarun generate`, `chat` and `ser
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -78,6 +80,10 @@ class TokenSequence:
     def reset(self) -> None:
         self.pos = 0
 
+    def fork(self) -> "TokenSequence":
+        """A copy that follows tokens on its own (a speculative walk: `LogitsProcessors.fork`)."""
+        return copy.copy(self)
+
 
 class ThinkingState:
     """Inside the think block or not, following the kept tokens (`accept`)."""
@@ -85,6 +91,12 @@ class ThinkingState:
     def __init__(self, tags: ThinkingTags, inside: bool):
         self.inside = inside
         self._start, self._end = TokenSequence(tags.start), TokenSequence(tags.end)
+
+    def fork(self) -> "ThinkingState":
+        """A copy that follows tokens on its own."""
+        twin = copy.copy(self)
+        twin._start, twin._end = self._start.fork(), self._end.fork()
+        return twin
 
     def accept(self, token: int) -> bool:
         """Follow `token`; True when it opened or closed the block."""
@@ -182,15 +194,13 @@ class ThinkingBudget:
             self._waiting = False
             self.forcing = 0
 
-    def verifiable(self, n: int) -> int:
-        """How many of `n` drafted tokens can be verified with the logits left as they are: as many
-        as leave the budget unspent before the last verification row (none while forcing)."""
-        if self.off:
-            return n
-        if self.forcing is not None or self._waiting:
-            return 0
-        room = self.remaining if self.state.inside else self.budget
-        return max(0, min(n, room - 1))
+    def fork(self) -> "ThinkingBudget":
+        """A copy that counts and forces on its own: drafted tokens are verified on one
+        (`LogitsProcessors.fork`), so each verification row is forced as it would be after the
+        drafts before it."""
+        twin = copy.copy(self)
+        twin.state = self.state.fork()
+        return twin
 
 
 #: llama.cpp's `--reasoning-budget` value for no limit

@@ -22,6 +22,7 @@ draws from.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -70,9 +71,9 @@ class Grammar(Protocol):
     def accept(self, token: int) -> None:
         """The grammar's state moves past `token`."""
 
-    def verifiable(self, draft: Sequence[int]) -> int:
-        """How many of `draft`'s leading tokens can be verified with the mask as it stands (the mask
-        of each of their rows would not depend on the drafted tokens before it)."""
+    def fork(self) -> "Grammar":
+        """A copy whose state moves on its own: drafted tokens are verified on one, each row masked
+        as it would be after the drafts before it."""
 
 
 @dataclass
@@ -94,19 +95,14 @@ class LogitsProcessors:
     budget: ThinkingBudget | None = None
     counts: collections.Counter[int] = field(default_factory=collections.Counter)
 
-    def verifiable(self, draft: Sequence[int]) -> int:
-        """How many of `draft`'s leading tokens can be verified under these processors as they
-        stand: those whose rows the processors would treat the same whichever drafted tokens came
-        before (none under the penalties, whose counts every token changes; the grammar and the
-        budget say how many for their state)."""
-        n = len(draft)
-        if n and (self.presence_penalty or self.frequency_penalty):
-            return 0
-        if n and self.grammar is not None:
-            n = min(n, self.grammar.verifiable(draft))
-        if n and self.budget is not None:
-            n = min(n, self.budget.verifiable(n))
-        return n
+    def fork(self) -> "LogitsProcessors":
+        """A copy whose state (the counts, the grammar, the budget) moves on its own: speculative
+        decoding verifies drafted tokens on one (`accept_draft`), so each row is processed as it
+        would be after the drafts before it, and the request's own state moves only by the tokens
+        kept."""
+        return dataclasses.replace(self, counts=collections.Counter(self.counts),
+                                   grammar=self.grammar.fork() if self.grammar is not None else None,
+                                   budget=self.budget.fork() if self.budget is not None else None)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """The logits after the processors: a float32 copy where any applies, else the row itself."""
@@ -353,22 +349,25 @@ def accept_draft(sampler: Sampler, logits: np.ndarray, draft: Proposal, history:
     is kept while it is the target's argmax. Sampled: draft d (drawn from q) is kept with
     probability min(1, p[d] / q[d]); a rejection draws from the residual max(p - q, 0), which leaves
     the output distributed exactly as the target's sampling (a point-mass q when the draft is
-    deterministic).
+    deterministic). The repetition penalty and the logits processors treat each row as they would
+    after the drafts kept before it (the history grows, a fork of the processors walks the draft):
+    penalties, grammars and thinking budgets verify drafts as plain sampling would draw.
     """
-    if processors is not None and processors.verifiable(draft.tokens) < len(draft.tokens):
-        raise ValueError("these drafts cannot be verified under the request's penalties, grammar or thinking budget")
     local = list(history)
+    walk = processors.fork() if processors is not None else None     # moves past each kept draft
     for i, d in enumerate(draft.tokens):
         if sampler.params.greedy:
-            best = sampler.sample(logits[i], local, processors)
+            best = sampler.sample(logits[i], local, walk)
             if best != d:
                 return i, best
         else:
-            p = sampler.support(logits[i], local, processors)
+            p = sampler.support(logits[i], local, walk)
             q = draft.probs[i]
             q_d = 1.0 if q is None else q.prob(d)
             if sampler.rng.random() >= min(1.0, p.prob(d) / q_d):
                 residual = p.residual(q if q is not None else Distribution.point(d, p.n_vocab))
                 return i, residual.draw(sampler.rng) if residual is not None else int(p.ids[np.argmax(p.probs)])
         local.append(d)
-    return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local, processors)
+        if walk is not None:
+            walk.accept(d)
+    return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local, walk)

@@ -24,8 +24,7 @@ the model. The worker loops over steps; each step
    gets its own drafts (as many as it had accepted last time plus one, up to draft_max), and the
    ubatch verifies every job's pending token plus its drafts: all rows hold the same number L of
    tokens (1 + the most drafts any job has, within the context and the rollback slots), a job
-   with fewer drafts (or none: one whose sampling the drafts cannot be verified with, such as a
-   json_schema constraint, logprobs or logit_bias) is padded with filler tokens, and after
+   with fewer drafts (or none: one that asks for logprobs) is padded with filler tokens, and after
    verification each job rolls back what it did not keep (rejected drafts and filler, at most
    L-1 <= rs_slots-1 tokens). While decoding is bound by reading the weights, one ubatch of
    L x n_seqs tokens costs little more than one of n_seqs tokens, which is why padding is chosen
@@ -869,11 +868,10 @@ class Worker:
 
     # --- speculative decoding ------------------------------------------------------------------------
     def _can_speculate(self, job: Job) -> bool:
-        """Drafts are verified with the plain sampler: not for requests whose sampling adds more."""
-        r = job.params.req
-        return (self.draft_spec is not None and self.k_max > 0 and not r.logprobs
-                and (job.constraint is None or job.constraint.lazy)
-                and not r.logit_bias and not r.presence_penalty and not r.frequency_penalty)
+        """Drafts are verified under the request's sampler and processors (its grammar, penalties,
+        logit_bias and thinking budget walk each draft on a fork: `sampling.accept_draft`); not
+        with logprobs, which are reported from the raw rows of the tokens drawn."""
+        return self.draft_spec is not None and self.k_max > 0 and not job.params.req.logprobs
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
