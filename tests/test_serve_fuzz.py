@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,6 +42,8 @@ from hypothesis import strategies as st
 from deltarun.apps.serve.grammar import GrammarFactory
 from deltarun.apps.serve.server import free_port
 from deltarun.base.gguf_file import GGUFFile
+
+from serve_child import start_serve, stop_serve
 
 N_CTX = 1024               # bounds an answer whose max_tokens a mutation removed (about 2 s on the tiny model)
 REQUEST_TIMEOUT_S = 60.0   # longer is a hang
@@ -312,35 +312,13 @@ class Served:
 
 def _start(path: Path, log: Path) -> Served:
     port = free_port()
-    cmd = [sys.executable, "-m", "deltarun", "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
-           "--parallel", "1", "--ctx", str(N_CTX), "--threads", "1", "--log-level", "info"]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stderr=err, stdout=err, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = start_serve([str(path), "--host", "127.0.0.1", "--parallel", "1", "--ctx", str(N_CTX), "--threads", "1",
+                        "--log-level", "info"], log, port)
     s = Served(f"http://127.0.0.1:{port}", log, proc, path)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(s.base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            _stop(proc)
-            pytest.fail(f"the server did not come up: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
     r = httpx.post(s.base + RESPONSES, json={"input": "hi", "max_output_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
     s.prev_id = r.json()["id"]
     return s
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +335,7 @@ def servers(tiny_model_path, tmp_path_factory) -> Iterator[dict[str, Served]]:
         yield started
     finally:
         for s in started.values():
-            _stop(s.proc)
+            stop_serve(s.proc)
 
 
 # --------------------------------------------------------------------------------------------- checks

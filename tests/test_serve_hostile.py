@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,6 +32,8 @@ from deltarun.apps.serve.server import ServeHandle, ServeSettings, free_port
 from deltarun.apps.serve.worker import CAPTURE_SLOTS, GenParams, Job, Worker
 from deltarun.cli.main import cli
 from deltarun.runner.model import Model
+
+from serve_child import start_serve, stop_serve
 
 N_CTX = 8192
 HEADER_TIMEOUT = 1.0
@@ -67,32 +67,14 @@ def srv(tiny_model_path, tmp_path_factory):
     path = tiny_model_path("tiny", "f32")
     log = tmp_path_factory.mktemp("hostile") / "serve.log"
     port = free_port()
-    cmd = [sys.executable, "-m", "deltarun", "serve", str(path), "--port", str(port), "--parallel", "2",
-           "--ctx", str(N_CTX), "--threads", "1", "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout",
-           str(BODY_TIMEOUT), "--keep-alive", str(KEEP_ALIVE), "--max-connections", "128", "--max-queue", "64",
-           "--no-prefill-ahead", "--log-level", "info"]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    base = f"http://127.0.0.1:{port}"
+    proc = start_serve([str(path), "--parallel", "2", "--ctx", str(N_CTX), "--threads", "1", "--header-timeout",
+                        str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT), "--keep-alive", str(KEEP_ALIVE),
+                        "--max-connections", "128", "--max-queue", "64", "--no-prefill-ahead", "--log-level", "info"],
+                       log, port)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail(f"the server did not come up: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
-        yield Served(base, port, log, proc)
+        yield Served(f"http://127.0.0.1:{port}", port, log, proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc)
 
 
 @pytest.fixture(scope="module")
