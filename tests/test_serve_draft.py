@@ -114,22 +114,30 @@ def test_greedy_output_unchanged_alone_and_four_together(tiny_model_path, plain_
         assert all(r.usage.completion_tokens == N_TOKENS for r in sampled)
 
 
-def test_requests_that_cannot_speculate_decode_in_the_same_ubatch(tiny_model_path, plain_answers):
-    """A logprobs request (its sampling is not the plain sampler's) shares the verification ubatch:
-    padded with filler, rolled back, same greedy tokens."""
-    with _server(tiny_model_path("tiny-echo"), draft="mtp") as h:
+def test_a_logprobs_request_drafts_and_reports_the_plain_servers_logprobs(tiny_model_path, plain_answers):
+    """A logprobs request drafts beside another in one verification ubatch: each kept token's entry
+    comes from its own row of the verification, so tokens, logprobs and top alternatives are the
+    plain server's (up to float32 rounding: the rows are computed in a wider ubatch). The drafts come
+    from a draft GGUF with the target's trunk (always right), on a model whose rows differ token by
+    token (the echo model's rows after one token are all alike)."""
+    with _server(tiny_model_path("tiny-mtp")) as h:
+        want = _ask(_client(h), PROMPTS[0], logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    with _server(tiny_model_path("tiny-mtp"), draft="draft.gguf", draft_path=tiny_model_path("tiny")) as h:
         c = _client(h)
         h.worker.trace = trace = []
         with AdmissionGate(h.worker, 2) as gate, cf.ThreadPoolExecutor(2) as pool:
-            fa = pool.submit(_ask, c, PROMPTS[0], logprobs=True)
+            fa = pool.submit(_ask, c, PROMPTS[0], logprobs=True, top_logprobs=3)
             fb = pool.submit(_ask, c, PROMPTS[1])
             gate.release()
             a, b = fa.result(), fb.result()
         h.worker.trace = None
-    assert a.choices[0].message.content == plain_answers["tiny-echo"][0]
-    assert b.choices[0].message.content == plain_answers["tiny-echo"][1]
-    assert len(a.choices[0].logprobs.content) == N_TOKENS
-    assert "draft_n" not in a.model_extra["timings"] and b.model_extra["timings"]["draft_n"] > 0
+    assert a.choices[0].message.content == plain_answers["tiny-mtp"][0]
+    assert b.choices[0].message.content == plain_answers["tiny-mtp"][1]
+    got = a.choices[0].logprobs.content
+    assert [e.token for e in got] == [e.token for e in want] and len(got) == N_TOKENS
+    np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in got] == [[t.token for t in e.top_logprobs] for e in want]
+    assert a.model_extra["timings"]["draft_n_accepted"] > 0 and b.model_extra["timings"]["draft_n"] > 0
     assert any(len(ids) == 2 and width > 1 for kind, ids, width in (e for e in trace if e[0] == "batch"))
 
 

@@ -50,7 +50,7 @@ class Running:
 
     `history` holds every token so far, prompt included; its last token (`pending`) is the one the
     next step evaluates. `draft` alone (no `length`): the source is handed the kept rows but no
-    drafts are verified (a server request that asks for logprobs still fills its cell's MTP rows).
+    drafts are verified (the source still fills its cell's MTP rows).
     """
 
     seq: int

@@ -24,11 +24,11 @@ the model. The worker loops over steps; each step
    gets its own drafts (as many as it had accepted last time plus one, up to draft_max), and the
    ubatch verifies every job's pending token plus its drafts: all rows hold the same number L of
    tokens (1 + the most drafts any job has, within the context and the rollback slots), a job
-   with fewer drafts (or none: one that asks for logprobs) is padded with filler tokens, and after
+   with fewer drafts (or none: its source paused) is padded with filler tokens, and after
    verification each job rolls back what it did not keep (rejected drafts and filler, at most
    L-1 <= rs_slots-1 tokens). While decoding is bound by reading the weights, one ubatch of
    L x n_seqs tokens costs little more than one of n_seqs tokens, which is why padding is chosen
-   over a second ubatch for the jobs that cannot speculate (on a small model on the CPU rows are
+   over a second ubatch for the jobs without drafts this step (on a small model on the CPU rows are
    not free: hence the adaptive draft length).
 
 A job whose client went away (`cancel()`) is dropped at the next step and its seq freed; the
@@ -512,7 +512,7 @@ class Worker:
         """Give an admitted job its draft source.
 
         ngram: the shared stateless one. mtp: an MtpDraft on the job's seq, for every job (one that
-        cannot speculate still fills the MTP block's KV rows of its seq, so a later request
+        does not draft, with draft-max 0, still fills the MTP block's KV rows of its seq, so a later request
         resuming from this seq through the prompt cache finds them as a fresh evaluation leaves
         them); the row before the resume point is filled from the hidden row the cache kept.
         A draft model: the free sequence of the draft model holding the longest prefix of the
@@ -868,10 +868,11 @@ class Worker:
 
     # --- speculative decoding ------------------------------------------------------------------------
     def _can_speculate(self, job: Job) -> bool:
-        """Drafts are verified under the request's sampler and processors (its grammar, penalties,
-        logit_bias and thinking budget walk each draft on a fork: `sampling.accept_draft`); not
-        with logprobs, which are reported from the raw rows of the tokens drawn."""
-        return self.draft_spec is not None and self.k_max > 0 and not job.params.req.logprobs
+        """Every request drafts when the server does: drafts are verified under the request's
+        sampler and processors (its grammar, penalties, logit_bias and thinking budget walk each
+        draft on a fork: `sampling.accept_draft`), and logprobs are read from each kept token's
+        own row of the verification."""
+        return self.draft_spec is not None and self.k_max > 0
 
     def _finish(self, job: Job, reason: str) -> None:
         job.t_end = time.perf_counter()
