@@ -51,7 +51,7 @@ MATCHERS = 64
 #: ("\n\n"), and a model may split it in two (newlines only: the answer's content drops them, as
 #: llama-server's parser leaves the space before the JSON out of the content)
 BLANK_LEAD = 2
-NL = "\n"
+NL = "\n"          # a newline inside f-string expressions (no backslash there before Python 3.12)
 
 
 class _Vocabulary:

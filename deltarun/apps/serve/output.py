@@ -26,13 +26,13 @@ A block that does not parse is passed on as content, so nothing the model wrote 
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from deltarun.apps.chat import THINK_CLOSE, THINK_OPEN, StopMatcher, ThinkingSplitter, partial_suffix
+from deltarun.apps.serve.protocol import strict_json
 from deltarun.base.tokenizer import StreamDecoder
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -61,28 +61,11 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _strict_json(text: str) -> Any:
-    """`json.loads` without Python's extensions: NaN, Infinity and numbers beyond a double are not
-    JSON (a call's arguments holding one could not be sent as JSON), a ValueError like any other."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(digits: str) -> float:
-    value = float(digits)
-    if not math.isfinite(value):
-        raise ValueError(f"{digits} is beyond the range of a double")
-    return value
-
-
 def _xml_value(text: str) -> Any:
     """A parameter value: JSON when it parses (numbers, objects, true), else the text itself (so
     `NaN` is the string "NaN")."""
     try:
-        return _strict_json(text)
+        return strict_json(text)
     except ValueError:
         return text
 
@@ -97,7 +80,7 @@ def parse_tool_call(body: str) -> dict[str, Any] | None:
         args = {name: _xml_value(value) for name, value in _XML_PARAMETER.findall(m.group(2))}
         return {"name": m.group(1), "arguments": json.dumps(args, ensure_ascii=False)}
     try:
-        obj = _strict_json(body)
+        obj = strict_json(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -105,7 +88,7 @@ def parse_tool_call(body: str) -> dict[str, Any] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            _strict_json(args)
+            strict_json(args)
         except ValueError:
             return None
         return {"name": obj["name"], "arguments": args}
@@ -139,7 +122,7 @@ def parse_kimi_tool_calls(block: str) -> list[dict[str, Any]] | None:
         if not sep or m is None:
             return None
         try:
-            obj = _strict_json(args)
+            obj = strict_json(args)
         except ValueError:
             return None
         if not isinstance(obj, dict):

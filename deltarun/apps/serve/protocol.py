@@ -137,9 +137,19 @@ def _json_int(digits: str) -> int:
     return int(digits)
 
 
+def strict_json(text: str) -> Any:
+    """`json.loads` of JSON proper: NaN, Infinity and numbers beyond a double, which Python's json
+    takes, are a ValueError like any other (a value holding one could not be sent as JSON)."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_json_constant)
+
+
 def _json_float(digits: str) -> float:
     if len(digits) > MAX_NUMBER_DIGITS:
         raise ValueError(f"a number of {len(digits)} characters (at most {MAX_NUMBER_DIGITS})")
+    return _finite_float(digits)
+
+
+def _finite_float(digits: str) -> float:
     value = float(digits)
     if not math.isfinite(value):
         raise ValueError(f"the number {digits} is beyond the range of a double")
