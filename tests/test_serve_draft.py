@@ -257,6 +257,33 @@ def test_a_prompt_riding_along_another_streams_steps_keeps_the_mtp_rows_of_a_fre
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_paused_mtp_sources_leave_the_mtp_rows_of_every_answer_position(tiny_model_path):
+    """Random weights: every MTP draft is wrong, so drafting pauses and the rows of the paused steps
+    wait (`Running.drafts_next_step`: no MTP row in the trunk's graph, none evaluated after it)
+    until drafting resumes or the request ends (`Worker._release`). After two requests decoded side
+    by side, each seq's MTP KV rows over prompt and answer are a fresh evaluation's, and the
+    answers are the plain server's."""
+    from test_mtp_rows import fresh_mtp_kv_rows, mtp_kv_rows
+
+    path = tiny_model_path("tiny-mtp")
+    with _server(path, parallel=2) as h:
+        want = [_ask(_client(h), p).choices[0].message.content for p in PROMPTS[:2]]
+    with _server(path, draft="mtp", parallel=2) as h:
+        c = _client(h)
+        got = _together(h, c, PROMPTS[:2])
+        h.wait_settled()
+        m = h.worker.model
+        held = [m.tokens(seq) for seq in range(2)]
+        rows = [mtp_kv_rows(m, seq, len(held[seq]) - 1) for seq in range(2)]
+        drafted = _metric(h, "deltarun_draft_tokens_total")
+    assert [r.choices[0].message.content for r in got] == want
+    assert 0 < drafted < N_TOKENS         # a pause: drafts on fewer than half the steps of either request
+    for seq in range(2):
+        assert len(held[seq]) > N_TOKENS
+        for a, b in zip(rows[seq], fresh_mtp_kv_rows(path, held[seq])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_cli_bad_draft_is_one_line_error_before_loading(tiny_model_path, tmp_path):
     from click.testing import CliRunner
 

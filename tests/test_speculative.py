@@ -560,22 +560,37 @@ def test_mtp_deferred_rows_give_the_drafts_of_rows_committed_at_once(tiny_model_
 
 def test_mtp_on_wrong_drafts_pauses_and_keeps_greedy_output(tiny_model_path):
     """Random weights: MTP drafts are wrong, so drafting pauses (a probe now and then) and the
-    MTP block runs only for probes; the output stays plain greedy decoding's."""
+    MTP block runs only for probes, whether the source defers its rows (generate, chat) or fills
+    them at once (the server's: its paused steps keep them waiting, `Running.drafts_next_step`,
+    with no MTP row in the trunk's graph). The output stays plain greedy decoding's, both propose
+    the same drafts (the rows that waited are evaluated before the newest), and the rows waiting
+    at the end are those after the last committed ones."""
     path = tiny_model_path("tiny-mtp")
     toks = prompt(10, 13)
     base = _plain(path, toks, 60)
-    calls = []
+    proposed = {}
+    for defer in (True, False):
+        calls, made = [], []
 
-    def counting(m):
-        d = MtpDraft(m, defer=True)
-        real = m.mtp_eval
-        m.mtp_eval = lambda *a, **kw: (calls.append(len(a[0])), real(*a, **kw))[1]
-        return d
+        def counting(m):
+            d = MtpDraft(m, defer=defer)
+            made.append(d)
+            for name in ("mtp_eval", "mtp_eval_rows"):
+                real = getattr(m, name)
+                setattr(m, name, lambda *a, real=real, name=name, **kw: (calls.append(name), real(*a, **kw))[1])
+            real_eval, real_propose = m.eval, d.propose
+            m.eval = lambda *a, **kw: (calls.append("in graph") if kw.get("mtp_argmax") else None,
+                                       real_eval(*a, **kw))[1]
+            d.propose = lambda *a: (lambda r: (proposed.setdefault(defer, []).append(r.tokens), r)[1])(real_propose(*a))
+            return d
 
-    out, st = _speculative(path, toks, 60, counting, 3, mtp=True)
-    assert out == base
-    assert st.n_drafted <= 14 and st.n_steps >= 50
-    assert len(calls) <= 2 * 7        # a flush (and a chained draft) per drafting step, none while paused
+        out, st = _speculative(path, toks, 60, counting, 3, mtp=True)
+        assert out == base
+        assert st.n_drafted <= 14 and st.n_steps >= 50
+        assert len(calls) <= 2 * 7, calls   # a flush (and a chained draft) per drafting step, none while paused
+        waiting = made[0].deferred
+        assert len(waiting) == 1 and waiting[0][2] + len(waiting[0][0]) == len(toks) + len(out) - 1
+    assert proposed[True] == proposed[False] and len(proposed[True]) >= 5
 
 
 #: chi-square critical values at p = 0.001 for 1..15 degrees of freedom (the usual table)

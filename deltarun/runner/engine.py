@@ -73,6 +73,12 @@ class Running:
         """The last token: sampled, not evaluated yet."""
         return self.history[-1]
 
+    def drafts_next_step(self) -> bool:
+        """Whether the next step may draft: not while `length` pauses drafting, never without one.
+        Until then an MTP source's rows need no logits: they wait, and are evaluated together
+        (one MTP ubatch) when drafting resumes or the sequence ends (`MtpDraft.evaluate_deferred`)."""
+        return self.length is not None and self.length.paused == 0
+
 
 @dataclass
 class Outcome:
@@ -162,7 +168,9 @@ class Engine:
                 outcomes[id(s)].error = e
         live = sorted((s for s in running if id(s) in proposals), key=lambda s: s.seq)
         self.last_runs = []
-        # the MTP sources that fill their rows at once fill them together, after every run
+        # the MTP sources that fill their rows at once fill them together, after every run; those
+        # whose sequence does not draft next step keep them waiting (a paused source then costs
+        # what plain decoding costs, as a deferring one does)
         held = [s for s in live if isinstance(s.draft, MtpDraft) and not s.draft.defer]
         for s in held:
             s.draft.hold = True
@@ -174,7 +182,7 @@ class Engine:
         finally:
             for s in held:
                 s.draft.hold = False
-        errors = commit_held(self.model, [s.draft for s in held if s.draft.deferred])
+        errors = commit_held(self.model, [s.draft for s in held if s.draft.deferred and s.drafts_next_step()])
         for s in held:
             if s.seq in errors and outcomes[id(s)].error is None:
                 outcomes[id(s)].error = errors[s.seq]
@@ -215,13 +223,16 @@ class Engine:
         self.last_runs.append((run, width))
         only = run[0] if len(run) == 1 else None
         # a greedy MTP source: the verification graph also runs the MTP block on its argmax rows
-        # (not for a deferring source without drafts: it keeps the row aside; not beside a riding
-        # prompt chunk: the chunk takes this graph, and the source fills its rows afterwards with
-        # the other held sources, as in a run of several sequences, for one MTP ubatch of a few
-        # rows instead of a second pass over every weight for the chunk alone)
+        # (not without drafts when the source defers, holds rows waiting or its sequence does not
+        # draft next step: the row joins those aside, one MTP ubatch for all; not beside a riding prompt chunk: the chunk takes this graph, and
+        # the source fills its rows afterwards with the other held sources, as in a run of several
+        # sequences, for one MTP ubatch of a few rows instead of a second pass over every weight
+        # for the chunk alone)
         in_graph = ride is None and only is not None and only.draft is not None and \
             bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
-            (bool(proposals[id(only)].tokens) or not getattr(only.draft, "defer", False))
+            (bool(proposals[id(only)].tokens) or
+             (only.drafts_next_step() and not getattr(only.draft, "defer", False) and
+              not getattr(only.draft, "deferred", None)))
         # a verification ubatch undoes at most its drafted rows: the state it started from is not
         # saved (UbatchShape.keep_start), nor by a one-token step of sequences that draft (their
         # slots serve the drafts: a paused source's steps then cost what plain decoding costs); a

@@ -194,7 +194,9 @@ class MtpDraft:
     (the MTP block's LM head is as large as the trunk's). The server commits at once (its prompt
     cache keeps cells whose MTP rows must be filled), but during an engine step (`hold`, set by
     `runner.engine`) its rows wait too, and `commit_held` evaluates every held source's rows
-    together, one MTP ubatch (one LM-head pass) for the step's sequences instead of one each.
+    together, one MTP ubatch (one LM-head pass) for the step's sequences instead of one each;
+    the rows of a sequence that does not draft next step (`Running.drafts_next_step`) wait on,
+    until it drafts again or the server releases it.
     Rows over an image (next tokens that are an image's, `image_token`) never wait: the model keeps
     only the last few images' embedding rows (`Model.mtp_eval`).
     """
@@ -237,7 +239,8 @@ class MtpDraft:
         MTP block with the same token (`Model.last_mtp`) are taken from there; with `defer` the
         others wait for the next `propose`."""
         m = self.model
-        done = self._rows_in_graph(next_tokens, start)
+        # with rows waiting, the graph's MTP rows attended without their K/V: not taken
+        done = 0 if self.deferred else self._rows_in_graph(next_tokens, start)
         if done == len(next_tokens):
             rows = m.last_mtp
             self.first = (rows.logits[done - 1], rows.out[done - 1:done])

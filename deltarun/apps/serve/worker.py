@@ -447,6 +447,13 @@ class Worker:
         job.state = "done"
         if job in self._active:
             self._active.remove(job)
+        if isinstance(job.draft, MtpDraft) and job.draft.deferred:
+            # the rows a paused source kept waiting (`Running.drafts_next_step`): the seq's MTP KV
+            # rows complete before the prompt cache offers it to a later request
+            try:
+                job.draft.evaluate_deferred()
+            except Exception as e:  # noqa: BLE001 - those rows only steer later drafts (verification keeps answers exact)
+                _server_error(e)
         if job.seq is not None and self.cache is not None:
             self.cache.finished(job.seq, job.params.answer_start)
         self.metrics.running.set(self.counts[0])
