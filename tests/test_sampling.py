@@ -193,6 +193,48 @@ def test_top_k_by_partition_gives_the_full_sorts_tokens_and_draws(monkeypatch):
     assert draws == [slow.sample(logits, history) for _ in range(300)]
 
 
+def test_top_k_shortlist_keeps_what_a_stable_sort_keeps():
+    """`_top_k` partitions only the logits that reach the k-th best block maximum: on rows built to
+    break that (ties at the k-th place across blocks, the best logits in the last, partial block,
+    -inf blocks, rows of one value, every block maximum equal, k near the number of blocks) it
+    keeps exactly the k tokens, in the order, of a stable sort of the whole row."""
+    rng = np.random.default_rng(11)
+    checked = 0
+    for case in range(400):
+        n = int(rng.choice([640, 1000, 4097, 151936 // 16, 20000 + int(rng.integers(64))]))
+        kind = case % 6
+        if kind == 0:
+            x = np.round(rng.normal(size=n), 1)                       # many ties
+        elif kind == 1:
+            x = rng.normal(size=n)
+            x[-(n % 64 or 64):] += 10                                # the best in the last block
+        elif kind == 2:
+            x = rng.normal(size=n)
+            x[rng.integers(n, size=n // 2)] = -np.inf
+        elif kind == 3:
+            x = np.full(n, 0.5)                                      # one value
+        elif kind == 4:
+            x = rng.normal(size=n) - 5
+            x[::64] = 1.0                                            # every block maximum equal
+        else:
+            x = rng.integers(0, 4, size=n).astype(np.float64)        # a few levels
+        x = x.astype(np.float32)
+        k = int(rng.choice([1, 2, 20, 40, n // 64 - 1, n // 64, n // 64 + 3, n // 9]))
+        sampler = Sampler(SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0, seed=0))
+        if not sampler.partitions(n):
+            continue
+        np.testing.assert_array_equal(sampler._top_k(x), np.argsort(-x, kind="stable")[:k], err_msg=f"{case} {n} {k}")
+        checked += 1
+    assert checked > 250
+    # NaN logits: in every block (no threshold), or in a row of fewer than k blocks (partitioned whole)
+    for n, nan_at in ((5000, slice(None, None, 64)), (1000, [3, 500, 999])):
+        x = rng.normal(size=n).astype(np.float32)
+        x[nan_at] = np.nan
+        sampler = Sampler(SamplingParams(temperature=1.0, top_k=30, top_p=1.0, min_p=0.0, seed=0))
+        assert sampler.partitions(n)
+        np.testing.assert_array_equal(sampler._top_k(x), np.argsort(-x, kind="stable")[:30])
+
+
 def test_a_distribution_by_its_support_draws_what_the_dense_row_draws():
     """Drafts (`Sampler.draft`) and samples are drawn from the support alone; with the same seed
     they must be the tokens `rng.choice` over the whole dense row gives (the random number mapped to

@@ -284,26 +284,56 @@ class Sampler:
         return order, w / w.sum()
 
     def _top_k(self, x: np.ndarray) -> np.ndarray:
-        """The k best tokens (all with top-k off), best first; by partition where that pays.
-
-        Equal logits come in id order and the k-th place goes to the lowest ids, as a stable sort of
-        the whole row has them."""
-        k, n = self.params.top_k, x.shape[0]
-        if not 0 < k < n:
-            return np.argsort(-x, kind="stable")
-        if not self.partitions(n):
-            return np.argsort(-x, kind="stable")[:k]
-        best = np.argpartition(-x, k - 1)[:k]
-        v = x[best].min()                                     # the k-th best logit
-        above = np.flatnonzero(x > v)
-        best = np.concatenate([above, np.flatnonzero(x == v)[:k - above.size]])
-        if best.size != k:                                    # NaN logits: whatever the sort makes of them
-            return np.argsort(-x, kind="stable")[:k]
-        return best[np.argsort(-x[best], kind="stable")]
+        """The k best tokens (all with top-k off), best first (`k_best`)."""
+        return k_best(x, self.params.top_k)
 
     def partitions(self, n_vocab: int) -> bool:
         """Whether top-k is taken by partition (instead of a full sort) on rows of n_vocab logits."""
-        return 0 < self.params.top_k < n_vocab // PARTITION_BELOW
+        return partitions(self.params.top_k, n_vocab)
+
+
+def partitions(k: int, n: int) -> bool:
+    """Whether `k_best` takes k of n by partition (instead of a full sort)."""
+    return 0 < k < n // PARTITION_BELOW
+
+
+def k_best(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k best values of a row (all of them for k <= 0), best first; equal values in
+    id order and the k-th place to the lowest ids, as a stable sort of the whole row has them. By
+    partition of a shortlist (`_reaching_kth`) where that pays."""
+    n = x.shape[0]
+    if not 0 < k < n:
+        return np.argsort(-x, kind="stable")
+    if not partitions(k, n):
+        return np.argsort(-x, kind="stable")[:k]
+    ids = _reaching_kth(x, k)
+    if ids.size >= k:
+        xs = x[ids]
+        v = np.partition(xs, xs.size - k)[xs.size - k]        # the k-th best value
+        above = ids[xs > v]
+        best = np.concatenate([above, ids[xs == v][:k - above.size]])
+        if best.size == k:
+            return best[np.argsort(-x[best], kind="stable")]
+    return np.argsort(-x, kind="stable")[:k]                  # NaN: whatever the sort makes of them
+
+
+#: logits per block whose maxima narrow a top-k down (`_reaching_kth`)
+TOP_K_BLOCK = 64
+
+
+def _reaching_kth(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids (ascending) of a row's logits that reach a threshold the k-th best reaches, so that
+    they hold the k best and every logit equal to the k-th: the threshold is the k-th best of the
+    maxima of the row's whole blocks of TOP_K_BLOCK logits (k blocks reach it, so at least k logits
+    do; the logits past the last whole block are kept when they reach it too). A partition of the
+    whole row (151,936 logits) took 1.4-1.9 ms a draw, a fifth of a step of 4 drafted rows at
+    temperature > 0; the block maxima and this shortlist take 0.2 ms. Every id when the row holds
+    fewer than k blocks."""
+    full = x.shape[0] // TOP_K_BLOCK * TOP_K_BLOCK
+    if full < k * TOP_K_BLOCK:
+        return np.arange(x.shape[0])
+    tops = x[:full].reshape(-1, TOP_K_BLOCK).max(axis=1)
+    return np.flatnonzero(x >= np.partition(tops, tops.size - k)[tops.size - k])
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[list[int]],

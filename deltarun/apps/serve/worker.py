@@ -77,7 +77,7 @@ from deltarun.runner.engine import Engine, Outcome, Running
 from deltarun.runner.model import PromptChunk
 from deltarun.runner.reasoning import ThinkingBudget, ThinkingTags
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
-from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams
+from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams, k_best
 from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, MtpFeed, NgramDraft,
                                          check_draft_vocab, draft_limit, text_tokens)
 from deltarun.runner.vision import VisionEncoder
@@ -916,6 +916,6 @@ def _logprob_entry(tok: Any, token: int, logprobs: np.ndarray, top: int) -> dict
         return {"token": b.decode("utf-8", errors="replace"), "logprob": float(logprobs[t]), "bytes": list(b)}
 
     entry = one(token)
-    best = np.argsort(-logprobs, kind="stable")[:top] if top else []
+    best = k_best(logprobs, top) if top else []
     entry["top_logprobs"] = [one(int(t)) for t in best]
     return entry
