@@ -95,6 +95,62 @@ def _speculative(path, toks, n, make_draft, draft_max, **kw) -> tuple[list[int],
         return out, stats
 
 
+def _ngram_by_windows(h: list[int], n: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+    """Prompt lookup written plainly: for each length from n_max down, every earlier window equal
+    to the history's last tokens, latest first; the first with n tokens after it (up to an image's
+    negative ids), else the longest."""
+    for size in range(min(n_max, len(h) - 1), n_min - 1, -1):
+        best: list[int] = []
+        for start in range(len(h) - 1 - size, -1, -1):
+            if h[start:start + size] != h[len(h) - size:]:
+                continue
+            follow = []
+            for t in h[start + size:start + size + n]:
+                if t < 0:
+                    break
+                follow.append(t)
+            if len(follow) > len(best):
+                best = follow
+            if len(best) == n:
+                break
+        if best:
+            return best
+    return []
+
+
+def test_ngram_drafts_are_those_of_a_plain_window_search():
+    """NgramDraft finds occurrences from the positions of the last token and keeps the history as
+    an array that grows with it: on random histories of few distinct tokens (many matches of every
+    length), with image rows (negative ids), grown step by step through one source, shortened,
+    replaced by another list or its last token changed, its drafts are those of the plain search
+    over every window."""
+    rng = np.random.default_rng(5)
+    for case in range(60):
+        n_max, n_min = int(rng.integers(1, 6)), 1 + int(rng.integers(0, 2))
+        src = NgramDraft(n_max=n_max, n_min=min(n_min, n_max))
+        h = [int(t) for t in rng.integers(0, 1 + int(rng.integers(2, 9)), size=int(rng.integers(1, 30)))]
+        for step in range(40):
+            n = int(rng.integers(1, 9))
+            want = _ngram_by_windows(h, n, n_max, min(n_min, n_max))
+            assert src.propose(h, n, None).tokens == want, (case, step, h, n)
+            r = rng.random()
+            if r < 0.1:
+                h.append(-3)                               # an image row
+            elif r < 0.15:
+                del h[max(1, len(h) - 3):]                 # shorter (a new generation on the list)
+            elif r < 0.2:
+                h = list(h)                                # another list
+                h[-1] = int(rng.integers(0, 9))
+            elif r < 0.25:
+                h[-1] = int(rng.integers(0, 9))            # the last token changed in place
+            else:
+                h.extend(int(t) for t in rng.integers(0, 9, size=int(rng.integers(1, 4))))
+    src, h = NgramDraft(), []
+    while len(h) < 1500:                                   # one history growing past the array's first sizes
+        h.extend(int(t) for t in rng.integers(0, 40, size=int(rng.integers(1, 30))))
+        assert src.propose(h, 5, None).tokens == _ngram_by_windows(h, 5)
+
+
 @pytest.mark.parametrize("draft_max", [1, 3, 7])
 def test_ngram_and_mtp_drafts_all_accepted_keep_greedy_output(tiny_model_path, draft_max):
     """The echo preset repeats its input, so n-gram and MTP drafts are (nearly) all right."""

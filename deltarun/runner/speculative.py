@@ -51,26 +51,40 @@ class DraftSource(Protocol):
 
 class NgramDraft:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed
-    (up to an image: its rows are recorded as negative ids, `image_token`, which are no tokens)."""
+    (up to an image: its rows are recorded as negative ids, `image_token`, which are no tokens).
+
+    One source follows one sequence's history (a server gives each request its own): the tokens are
+    kept as an array that grows with the history (`_TokenArray`), and the occurrences are found
+    from the positions holding the last token, so a step costs one comparison over the context
+    (30,000 tokens: 3.0 ms a step before, converting and comparing every window of each length)."""
 
     needs_hidden = False
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min
+        self._tokens = _TokenArray()
 
     def start(self, prompt: list[int]) -> None:
         pass
 
     def propose(self, history: list[int], n: int, sampler: Sampler) -> Draft:
-        h = np.asarray(history, dtype=np.int64)
-        for size in range(min(self.n_max, len(h) - 1), self.n_min - 1, -1):
-            suffix = h[-size:]
+        h = self._tokens.of(history)
+        last = h.size - 1
+        if last < 1:
+            return Draft([], [])
+        # earlier occurrences end at e < last; matched[i]: how many tokens up to ends[i] equal the
+        # history's last ones (at most n_max)
+        ends = np.flatnonzero(h[:last] == h[last])
+        matched = np.ones(ends.size, dtype=np.int64)
+        alive = np.arange(ends.size)
+        for j in range(1, min(self.n_max, last)):
+            at = ends[alive] - j
+            alive = alive[(at >= 0) & (h[np.maximum(at, 0)] == h[last - j])]
+            matched[alive] += 1
+        for size in range(min(self.n_max, last), self.n_min - 1, -1):
             best: list[int] = []
-            # earlier occurrences (all windows compared at once), latest first; the latest with a
-            # full n tokens after it wins
-            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], size)
-            for start in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
-                follow = h[start + size:start + size + n]
+            for e in ends[matched >= size][::-1]:    # latest first; the latest with n tokens after it wins
+                follow = h[e + 1:e + 1 + n]
                 image = np.flatnonzero(follow < 0)
                 follow = (follow[:image[0]] if image.size else follow).tolist()
                 if len(follow) > len(best):
@@ -86,6 +100,29 @@ class NgramDraft:
 
     def close(self) -> None:
         pass
+
+
+class _TokenArray:
+    """An int64 copy of one history list that converts only what was appended since the last call:
+    a sequence's history only grows during a generation (the engine appends kept tokens); another
+    list, a shorter one or a changed last token starts the copy again."""
+
+    def __init__(self) -> None:
+        self.source: list[int] | None = None
+        self.buf = np.empty(0, dtype=np.int64)
+        self.n = 0
+
+    def of(self, history: list[int]) -> np.ndarray:
+        n = len(history)
+        if history is not self.source or n < self.n or (self.n and history[self.n - 1] != self.buf[self.n - 1]):
+            self.source, self.n = history, 0
+        if n > self.buf.size:
+            grown = np.empty(max(n, 2 * self.buf.size, 256), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        self.buf[self.n:n] = history[self.n:n]
+        self.n = n
+        return self.buf[:n]
 
 
 def draft_steps(sampler: Sampler, logits: np.ndarray, history: list[int],

@@ -196,7 +196,6 @@ class Worker:
         #: what --draft named: None, "ngram", "mtp" or the draft model's path (a job's `draft` is its
         #: DraftSource, made from this)
         self.draft_spec = draft
-        self._ngram = NgramDraft()        # stateless: shared by every job
         self._open_draft = open_draft
         self.draft_model: Any = None      # the draft GGUF, opened with one sequence per serving sequence
         self.draft_max = draft_max
@@ -518,10 +517,11 @@ class Worker:
     def _attach_draft(self, job: Job, resume_hidden: np.ndarray | None) -> None:
         """Give an admitted job its draft source.
 
-        ngram: the shared stateless one. mtp: an MtpDraft on the job's seq, for every job (one that
-        does not draft, with draft-max 0, still fills the MTP block's KV rows of its seq, so a later request
-        resuming from this seq through the prompt cache finds them as a fresh evaluation leaves
-        them); the row before the resume point is filled from the hidden row the cache kept.
+        ngram: one of its own (it keeps the job's history as an array). mtp: an MtpDraft on the job's
+        seq, for every job (one that does not draft, with draft-max 0, still fills the MTP block's KV
+        rows of its seq, so a later request resuming from this seq through the prompt cache finds
+        them as a fresh evaluation leaves them); the row before the resume point is filled from the
+        hidden row the cache kept.
         A draft model: the free sequence of the draft model holding the longest prefix of the
         prompt (a returning conversation only evaluates what is new to the draft model; any other
         sequence is evaluated again from the start by `ModelDraft.propose`).
@@ -534,7 +534,7 @@ class Worker:
         elif not speculates:
             return
         elif self.draft_spec == "ngram":
-            job.draft = self._ngram
+            job.draft = NgramDraft()
         else:
             m = self.draft_model
             taken = {j.draft.seq for j in self._active if isinstance(j.draft, ModelDraft)}
