@@ -235,6 +235,62 @@ def test_top_k_shortlist_keeps_what_a_stable_sort_keeps():
         np.testing.assert_array_equal(sampler._top_k(x), np.argsort(-x, kind="stable")[:30])
 
 
+def _distribution_by_full_sort(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The sampling chain written plainly: a stable sort of the whole row, top-k, top-p over the
+    kept tokens' softmax, min-p against the best, temperature (llama.cpp's order)."""
+    order = np.argsort(-x, kind="stable")
+    if 0 < p.top_k < x.size:
+        order = order[:p.top_k]
+    kept = x[order].astype(np.float64)
+    w = np.exp(kept - kept[0])
+    w /= w.sum()
+    if p.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(w), p.top_p) + 1)
+        order, kept = order[:cut], kept[:cut]
+    if p.min_p > 0.0:
+        keep = np.exp(kept - kept[0]) >= p.min_p
+        order, kept = order[keep], kept[keep]
+    out = np.zeros(x.size)
+    w = np.exp((kept - kept[0]) / p.temperature)
+    out[order] = w / w.sum()
+    return out
+
+
+def test_top_k_off_ranks_only_what_top_p_and_min_p_can_keep():
+    """With top-k off (0, or the whole vocabulary) the chain sorts only the tokens that top-p and
+    min-p can keep (a threshold below the best whose tokens hold top-p of the mass; min-p's
+    floor), not the whole row: on peaked, flat, tied and masked rows the distribution is the one a
+    stable sort of the whole row gives."""
+    rng = np.random.default_rng(8)
+    n = 20000
+    rows = {"peaked": rng.normal(size=n) * 4, "flat": rng.normal(size=n) * 0.05,
+            "ties": np.round(rng.normal(size=n) * 2, 0), "gap": np.r_[rng.normal(size=50) + 30, rng.normal(size=n - 50)]}
+    masked = rng.normal(size=n) * 3
+    masked[rng.random(n) < 0.9] = -np.inf
+    rows["masked"] = masked
+    checked = 0
+    for name, x in rows.items():
+        x = x.astype(np.float32)
+        for top_k in (0, n):
+            for top_p, min_p in ((0.95, 0.0), (0.5, 0.0), (0.999, 0.0), (1.0, 0.05), (0.9, 0.05), (0.99, 1e-4),
+                                 (1.0, 0.0), (0.2, 0.5)):
+                params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=1)
+                got, want = Sampler(params).distribution(x), _distribution_by_full_sort(x, params)
+                assert set(np.flatnonzero(got)) == set(np.flatnonzero(want)), (name, top_k, top_p, min_p)
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+                ranked = Sampler(params)._ranked(x)[0]
+                if name == "peaked" and (top_p <= 0.95 or min_p >= 0.05):
+                    assert ranked.size < n // 4         # a shortlist, not the whole row
+                if min_p > 0.0:                         # never past min-p's floor
+                    assert ranked.size <= np.count_nonzero(x >= x.max() + np.log(min_p) - 1e-6)
+                checked += 1
+    assert checked == 80
+    # top-k on: the same distribution as the plain chain, to the last bit
+    x = (rng.normal(size=n) * 3).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.01, seed=1)
+    np.testing.assert_array_equal(Sampler(params).distribution(x), _distribution_by_full_sort(x, params))
+
+
 def test_a_distribution_by_its_support_draws_what_the_dense_row_draws():
     """Drafts (`Sampler.draft`) and samples are drawn from the support alone; with the same seed
     they must be the tokens `rng.choice` over the whole dense row gives (the random number mapped to

@@ -224,10 +224,10 @@ class Engine:
         only = run[0] if len(run) == 1 else None
         # a greedy MTP source: the verification graph also runs the MTP block on its argmax rows
         # (not without drafts when the source defers, holds rows waiting or its sequence does not
-        # draft next step: the row joins those aside, one MTP ubatch for all; not beside a riding prompt chunk: the chunk takes this graph, and
-        # the source fills its rows afterwards with the other held sources, as in a run of several
-        # sequences, for one MTP ubatch of a few rows instead of a second pass over every weight
-        # for the chunk alone)
+        # draft next step: the row joins those aside, one MTP ubatch for all; not beside a riding
+        # prompt chunk: the chunk takes this graph, and the source fills its rows afterwards with
+        # the other held sources, as in a run of several sequences, for one MTP ubatch of a few
+        # rows instead of a second pass over every weight for the chunk alone)
         in_graph = ride is None and only is not None and only.draft is not None and \
             bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
             (bool(proposals[id(only)].tokens) or

@@ -201,6 +201,14 @@ class Proposal(Protocol):
 
 #: top-k by partition pays when k is below this fraction of the vocabulary
 PARTITION_BELOW = 8
+#: with top-k off, the logit gaps below the best tried as thresholds for top-p's shortlist
+TOP_P_GAPS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+#: the shortlist's mass must exceed top-p by this fraction, so that rounding in the cumulative
+#: sum (taken in another order) cannot move the cut past it
+TOP_P_SLACK = 1e-9
+#: min-p's floor for that shortlist is lowered by this (in logits) against rounding; min-p's own
+#: test then decides
+MIN_P_MARGIN = 1e-6
 
 
 class Sampler:
@@ -266,22 +274,49 @@ class Sampler:
 
     # --- the chain ---------------------------------------------------------------------------------
     def _candidates(self, logits: np.ndarray, history: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens that may be drawn, best first, and their probabilities: repetition penalty,
-        top-k, top-p, min-p, temperature."""
+        """The tokens that may be drawn and their probabilities: repetition penalty, top-k, top-p,
+        min-p, temperature (best first where top-p or min-p truncate, else in id order)."""
         p = self.params
         x = self.penalized(np.asarray(logits, dtype=np.float32), history)
-        order = self._top_k(x)
+        order, mass = self._ranked(x)
         kept = x[order].astype(np.float64)
-        w = np.exp(kept - kept[0])
-        w /= w.sum()
+        best = kept.max()
         if p.top_p < 1.0:
-            cut = int(np.searchsorted(np.cumsum(w), p.top_p) + 1)
+            cut = int(np.searchsorted(np.cumsum(np.exp(kept - best) / mass), p.top_p) + 1)
             order, kept = order[:cut], kept[:cut]
         if p.min_p > 0.0:
-            keep = np.exp(kept - kept[0]) >= p.min_p
+            keep = np.exp(kept - best) >= p.min_p
             order, kept = order[keep], kept[keep]
-        w = np.exp((kept - kept[0]) / p.temperature)
+        w = np.exp((kept - best) / p.temperature)
         return order, w / w.sum()
+
+    def _ranked(self, x: np.ndarray) -> tuple[np.ndarray, float]:
+        """The tokens top-p and min-p choose from, best first, and the mass top-p's fraction is of
+        (the sum of exp(logit - best) over them with top-k on, over the whole row with it off).
+
+        With top-k off only the tokens that can pass are ranked: those at most -ln(min_p) below the
+        best, and of those the best ones holding top-p of the mass (a stable sort of all 151,936
+        logits took 18.6 ms a token); in id order when nothing truncates."""
+        p, n = self.params, x.shape[0]
+        if 0 < p.top_k < n:
+            order = self._top_k(x)
+            kept = x[order].astype(np.float64)
+            return order, float(np.exp(kept - kept[0]).sum())
+        if p.top_p >= 1.0 and p.min_p <= 0.0:
+            return np.arange(n), 1.0
+        best = float(x.max())
+        e = np.exp(x.astype(np.float64) - best)
+        mass = float(e.sum())
+        floor = best + np.log(p.min_p) - MIN_P_MARGIN if p.min_p > 0.0 else -np.inf
+        if p.top_p < 1.0:
+            for gap in TOP_P_GAPS:          # the highest threshold whose tokens hold top-p of the mass
+                if best - gap <= floor:
+                    break
+                if e[x >= best - gap].sum() >= p.top_p * mass * (1 + TOP_P_SLACK):
+                    floor = best - gap
+                    break
+        ids = np.flatnonzero(x >= floor) if floor > -np.inf else np.arange(n)
+        return ids[np.argsort(-x[ids], kind="stable")], mass
 
     def _top_k(self, x: np.ndarray) -> np.ndarray:
         """The k best tokens (all with top-k off), best first (`k_best`)."""

@@ -449,9 +449,11 @@ class Worker:
         if isinstance(job.draft, MtpDraft) and job.draft.deferred:
             # the rows a paused source kept waiting (`Running.drafts_next_step`): the seq's MTP KV
             # rows complete before the prompt cache offers it to a later request
+            # (those rows only steer later drafts, which verification keeps from changing answers:
+            # a failure is logged, not the request's)
             try:
                 job.draft.evaluate_deferred()
-            except Exception as e:  # noqa: BLE001 - those rows only steer later drafts (verification keeps answers exact)
+            except Exception as e:  # noqa: BLE001
                 _server_error(e)
         if job.seq is not None and self.cache is not None:
             self.cache.finished(job.seq, job.params.answer_start)
