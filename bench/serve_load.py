@@ -91,7 +91,7 @@ def text(i: int, n: int) -> str:
 
 
 class Client:
-    def __init__(self, url: str, model: str, api_key: str | None, timeout: float):
+    def __init__(self, url: str, model: str, api_key: str | None, timeout: float, temperature: float = 0.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # A new connection per request: llama-server (cpp-httplib) closes the connection after a
         # streamed answer although it sends Keep-Alive, and a pooled connection reused in that race
@@ -99,6 +99,7 @@ class Client:
         self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout,
                                  limits=httpx.Limits(max_keepalive_connections=0))
         self.model = model
+        self.temperature = temperature      # of the chat requests (seeded per request when > 0)
 
     def ahead_tokens(self) -> float | None:
         """deltarun's count of prompt tokens evaluated ahead (None from a server without it)."""
@@ -118,7 +119,8 @@ class Client:
         return text(seed, max(1, int(n_tokens * n_tokens / max(n, 1))))
 
     def chat(self, messages: list[dict], max_tokens: int, **extra) -> Result:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        sampled = {"temperature": self.temperature, "seed": len(str(messages))} if self.temperature > 0 else {}
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **sampled,
                 "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True,
                 "chat_template_kwargs": {"enable_thinking": False}, **extra}
         r = Result(t_start=time.perf_counter())
@@ -447,6 +449,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="of the chat requests (default 0: greedy); > 0 samples with the server's other defaults")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--user-words", type=int, default=30, help="words of each user message (multiturn, "
                     "interleave, branching)")
@@ -481,9 +485,9 @@ def main() -> None:
     else:
         ap.error("give --url or --start")
     try:
-        c = Client(url, args.model, args.api_key, args.timeout)
+        c = Client(url, args.model, args.api_key, args.timeout, args.temperature)
         out = {"server": args.name, "load_avg": os.getloadavg(), "think_time": args.think_time,
-               "user_words": args.user_words, "max_tokens": args.max_tokens,
+               "user_words": args.user_words, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "ignore_eos": args.ignore_eos, "workloads": {}}
         for name in args.workloads.split(","):
             out["workloads"][name] = WORKLOADS[name](c, args)
