@@ -194,7 +194,7 @@ def test_top_k_by_partition_gives_the_full_sorts_tokens_and_draws(monkeypatch):
 
 
 def test_top_k_shortlist_keeps_what_a_stable_sort_keeps():
-    """`_top_k` partitions only the logits that reach the k-th best block maximum: on rows built to
+    """`k_best` partitions only the logits that reach the k-th best block maximum: on rows built to
     break that (ties at the k-th place across blocks, the best logits in the last, partial block,
     -inf blocks, rows of one value, every block maximum equal, k near the number of blocks) it
     keeps exactly the k tokens, in the order, of a stable sort of the whole row."""
@@ -220,19 +220,17 @@ def test_top_k_shortlist_keeps_what_a_stable_sort_keeps():
             x = rng.integers(0, 4, size=n).astype(np.float64)        # a few levels
         x = x.astype(np.float32)
         k = int(rng.choice([1, 2, 20, 40, n // 64 - 1, n // 64, n // 64 + 3, n // 9]))
-        sampler = Sampler(SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0, seed=0))
-        if not sampler.partitions(n):
+        if not sampling.partitions(k, n):
             continue
-        np.testing.assert_array_equal(sampler._top_k(x), np.argsort(-x, kind="stable")[:k], err_msg=f"{case} {n} {k}")
+        np.testing.assert_array_equal(sampling.k_best(x, k), np.argsort(-x, kind="stable")[:k], err_msg=f"{case} {n} {k}")
         checked += 1
     assert checked > 250
     # NaN logits: in every block (no threshold), or in a row of fewer than k blocks (partitioned whole)
     for n, nan_at in ((5000, slice(None, None, 64)), (1000, [3, 500, 999])):
         x = rng.normal(size=n).astype(np.float32)
         x[nan_at] = np.nan
-        sampler = Sampler(SamplingParams(temperature=1.0, top_k=30, top_p=1.0, min_p=0.0, seed=0))
-        assert sampler.partitions(n)
-        np.testing.assert_array_equal(sampler._top_k(x), np.argsort(-x, kind="stable")[:30])
+        assert sampling.partitions(30, n)
+        np.testing.assert_array_equal(sampling.k_best(x, 30), np.argsort(-x, kind="stable")[:30])
 
 
 def _distribution_by_full_sort(x: np.ndarray, p: SamplingParams) -> np.ndarray:

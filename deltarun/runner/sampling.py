@@ -299,7 +299,7 @@ class Sampler:
         logits took 18.6 ms a token); in id order when nothing truncates."""
         p, n = self.params, x.shape[0]
         if 0 < p.top_k < n:
-            order = self._top_k(x)
+            order = k_best(x, p.top_k)
             kept = x[order].astype(np.float64)
             return order, float(np.exp(kept - kept[0]).sum())
         if p.top_p >= 1.0 and p.min_p <= 0.0:
@@ -317,10 +317,6 @@ class Sampler:
                     break
         ids = np.flatnonzero(x >= floor) if floor > -np.inf else np.arange(n)
         return ids[np.argsort(-x[ids], kind="stable")], mass
-
-    def _top_k(self, x: np.ndarray) -> np.ndarray:
-        """The k best tokens (all with top-k off), best first (`k_best`)."""
-        return k_best(x, self.params.top_k)
 
     def partitions(self, n_vocab: int) -> bool:
         """Whether top-k is taken by partition (instead of a full sort) on rows of n_vocab logits."""
