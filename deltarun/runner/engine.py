@@ -228,11 +228,10 @@ class Engine:
         # prompt chunk: the chunk takes this graph, and the source fills its rows afterwards with
         # the other held sources, as in a run of several sequences, for one MTP ubatch of a few
         # rows instead of a second pass over every weight for the chunk alone)
-        in_graph = ride is None and only is not None and only.draft is not None and \
-            bool(getattr(only.draft, "wants_mtp_argmax", lambda _: False)(only.sampler)) and \
+        in_graph = ride is None and only is not None and isinstance(only.draft, MtpDraft) and \
+            only.draft.wants_mtp_argmax(only.sampler) and \
             (bool(proposals[id(only)].tokens) or
-             (only.drafts_next_step() and not getattr(only.draft, "defer", False) and
-              not getattr(only.draft, "deferred", None)))
+             (only.drafts_next_step() and not only.draft.defer and not only.draft.deferred))
         # a verification ubatch undoes at most its drafted rows: the state it started from is not
         # saved (UbatchShape.keep_start), nor by a one-token step of sequences that draft (their
         # slots serve the drafts: a paused source's steps then cost what plain decoding costs); a
