@@ -313,6 +313,27 @@ def test_a_stale_copy_ahead_is_dropped(model, monkeypatch):
     assert len(reads) == 1 and sorted(len(e.tokens) for e in cache.host) == [30, 43]
 
 
+def test_a_host_resume_whose_eviction_fills_host_ram_takes_its_entry_first(model):
+    """Resuming conversation A from host RAM into a seq that holds B pushes B out to host RAM; with
+    room for one conversation there, the budget then drops the least recently used entry, which is
+    A's own. A is taken out first, so the resume completes (it failed with a 500 in the server's
+    stress run) and goes on exactly as a fresh evaluation."""
+    model.reset()
+    a, b = list(range(100, 140)), list(range(200, 240))
+    cache = PromptCache(model, 1, budget_bytes=1 << 30)
+    _hold(model, cache, 0, a)
+    cache.apply(cache.lookup(b, [0]), 0)           # B pushes A out to host RAM
+    _hold(model, cache, 0, b)
+    cache.budget = cache.nbytes() + 1024           # room for one conversation's copy
+    back = cache.lookup(a + [5, 6], [0])
+    assert (back.how, back.pos) == ("host", len(a))
+    cache.apply(back, 0)
+    assert model.tokens(0) == a and [e.tokens for e in cache.host] == [b]
+    got = model.eval([5, 6], seq=0)
+    want = Model.logits_for(model, a + [5, 6])[-1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_copy_ahead_never_pushes_out_what_host_ram_holds(model):
     model.reset()
     cache = PromptCache(model, 2, budget_bytes=1 << 30)
