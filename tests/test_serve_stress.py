@@ -2,8 +2,8 @@
 
 Five clients send multi-turn conversations that share prefixes (so the prompt cache resumes,
 evicts to a host RAM budget of 1 MiB and copies back), stream or not, and give up after a few
-events or a short timeout; the server runs 4 sequences with MTP drafts, prompt chunks of 8 tokens
-and checkpoints every 16. Every answer that completes must be the greedy answer of that
+events or a short timeout; the server runs 4 sequences with MTP drafts (3 with n-gram drafts),
+prompt chunks of 8 tokens and checkpoints every 16. Every answer that completes must be the greedy answer of that
 conversation from a fresh single-sequence server, cut at the request's max_tokens; no request may
 fail; afterwards every slot is free. The default run sends 60 requests (count-bounded, each with a
 timeout); `-m slow` sends 400 per draft kind. Written after a stress run of this kind found a host
