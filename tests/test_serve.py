@@ -186,6 +186,70 @@ def test_completions(client, server):
     assert streamed == r.choices[0].text
 
 
+def _log_softmax(rows: np.ndarray) -> np.ndarray:
+    rows = np.asarray(rows, dtype=np.float64)
+    rows = rows - rows.max(axis=-1, keepdims=True)
+    return rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(client, model_path):
+    """/v1/completions with echo and logprobs returns the prompt's tokens with their logprobs, the
+    first None (OpenAI's legacy shape, what lm-evaluation-harness scores continuations with;
+    max_tokens 0 gives the prompt alone). Each equals a fresh evaluation's log-softmax of the row
+    before it; the prompt is evaluated whole even when the cache holds it."""
+    ref = Model(model_path, n_ctx=N_CTX, n_threads=1)
+    ids = ref.tokenizer.encode("Once upon a time there was a little model that read its own prompt")
+    n, k = len(ids), 3
+    rows = _log_softmax(ref.eval(ids, all_logits=True))
+    client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)   # now cached
+
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=k, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert lp.tokens == [ref.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+    assert r.choices[0].text == ref.tokenizer.decode(ids) == "".join(lp.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], rows[np.arange(n - 1), ids[1:]], atol=1e-4)
+    for i in range(1, n):
+        best = np.argsort(-rows[i - 1])[:k]
+        want = {ref.tokenizer.token_bytes(int(t)).decode("utf-8", errors="replace"): rows[i - 1, t] for t in best}
+        assert lp.top_logprobs[i].keys() == want.keys()
+        np.testing.assert_allclose([lp.top_logprobs[i][t] for t in want], list(want.values()), atol=1e-4)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)]
+
+    # with a generated token: the prompt's entries, then the token's (a plain request's logprob)
+    one = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=k, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=1, logprobs=k, temperature=0)
+    lp1 = one.choices[0].logprobs
+    assert lp1.tokens[:n] == lp.tokens and lp1.tokens[n:] == plain.choices[0].logprobs.tokens
+    np.testing.assert_allclose(lp1.token_logprobs[1:], lp.token_logprobs[1:] + plain.choices[0].logprobs.token_logprobs,
+                               atol=1e-5)
+    assert lp1.text_offset[n] == len(r.choices[0].text) and one.choices[0].text == r.choices[0].text + plain.choices[0].text
+
+    # streamed: the echo arrives with the prompt's logprobs, then the tokens, offsets running on
+    chunks = [c.choices[0] for c in client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True,
+                                                              logprobs=k, temperature=0, stream=True) if c.choices]
+    whole = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=k, temperature=0)
+    got = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    assert sum((g.tokens for g in got), []) == whole.choices[0].logprobs.tokens
+    assert sum((g.text_offset for g in got), []) == whole.choices[0].logprobs.text_offset
+    np.testing.assert_allclose([x for g in got for x in g.token_logprobs[1 if g is got[0] else 0:]],
+                               whole.choices[0].logprobs.token_logprobs[1:], atol=1e-6)
+
+
+def test_max_tokens_zero_only_where_the_prompt_alone_is_an_answer(client):
+    with pytest.raises(openai.BadRequestError):
+        _ask(client, [{"role": "user", "content": "hi"}], max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=-1)
+    for _ in range(2):                 # evaluated, then cached whole
+        r = client.completions.create(model="tiny", prompt="The prompt alone, twice", max_tokens=0)
+        assert r.choices[0].text == "" and r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens
+
+
 # --------------------------------------------------------------------------------------------- sampling
 def test_stop_string(client):
     msgs = [{"role": "user", "content": "Say something long"}]

@@ -201,6 +201,8 @@ def create_app(state: ServerState) -> Starlette:
                 return _error_response(ev.error, request.url.path)
             if ev.delta is not None:
                 text.add(ev.delta)
+            if ev.prompt_logprobs:        # (before any token's)
+                logprobs.extend(ev.prompt_logprobs)
             if ev.logprobs:
                 logprobs.extend(ev.logprobs)
             if ev.finish_reason is not None:
@@ -261,8 +263,8 @@ def create_app(state: ServerState) -> Starlette:
         tok = state.worker.model.tokenizer
         echo = await run_cpu(tok.decode, params.prompt) if req.echo else ""
         if req.stream:
-            return EventSourceResponse(_completion_stream(relay, cid, model, created, req.include_usage, echo),
-                                       shutdown_grace_period=5.0)
+            return EventSourceResponse(_completion_stream(relay, cid, model, created, req.include_usage, echo,
+                                                          req.logprobs), shutdown_grace_period=5.0)
 
         def choice(text: Delta, lps: list[dict[str, Any]], reason: str) -> dict[str, Any]:
             return {"index": 0, "text": echo + text.content,
@@ -270,18 +272,25 @@ def create_app(state: ServerState) -> Starlette:
         return await _answer(relay, request, "text_completion", cid, model, created, choice)
 
     async def _completion_stream(relay: Relay, cid: str, model: str, created: int, include_usage: bool,
-                                 echo: str) -> AsyncIterator[bytes]:
-        if echo:
+                                 echo: str, logprobs: bool) -> AsyncIterator[bytes]:
+        offset = 0                        # text_offset of the next token: the text sent before it
+        if echo and not logprobs:
             yield _sse(json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": None,
                                                                 "finish_reason": None}, "text_completion")))
         async for ev in relay.events():
             if ev.error is not None:
                 yield _sse(json.dumps(ev.error.body()))
                 break
+            if ev.prompt_logprobs:        # the echo comes with its tokens' logprobs
+                lp = _legacy_logprobs(ev.prompt_logprobs, offset)
+                offset = _next_offset(lp)
+                yield _sse(json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": lp,
+                                                                    "finish_reason": None}, "text_completion")))
             text = ev.delta.content if ev.delta is not None else ""
             if text or ev.logprobs or ev.finish_reason is not None:
-                choice = {"index": 0, "text": text, "logprobs": _legacy_logprobs(ev.logprobs) if ev.logprobs else None,
-                          "finish_reason": ev.finish_reason}
+                lp = _legacy_logprobs(ev.logprobs, offset) if ev.logprobs else None
+                offset = _next_offset(lp) if lp else offset
+                choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
                 out = _chunk(cid, model, created, choice, "text_completion")
                 if ev.finish_reason is not None:
                     r = ev.result
@@ -444,12 +453,19 @@ def _timings(r: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
-def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """/v1/completions' logprobs object from per-token entries."""
-    offsets, pos = [], 0
+def _legacy_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
+    """/v1/completions' logprobs object from per-token entries, the first token at `start` in the
+    choice's text (a prompt's first token has no logprob nor alternatives: None, as OpenAI's)."""
+    offsets, pos = [], start
     for e in entries:
         offsets.append(pos)
         pos += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def _next_offset(lp: dict[str, Any]) -> int:
+    """The text_offset after the last token of a legacy logprobs object."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else 0

@@ -251,5 +251,7 @@ class PromptBuilder:
         if not prompt:
             raise ApiError("the prompt has no tokens", param="prompt", code="invalid_value")
         self._check_length(prompt, "prompt")
-        return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens or 16, len(prompt)), req=req,
-                         checkpoints=self._checkpoints(len(prompt), []), answer_start=len(prompt))
+        max_tokens = self._max_tokens(16 if req.max_tokens is None else req.max_tokens, len(prompt))
+        return GenParams(prompt=prompt, max_tokens=max_tokens, req=req,
+                         checkpoints=self._checkpoints(len(prompt), []), answer_start=len(prompt),
+                         prompt_logprobs=req.top_logprobs if req.echo and req.logprobs else None)

@@ -290,7 +290,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
 
 
-def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = False) -> None:
+def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = False, least_tokens: int = 1) -> None:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", code="invalid_body")
     model = body.get("model")
@@ -298,7 +298,7 @@ def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = F
         raise _type_error("model", "a string")
     req.model = model
     mt = _integer(body, "max_completion_tokens", None, lo=1)
-    req.max_tokens = _integer(body, "max_tokens", mt, lo=1)
+    req.max_tokens = _integer(body, "max_tokens", mt, lo=least_tokens)
     n_predict = _integer(body, "n_predict", None, lo=-1)      # llama-server's name
     if req.max_tokens is None and n_predict is not None and n_predict > 0:
         req.max_tokens = n_predict
@@ -562,7 +562,9 @@ def parse_chat(body: Any) -> ChatRequest:
 
 def parse_completion(body: Any) -> CompletionRequest:
     req = CompletionRequest()
-    _sampling_fields(body, req, logprobs_is_int=True)
+    # max_tokens 0 (as OpenAI's legacy completions): the prompt alone, with echo and logprobs
+    # its tokens' logprobs (lm-evaluation-harness scores continuations so)
+    _sampling_fields(body, req, logprobs_is_int=True, least_tokens=0)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]

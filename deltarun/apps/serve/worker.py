@@ -70,7 +70,7 @@ import numpy as np
 
 from deltarun.apps.serve.metrics import Metrics
 from deltarun.apps.serve.output import QWEN_TOOLS, Delta, OutputStream, ToolFormat
-from deltarun.apps.serve.prompt_cache import PromptCache
+from deltarun.apps.serve.prompt_cache import PromptCache, Resume
 from deltarun.apps.serve.protocol import ApiError, SamplingRequest
 from deltarun.base.errors import DeltarunError
 from deltarun.runner.engine import Engine, Outcome, Running
@@ -97,6 +97,9 @@ RIDE_MIN = 4
 CAPTURE_SLOTS = 4
 STALL_FACTOR = 0.8
 STEP_GRAPHS = 2      # decode graphs kept allocated at once (see Model.keep_step_graphs)
+#: prompt tokens a chunk evaluates when the request wants their logprobs: every row's logits come
+#: back (151,936 floats a row at Qwen3.5's vocabulary: 39 MB for 64 rows)
+PROMPT_LOGPROBS_CHUNK = 64
 
 
 @dataclass
@@ -118,6 +121,10 @@ class GenParams:
     answer_start: int = 0               # where the next turn will diverge from this prompt
     ahead: bool = False                 # a prompt start evaluated ahead of its request (`Worker.prefill_ahead`)
     images: list[PlacedImage] = field(default_factory=list)   # where the prompt's images lie (serve --mmproj)
+    #: the prompt's own logprobs with this many alternatives each (/v1/completions with echo and
+    #: logprobs); None: not asked. Every prompt token's row is needed, so the prompt is evaluated
+    #: from its start (not resumed from the cache), in chunks apart
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -126,6 +133,9 @@ class Event:
 
     delta: Delta | None = None
     logprobs: list[dict[str, Any]] | None = None
+    #: the prompt's tokens, each with its logprob (the first with None: nothing precedes it), once
+    #: the prompt is evaluated (GenParams.prompt_logprobs)
+    prompt_logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     result: dict[str, Any] | None = None
     error: ApiError | None = None
@@ -148,6 +158,7 @@ class Job:
         #: what the engine decodes: the seq, sampler, logits processors, history and drafts
         self.running: Running | None = None
         self.generated: list[int] = []
+        self.prompt_entries: list[dict[str, Any]] = []   # the prompt's logprobs so far (GenParams.prompt_logprobs)
         self.output: OutputStream | None = None
         self.constraint: Any = None       # its grammar (apps.serve.grammar.Constraint)
         self.t_submit = time.perf_counter()
@@ -464,13 +475,15 @@ class Worker:
         model, p = self.model, job.params
         busy = {j.seq for j in self._active}
         idle = [c for c in range(self.n_parallel) if c not in busy]
-        resume = self.cache.lookup(p.prompt, idle)
+        if p.prompt_logprobs is None:
+            resume = self.cache.lookup(p.prompt, idle)
+        else:                             # every prompt row is evaluated (see GenParams.prompt_logprobs)
+            resume = Resume()
+            job.prompt_entries = [_logprob_entry(model.tokenizer, p.prompt[0], None, 0)]
         seq = resume.seq if resume.seq is not None else self.cache.pick_seq(idle)
         try:
             self.cache.apply(resume, seq)
         except DeltarunError:            # e.g. a rollback the slots no longer cover: start over
-            from deltarun.apps.serve.prompt_cache import Resume
-
             resume = Resume()
             self.cache.apply(resume, seq)
         job.seq, job.pos, job.n_cached = seq, resume.pos, resume.pos
@@ -490,7 +503,9 @@ class Worker:
         self._attach_draft(job, resume.hidden)
         self._active.append(job)
         self.metrics.prompt_done(len(p.prompt), job.n_cached)
-        if resume.logits is not None:       # the whole prompt was cached with its logits
+        if resume.logits is not None and p.max_tokens == 0:    # the prompt alone, cached whole
+            self._finish(job, "length")
+        elif resume.logits is not None:     # the whole prompt was cached with its logits
             job.state = "decode"
             self._first(job, resume.logits)
         else:
@@ -582,6 +597,8 @@ class Worker:
             # a request arriving meanwhile waits for one such chunk, not for a whole `chunk`
             others = p.ahead or any(j.state == "decode" for j in self._active)
             size = self._shared_chunk if others else self.chunk
+            if p.prompt_logprobs is not None:
+                size = min(size, PROMPT_LOGPROBS_CHUNK)
         end = min(job.pos + size, n)
         inside = [c for c in p.checkpoints if job.pos < c < end]
         slots = self.model.memory.n_capture
@@ -603,7 +620,7 @@ class Worker:
         step each: 4 requests arriving together waited 6 steps each for their prompts), with its
         hidden rows when an MTP block reads them, on a family whose graphs take it; else None
         (evaluated apart)."""
-        if not self.model.family.rides or job.params.ahead:
+        if not self.model.family.rides or job.params.ahead or job.params.prompt_logprobs is not None:
             return None
         if job.id != self._ride_job:      # another prompt: its rides start afresh
             self._ride_job, self._ride_chunk, self._ride_ceiling = job.id, None, None
@@ -626,6 +643,14 @@ class Worker:
         if image is not None:
             logits = eval_step(self.model, p.prompt, (job.pos, end, image), job.seq, self.vision.encode,
                                self._image_pad, all_hidden=wants_hidden)
+        elif p.prompt_logprobs is not None:
+            rows = self.model.eval(p.prompt[job.pos:end], job.seq, all_logits=True, all_hidden=wants_hidden,
+                                   captures=[c - job.pos for c in inside])
+            # row i is the distribution of the token after position job.pos + i
+            for t, row in zip(p.prompt[job.pos + 1:end + 1], rows):
+                job.prompt_entries.append(_logprob_entry(self.model.tokenizer, t, _log_softmax(row),
+                                                         p.prompt_logprobs))
+            logits = rows[-1]
         else:
             logits = self.model.eval(p.prompt[job.pos:end], job.seq, all_hidden=wants_hidden,
                                      captures=[c - job.pos for c in inside], continued=end < n)
@@ -651,6 +676,12 @@ class Worker:
         job.n_evaluated += end - job.pos
         job.pos = end
         if end == n and not p.ahead:
+            if p.prompt_logprobs is not None:
+                job.emit(Event(prompt_logprobs=job.prompt_entries))
+            if p.max_tokens == 0:         # the prompt alone (/v1/completions, max_tokens 0)
+                self._checkpoint(job.seq, logits)
+                self._finish(job, "length")
+                return
             # the first token goes out before the prompt's end is checkpointed: sampling it evaluates
             # nothing, so the seq still holds the prompt's state, and the copy (a recurrent state
             # to host memory: 9-55 ms on a VM that backs new memory lazily) leaves the time to
@@ -848,10 +879,7 @@ class Worker:
         r = job.params.req
         if not r.logprobs:
             return None
-        raw = np.asarray(logits, dtype=np.float32)
-        lp = raw.astype(np.float64) - raw.max()
-        lp = lp - np.log(np.exp(lp).sum())
-        return _logprob_entry(self.model.tokenizer, token, lp, r.top_logprobs)
+        return _logprob_entry(self.model.tokenizer, token, _log_softmax(logits), r.top_logprobs)
 
     def _take(self, job: Job, token: int, info: dict[str, Any] | None) -> bool:
         """Stream one kept token; True when the job goes on."""
@@ -912,12 +940,25 @@ def _server_error(e: Exception) -> ApiError:
                     type="server_error")
 
 
-def _logprob_entry(tok: Any, token: int, logprobs: np.ndarray, top: int) -> dict[str, Any]:
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """A row's log-probabilities (in float64: a row of 151,936 logits)."""
+    lp = np.asarray(logits, dtype=np.float32).astype(np.float64)
+    lp -= lp.max()
+    return lp - np.log(np.exp(lp).sum())
+
+
+def _logprob_entry(tok: Any, token: int, logprobs: np.ndarray | None, top: int) -> dict[str, Any]:
+    """A token's logprobs entry with its `top` most likely alternatives; with logprobs None (a
+    prompt's first token: nothing precedes it) the token alone, its logprob and alternatives None."""
     def one(t: int) -> dict[str, Any]:
         b = tok.token_bytes(int(t)) if int(t) < tok.n_vocab else b""
-        return {"token": b.decode("utf-8", errors="replace"), "logprob": float(logprobs[t]), "bytes": list(b)}
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": None if logprobs is None else float(logprobs[t]),
+                "bytes": list(b)}
 
     entry = one(token)
+    if logprobs is None:
+        entry["top_logprobs"] = None
+        return entry
     best = k_best(logprobs, top) if top else []
     entry["top_logprobs"] = [one(int(t)) for t in best]
     return entry
