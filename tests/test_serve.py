@@ -217,6 +217,14 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, model_path):
         assert lp.top_logprobs[i].keys() == want.keys()
         np.testing.assert_allclose([lp.top_logprobs[i][t] for t in want], list(want.values()), atol=1e-4)
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)]
+    # lm-evaluation-harness calls a continuation greedy where each token's logprob equals the largest
+    # of its alternatives: exactly, where the token is the row's argmax (the last one here)
+    g = client.completions.create(model="tiny", prompt=ids + [int(np.argmax(rows[-1]))], max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0).choices[0].logprobs
+    for i in range(1, n + 1):
+        top1 = max(g.top_logprobs[i], key=g.top_logprobs[i].get)
+        assert (g.token_logprobs[i] == max(g.top_logprobs[i].values())) == (top1 == g.tokens[i])
+    assert g.token_logprobs[n] == max(g.top_logprobs[n].values())
 
     # with a generated token: the prompt's entries, then the token's (a plain request's logprob)
     one = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=k, temperature=0)
