@@ -9,6 +9,7 @@ stream for any other reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import importlib
 import json
@@ -95,7 +96,7 @@ class ServerState:
         """A job ended with `ev`: after a chat answer that the client will send back as it is (not a
         tool call), have the worker prefill the conversation's next prompt start while idle
         (`PromptBuilder.next_turn`, `Worker.prefill_ahead`)."""
-        if not self.prefill_ahead or not isinstance(params.req, ChatRequest) or params.ahead \
+        if not self.prefill_ahead or not isinstance(params.req, ChatRequest) or params.ahead or params.choice \
                 or ev.finish_reason not in ("stop", "length") or ev.result is None:
             return
         task = asyncio.get_running_loop().create_task(self._next_turn(params.req, ev.result["content"]))
@@ -175,9 +176,10 @@ def create_app(state: ServerState) -> Starlette:
              "meta": meta}]})
 
     async def _submit(request: Request, parse: Callable[[Any], Any], build: Callable[[Any], Callable[[Any], Any]],
-                      prefix: str) -> tuple[Any, GenParams, Relay, str, int, str]:
+                      prefix: str) -> tuple[Any, list[Relay], str, int, str]:
         """What both completion endpoints do first: parse the body, build the prompt (in the thread
-        pool), submit the job; returns (request, params, relay, id, created, model name)."""
+        pool), submit a job per choice (`_choice_params`); returns (request, relays, id, created,
+        model name)."""
         body = await read_json(request, state.max_body)
         builder = state.builder
 
@@ -187,119 +189,131 @@ def create_app(state: ServerState) -> Starlette:
             check_prompt_size(req, builder.n_ctx, "messages" if isinstance(req, ChatRequest) else "prompt")
             return req, build(builder)(req)
         req, params = await run_cpu(prepare)
-        relay = Relay(state, params)
-        return req, params, relay, prefix + secrets.token_hex(12), int(time.time()), req.model or state.model_name
+        relays: list[Relay] = []
+        try:
+            for p in _choice_params(req, params):
+                relays.append(Relay(state, p))
+        except ApiError:                  # (a full queue) none of the choices runs
+            for r in relays:
+                r.job.cancel()
+            raise
+        return req, relays, prefix + secrets.token_hex(12), int(time.time()), req.model or state.model_name
 
-    async def _answer(relay: Relay, request: Request, obj: str, cid: str, model: str, created: int,
+    async def _answer(relays: list[Relay], request: Request, obj: str, cid: str, model: str, created: int,
                       choice: Callable[[Delta, list[dict[str, Any]], str], dict[str, Any]]) -> Response:
-        """A non-streaming answer: gather the job's text and logprobs, then one JSON body with the
-        `choice(text, logprobs, finish_reason)`, usage and timings."""
-        text = Delta()
-        logprobs: list[dict[str, Any]] = []
-        async for ev in relay.events(request):
-            if ev.error is not None:
-                return _error_response(ev.error, request.url.path)
-            if ev.delta is not None:
-                text.add(ev.delta)
-            if ev.prompt_logprobs:        # (before any token's)
-                logprobs.extend(ev.prompt_logprobs)
-            if ev.logprobs:
-                logprobs.extend(ev.logprobs)
-            if ev.finish_reason is not None:
-                r = ev.result
-                out = envelope(obj, cid, model, created)
-                out["choices"] = [choice(text, logprobs, ev.finish_reason)]
-                out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
-                out["timings"] = _timings(r)
-                return JSONResponse(out)
-        return Response(status_code=499)   # the client went away
+        """A non-streaming answer: gather each job's text and logprobs, then one JSON body with a
+        `choice(text, logprobs, finish_reason)` per job, usage and timings."""
+        async def gather(relay: Relay) -> tuple[Delta, list[dict[str, Any]], str, dict[str, Any]] | ApiError | None:
+            text = Delta()
+            logprobs: list[dict[str, Any]] = []
+            async for ev in relay.events(request):
+                if ev.error is not None:
+                    return ev.error
+                if ev.delta is not None:
+                    text.add(ev.delta)
+                if ev.prompt_logprobs:    # (before any token's)
+                    logprobs.extend(ev.prompt_logprobs)
+                if ev.logprobs:
+                    logprobs.extend(ev.logprobs)
+                if ev.finish_reason is not None:
+                    return text, logprobs, ev.finish_reason, ev.result
+            return None                   # the client went away
+
+        answers = await asyncio.gather(*(gather(r) for r in relays))
+        for a in answers:
+            if isinstance(a, ApiError):
+                return _error_response(a, request.url.path)
+        if any(a is None for a in answers):
+            return Response(status_code=499)
+        out = envelope(obj, cid, model, created)
+        out["choices"] = [dict(choice(text, lps, reason), index=i) for i, (text, lps, reason, _) in enumerate(answers)]
+        r = _merged_result(dict(enumerate(a[3] for a in answers)))
+        out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
+        out["timings"] = _timings(r)
+        return JSONResponse(out)
 
     async def chat_completions(request: Request) -> Response:
-        req, params, relay, cid, created, model = await _submit(request, parse_chat, lambda b: b.chat, "chatcmpl-")
+        req, relays, cid, created, model = await _submit(request, parse_chat, lambda b: b.chat, "chatcmpl-")
         if req.stream:
-            return EventSourceResponse(_chat_stream(relay, cid, model, created, req.include_usage),
+            return EventSourceResponse(_chat_stream(relays, cid, model, created, req.include_usage),
                                        shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
 
         def choice(text: Delta, logprobs: list[dict[str, Any]], reason: str) -> dict[str, Any]:
             return {"index": 0, "message": chat_message(text.content, text.reasoning, text.tool_calls),
                     "logprobs": {"content": logprobs} if req.logprobs else None, "finish_reason": reason}
-        return await _answer(relay, request, "chat.completion", cid, model, created, choice)
+        return await _answer(relays, request, "chat.completion", cid, model, created, choice)
 
-    async def _chat_stream(relay: Relay, cid: str, model: str, created: int,
+    async def _chat_stream(relays: list[Relay], cid: str, model: str, created: int,
                            include_usage: bool) -> AsyncIterator[bytes]:
-        first = True
-        text_chunk = _ContentChunk(_chunk(cid, model, created, {"index": 0, "delta": {"content": ""}, "logprobs": None,
-                                                                "finish_reason": None}, "chat.completion.chunk"))
-        async for ev in relay.events():
+        first = [True] * len(relays)
+        text_chunks = [_ContentChunk(_chunk(cid, model, created, {"index": i, "delta": {"content": ""}, "logprobs": None,
+                                                                  "finish_reason": None}, "chat.completion.chunk"))
+                       for i in range(len(relays))]
+        results: dict[int, dict[str, Any]] = {}
+        async for i, ev in _merged_events(relays):
             if ev.error is not None:
                 yield _sse(json.dumps(ev.error.body()))
                 break
-            if not first and not ev.logprobs and ev.delta and ev.delta.content and not ev.delta.reasoning \
+            if not first[i] and not ev.logprobs and ev.delta and ev.delta.content and not ev.delta.reasoning \
                     and not ev.delta.tool_calls:
-                yield text_chunk.encode(ev.delta.content)     # the usual chunk: text only
-            elif ev.delta or ev.logprobs or first:
+                yield text_chunks[i].encode(ev.delta.content)     # the usual chunk: text only
+            elif ev.delta or ev.logprobs or first[i]:
                 delta = ev.delta or Delta()
-                choice = {"index": 0, "delta": chat_delta(delta, first), "logprobs": None, "finish_reason": None}
+                choice = {"index": i, "delta": chat_delta(delta, first[i]), "logprobs": None, "finish_reason": None}
                 if ev.logprobs:
                     choice["logprobs"] = {"content": ev.logprobs}
-                first = False
+                first[i] = False
                 yield _sse(json.dumps(_chunk(cid, model, created, choice, "chat.completion.chunk")))
             if ev.finish_reason is not None:
-                r = ev.result
-                last = _chunk(cid, model, created, {"index": 0, "delta": {}, "logprobs": None,
+                results[i] = ev.result
+                last = _chunk(cid, model, created, {"index": i, "delta": {}, "logprobs": None,
                                                     "finish_reason": ev.finish_reason}, "chat.completion.chunk")
-                t = _timings(r)
-                if include_usage:
-                    yield _sse(json.dumps(last))
-                    last = _chunk(cid, model, created, None, "chat.completion.chunk")
-                    last["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
-                last["timings"] = t
-                yield _sse(json.dumps(last))
+                for chunk in _final_chunks(last, results, i, len(relays), include_usage):
+                    yield _sse(json.dumps(chunk))
         yield _sse("[DONE]")
 
     async def completions(request: Request) -> Response:
-        req, params, relay, cid, created, model = await _submit(request, parse_completion, lambda b: b.completion,
-                                                                "cmpl-")
+        req, relays, cid, created, model = await _submit(request, parse_completion, lambda b: b.completion, "cmpl-")
         tok = state.worker.model.tokenizer
-        echo = await run_cpu(tok.decode, params.prompt) if req.echo else ""
+        echo = await run_cpu(tok.decode, relays[0].job.params.prompt) if req.echo else ""
         if req.stream:
-            return EventSourceResponse(_completion_stream(relay, cid, model, created, req.include_usage, echo,
+            return EventSourceResponse(_completion_stream(relays, cid, model, created, req.include_usage, echo,
                                                           req.logprobs), shutdown_grace_period=5.0)
 
         def choice(text: Delta, lps: list[dict[str, Any]], reason: str) -> dict[str, Any]:
             return {"index": 0, "text": echo + text.content,
                     "logprobs": _legacy_logprobs(lps) if req.logprobs else None, "finish_reason": reason}
-        return await _answer(relay, request, "text_completion", cid, model, created, choice)
+        return await _answer(relays, request, "text_completion", cid, model, created, choice)
 
-    async def _completion_stream(relay: Relay, cid: str, model: str, created: int, include_usage: bool,
+    async def _completion_stream(relays: list[Relay], cid: str, model: str, created: int, include_usage: bool,
                                  echo: str, logprobs: bool) -> AsyncIterator[bytes]:
-        offset = 0                        # text_offset of the next token: the text sent before it
+        offsets = [0] * len(relays)       # text_offset of each choice's next token: its text sent before it
         if echo and not logprobs:
-            yield _sse(json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": None,
-                                                                "finish_reason": None}, "text_completion")))
-        async for ev in relay.events():
+            for i in range(len(relays)):
+                yield _sse(json.dumps(_chunk(cid, model, created, {"index": i, "text": echo, "logprobs": None,
+                                                                    "finish_reason": None}, "text_completion")))
+        results: dict[int, dict[str, Any]] = {}
+        async for i, ev in _merged_events(relays):
             if ev.error is not None:
                 yield _sse(json.dumps(ev.error.body()))
                 break
             if ev.prompt_logprobs:        # the echo comes with its tokens' logprobs
-                lp = _legacy_logprobs(ev.prompt_logprobs, offset)
-                offset = _next_offset(lp)
-                yield _sse(json.dumps(_chunk(cid, model, created, {"index": 0, "text": echo, "logprobs": lp,
+                lp = _legacy_logprobs(ev.prompt_logprobs, offsets[i])
+                offsets[i] = _next_offset(lp)
+                yield _sse(json.dumps(_chunk(cid, model, created, {"index": i, "text": echo, "logprobs": lp,
                                                                     "finish_reason": None}, "text_completion")))
             text = ev.delta.content if ev.delta is not None else ""
             if text or ev.logprobs or ev.finish_reason is not None:
-                lp = _legacy_logprobs(ev.logprobs, offset) if ev.logprobs else None
-                offset = _next_offset(lp) if lp else offset
-                choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
+                lp = _legacy_logprobs(ev.logprobs, offsets[i]) if ev.logprobs else None
+                offsets[i] = _next_offset(lp) if lp else offsets[i]
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
                 out = _chunk(cid, model, created, choice, "text_completion")
-                if ev.finish_reason is not None:
-                    r = ev.result
-                    out["timings"] = _timings(r)
-                    if include_usage:
-                        yield _sse(json.dumps(out))
-                        out = _chunk(cid, model, created, None, "text_completion")
-                        out["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
-                yield _sse(json.dumps(out))
+                if ev.finish_reason is None:
+                    yield _sse(json.dumps(out))
+                else:
+                    results[i] = ev.result
+                    for chunk in _final_chunks(out, results, i, len(relays), include_usage, timings_on_finish=True):
+                        yield _sse(json.dumps(chunk))
         yield _sse("[DONE]")
 
     async def metrics(request: Request) -> Response:
@@ -451,6 +465,83 @@ def _timings(r: dict[str, Any]) -> dict[str, Any]:
     if r.get("n_drafted"):
         t["draft_n"], t["draft_n_accepted"] = r["n_drafted"], r["n_accepted"]
     return t
+
+
+def _choice_params(req: Any, params: GenParams) -> list[GenParams]:
+    """A job's parameters per choice (`n`): one group, so that the worker evaluates the prompt once
+    (`GenParams.group`); with a seed, choice i draws with seed + i (else n equal answers)."""
+    if req.n == 1:
+        return [params]
+    group = secrets.token_hex(8)
+    out = []
+    for i in range(req.n):
+        r = req
+        if i and req.sampling.seed is not None:
+            r = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=req.sampling.seed + i))
+        out.append(dataclasses.replace(params, req=r, group=group, choice=i))
+    return out
+
+
+def _merged_result(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The jobs' results of one request's choices as one (by choice index): the prompt as choice 0
+    read it, the prompt tokens evaluated, tokens generated and drafts summed, the longest
+    generation's seconds."""
+    if len(results) == 1:
+        return next(iter(results.values()))
+    r = dict(results[0])
+    for k in ("n_evaluated", "n_generated", "n_drafted", "n_accepted"):
+        r[k] = sum(x[k] for x in results.values())
+    r["generate_s"] = max(x["generate_s"] for x in results.values())
+    return r
+
+
+def _final_chunks(finish: dict[str, Any], results: dict[int, dict[str, Any]], index: int, n_choices: int,
+                  include_usage: bool, timings_on_finish: bool = False) -> list[dict[str, Any]]:
+    """What a stream sends when choice `index` finishes: its finish chunk; after the last choice's,
+    the usage chunk (with include_usage) and llama-server's timings of the whole request, on the
+    last chunk (or, for /v1/completions, on the finish chunk, as before `n`)."""
+    if len(results) < n_choices:
+        return [finish]
+    r = _merged_result(results)
+    if timings_on_finish or not include_usage:
+        finish["timings"] = _timings(r)
+    if not include_usage:
+        return [finish]
+    usage_chunk = {k: v for k, v in finish.items() if k != "timings"}
+    usage_chunk["choices"] = []
+    usage_chunk["usage"] = usage(r["n_prompt"], r["n_cached"], r["n_generated"])
+    if not timings_on_finish:
+        usage_chunk["timings"] = _timings(r)
+    return [finish, usage_chunk]
+
+
+async def _merged_events(relays: list[Relay]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) from every relay as they come (one relay: its events as they are). A
+    consumer that stops early cancels every choice's job."""
+    if len(relays) == 1:
+        async for ev in relays[0].events():
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(i: int, relay: Relay) -> None:
+        try:
+            async for ev in relay.events():
+                queue.put_nowait((i, ev))
+        finally:
+            queue.put_nowait((i, None))
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(relays)]
+    try:
+        left = len(relays)
+        while left:
+            i, ev = await queue.get()
+            if ev is None:
+                left -= 1
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _legacy_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:

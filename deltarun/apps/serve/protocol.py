@@ -26,6 +26,8 @@ _DEFAULTS = SamplingParams()
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+#: choices one request may ask for (`n`): each is a job of its own, sharing the prompt's evaluation
+MAX_CHOICES = 16
 #: Values (each `,`, `[` and `{` outside strings counts one) and object keys (`:`) a request body may
 #: hold. `json.loads` holds the GIL while it scans, so a body full of tiny values would stall the
 #: event loop for all of its parsing: with numbers and objects parsed through Python hooks (points
@@ -268,6 +270,7 @@ class SamplingRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    n: int = 1                           # choices (each a job; see worker.GenParams.group)
 
 
 @dataclass
@@ -302,9 +305,7 @@ def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = F
     n_predict = _integer(body, "n_predict", None, lo=-1)      # llama-server's name
     if req.max_tokens is None and n_predict is not None and n_predict > 0:
         req.max_tokens = n_predict
-    n = _integer(body, "n", 1)
-    if n != 1:
-        raise ApiError("only n=1 is supported", param="n", code="invalid_value")
+    req.n = _integer(body, "n", 1, lo=1, hi=MAX_CHOICES)
     temperature = _number(body, "temperature", _DEFAULTS.temperature, lo=0.0)
     seed = _integer(body, "seed", None)
     req.sampling = SamplingParams(

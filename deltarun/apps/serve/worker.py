@@ -125,6 +125,12 @@ class GenParams:
     #: logprobs); None: not asked. Every prompt token's row is needed, so the prompt is evaluated
     #: from its start (not resumed from the cache), in chunks apart
     prompt_logprobs: int | None = None
+    #: a request's choices (OpenAI's `n`): jobs of one group share its prompt. Choice 0 reads it;
+    #: a later choice admitted while choice 0 still reads it takes a seq and waits (state "fork"),
+    #: then starts from a copy of choice 0's seq at the prompt's end (`Worker._fork`): the prompt is
+    #: evaluated once. Admitted later (no seq was free), it reads the prompt as any request does.
+    group: str | None = None
+    choice: int = 0
 
 
 @dataclass
@@ -159,6 +165,7 @@ class Job:
         self.running: Running | None = None
         self.generated: list[int] = []
         self.prompt_entries: list[dict[str, Any]] = []   # the prompt's logprobs so far (GenParams.prompt_logprobs)
+        self.forks: list[Job] = []        # later choices of its group waiting for its prompt (state "fork")
         self.output: OutputStream | None = None
         self.constraint: Any = None       # its grammar (apps.serve.grammar.Constraint)
         self.t_submit = time.perf_counter()
@@ -454,6 +461,11 @@ class Worker:
         self._release(job)
 
     def _release(self, job: Job) -> None:
+        if job.state in ("prefill", "fork"):      # its waiting choices read the prompt themselves
+            for f in job.forks:
+                if f.state == "fork":
+                    f.state = "prefill"
+        job.forks = []
         job.state = "done"
         if job in self._active:
             self._active.remove(job)
@@ -475,10 +487,15 @@ class Worker:
         model, p = self.model, job.params
         busy = {j.seq for j in self._active}
         idle = [c for c in range(self.n_parallel) if c not in busy]
-        if p.prompt_logprobs is None:
+        reader = next((j for j in self._active if p.group is not None and j.params.group == p.group
+                       and j.params.choice == 0 and j.state == "prefill"), None) if p.choice else None
+        if reader is not None:            # waits for choice 0's prompt (see GenParams.group)
+            resume = Resume()
+        elif p.prompt_logprobs is None:
             resume = self.cache.lookup(p.prompt, idle)
         else:                             # every prompt row is evaluated (see GenParams.prompt_logprobs)
             resume = Resume()
+        if p.prompt_logprobs is not None:
             job.prompt_entries = [_logprob_entry(model.tokenizer, p.prompt[0], None, 0)]
         seq = resume.seq if resume.seq is not None else self.cache.pick_seq(idle)
         try:
@@ -502,6 +519,10 @@ class Worker:
         job.running = Running(seq, Sampler(r.sampling), list(p.prompt), processors)
         self._attach_draft(job, resume.hidden)
         self._active.append(job)
+        if reader is not None:
+            job.state = "fork"
+            reader.forks.append(job)
+            return
         self.metrics.prompt_done(len(p.prompt), job.n_cached)
         if resume.logits is not None and p.max_tokens == 0:    # the prompt alone, cached whole
             self._finish(job, "length")
@@ -680,6 +701,7 @@ class Worker:
                 job.emit(Event(prompt_logprobs=job.prompt_entries))
             if p.max_tokens == 0:         # the prompt alone (/v1/completions, max_tokens 0)
                 self._checkpoint(job.seq, logits)
+                self._fork(job, logits, None)
                 self._finish(job, "length")
                 return
             # the first token goes out before the prompt's end is checkpointed: sampling it evaluates
@@ -687,15 +709,42 @@ class Worker:
             # to host memory: 9-55 ms on a VM that backs new memory lazily) leaves the time to
             # first token
             job.state = "decode"
+            tail = job.mtp_feed.tail if job.mtp_feed is not None else None   # (the first token takes it)
             try:
                 self._first(job, logits)
             finally:
                 self._checkpoint(job.seq, logits)
+                self._fork(job, logits, tail)
             return
         if end in p.checkpoints or end == n:
             self._checkpoint(job.seq, logits if end == n else None)
         if end == n:                      # work ahead: its prompt is all it evaluates
             self._release(job)
+
+    def _fork(self, job: Job, logits: np.ndarray, tail: tuple[np.ndarray, int] | None) -> None:
+        """`job` (choice 0) has read its prompt: each choice waiting for it starts from a copy of its
+        seq (KV rows, MTP KV rows and recurrent state at the prompt's end; sampling the first token
+        evaluated nothing), the prompt-end checkpoint shared, and samples its own first token."""
+        forks, job.forks = job.forks, []
+        n = len(job.params.prompt)
+        end = self.cache.seqs[job.seq].checkpoints.get(n)
+        for f in forks:
+            if f.state != "fork":
+                continue
+            self.model.memory.copy_seq(job.seq, f.seq)
+            if end is not None:
+                self.cache.seqs[f.seq].checkpoints[n] = end
+            f.pos = f.n_cached = n
+            self.metrics.prompt_done(n, n)
+            if f.mtp_feed is not None and tail is not None:
+                f.mtp_feed.resume(tail[0], tail[1])
+            if f.params.prompt_logprobs is not None:
+                f.emit(Event(prompt_logprobs=job.prompt_entries))
+            if f.params.max_tokens == 0:
+                self._finish(f, "length")
+                continue
+            f.state = "decode"
+            self._guard(f, lambda f: self._first(f, logits))
 
     def _checkpoint(self, seq: int, logits: np.ndarray | None) -> None:
         """Checkpoint the live state of `seq` in the prompt cache (with the prompt's last logits at
