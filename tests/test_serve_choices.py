@@ -33,10 +33,10 @@ def _client(h: ServeHandle) -> openai.OpenAI:
     return openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def _chat(c: openai.OpenAI, **kw):
+def _chat(c: openai.OpenAI, messages: list[dict] = MSG, **kw):
     kw.setdefault("max_tokens", 12)
     kw.setdefault("temperature", 0)
-    return c.chat.completions.create(model="tiny", messages=MSG, extra_body={"ignore_eos": True}, **kw)
+    return c.chat.completions.create(model="tiny", messages=messages, extra_body={"ignore_eos": True}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,12 @@ def test_greedy_choices_equal_the_single_answer_and_read_the_prompt_once(path, s
         assert [c.index for c in r.choices] == [0, 1, 2]
         assert [c.message.content for c in r.choices] == [single] * 3
         assert r.usage.completion_tokens == 3 * 12
+        # choice 0 done at its first token (max_tokens 1) still hands the others the prompt (a new
+        # one: a cached prompt has nothing to wait for)
+        one = _chat(_client(h), [{"role": "user", "content": "eight nine ten"}], n=3, max_tokens=1, timeout=30)
+        assert [c.message.content for c in one.choices] == [one.choices[0].message.content] * 3
+        if parallel > 1:
+            assert one.model_extra["timings"]["prompt_n"] == one.usage.prompt_tokens
         prompt_n = r.model_extra["timings"]["prompt_n"]       # prompt tokens evaluated, all choices
         if parallel > 1:
             assert prompt_n == r.usage.prompt_tokens          # once: the other choices forked

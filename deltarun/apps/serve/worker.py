@@ -420,6 +420,10 @@ class Worker:
             self._guard(job, self._admit_ahead if job.params.ahead else self._admit)
         self._admitting = False
         self.metrics.running.set(self.counts[0])
+        waited_for = {id(f) for j in self._active if j.state == "prefill" for f in j.forks}
+        for j in self._active:            # never waits for a prompt nobody reads: reads it itself
+            if j.state == "fork" and id(j) not in waited_for:
+                j.state = "prefill"
         prefilling = [j for j in self._active if j.state == "prefill"]
         decoding = [j for j in self._active if j.state == "decode"]
         riding = None                     # a prompt chunk that goes into the decode step's graph
@@ -465,7 +469,8 @@ class Worker:
             for f in job.forks:
                 if f.state == "fork":
                     f.state = "prefill"
-        job.forks = []
+            job.forks = []
+        # (a job done at its first token forks its choices after this: `_chunk_done`)
         job.state = "done"
         if job in self._active:
             self._active.remove(job)
