@@ -1,8 +1,8 @@
 """`serve` under concurrent greedy chat requests that clients abandon at random points.
 
 Five clients send multi-turn conversations that share prefixes (so the prompt cache resumes,
-evicts to a host RAM budget of 1 MiB and copies back), stream or not, and give up after a few
-events or a short timeout; the server runs 4 sequences with MTP drafts (3 with n-gram drafts),
+evicts to a host RAM budget of 1 MiB and copies back), stream or not, some with 2-3 choices (`n`:
+forks of one prompt), and give up after a few events or a short timeout; the server runs 4 sequences with MTP drafts (3 with n-gram drafts),
 prompt chunks of 8 tokens and checkpoints every 16. Every answer that completes must be the greedy answer of that
 conversation from a fresh single-sequence server, cut at the request's max_tokens; no request may
 fail; afterwards every slot is free. The default run sends 60 requests (count-bounded, each with a
@@ -57,7 +57,9 @@ def _chat(base: str, body: dict, give_up_after: int | None = None, timeout: floa
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=timeout)
         assert r.status_code == 200, r.text
         j = r.json()
-        return j["choices"][0]["message"]["content"], j["usage"]["completion_tokens"]
+        texts = [c["message"]["content"] for c in j["choices"]]
+        assert len(texts) == body.get("n", 1) and len(set(texts)) == 1, texts     # greedy choices agree
+        return texts[0], j["usage"]["completion_tokens"] // len(texts)
     text, n = "", 0
     with httpx.stream("POST", base + "/v1/chat/completions", timeout=timeout,
                       json={**body, "stream_options": {"include_usage": True}}) as r:
@@ -94,6 +96,8 @@ def _stress(h: ServeHandle, convs, answers, n_requests: int, seed: int) -> dict[
             m = rng.choice([1, 2, 5, MAX_TOKENS])
             stream = rng.random() < 0.6
             body = _body(convs, answers, ci, turn, m, stream)
+            if not stream and rng.random() < 0.3:       # several choices (they share the prompt)
+                body["n"] = rng.choice([2, 3])
             if not stream and rng.random() < 0.15:
                 try:                                  # a client that gives up while waiting
                     _chat(h.base_url, body, timeout=rng.uniform(0.01, 0.3))
