@@ -64,6 +64,12 @@ def test_greedy_choices_equal_the_single_answer_and_read_the_prompt_once(path, s
         assert [c.message.content for c in one.choices] == [one.choices[0].message.content] * 3
         if parallel > 1:
             assert one.model_extra["timings"]["prompt_n"] == one.usage.prompt_tokens
+            # a prompt asked once before: choice 0 resumes from the cache, the others fork from it
+            before = [{"role": "user", "content": "asked once before"}]
+            first = _chat(_client(h), before).choices[0].message.content
+            again = _chat(_client(h), before, n=3)
+            assert [c.message.content for c in again.choices] == [first] * 3
+            assert again.model_extra["timings"]["prompt_n"] == 0
         prompt_n = r.model_extra["timings"]["prompt_n"]       # prompt tokens evaluated, all choices
         if parallel > 1:
             assert prompt_n == r.usage.prompt_tokens          # once: the other choices forked

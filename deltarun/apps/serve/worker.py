@@ -492,9 +492,8 @@ class Worker:
         model, p = self.model, job.params
         busy = {j.seq for j in self._active}
         idle = [c for c in range(self.n_parallel) if c not in busy]
-        reader = next((j for j in self._active if p.group is not None and j.params.group == p.group
-                       and j.params.choice == 0 and j.state == "prefill"), None) if p.choice else None
-        if reader is not None:            # waits for choice 0's prompt (see GenParams.group)
+        reader = self._choice_zero(p)
+        if reader is not None:            # starts from choice 0's prompt (see GenParams.group)
             resume = Resume()
         elif p.prompt_logprobs is None:
             resume = self.cache.lookup(p.prompt, idle)
@@ -527,6 +526,11 @@ class Worker:
         if reader is not None:
             job.state = "fork"
             reader.forks.append(job)
+            if reader.state == "decode":  # it has read the prompt (from the cache): fork now
+                n = len(p.prompt)
+                tail = self.cache.seqs[reader.seq].hidden.get(n)
+                self._fork(reader, self.cache.seqs[reader.seq].checkpoints[n].logits,
+                           None if tail is None else (tail, n - 1))
             return
         self.metrics.prompt_done(len(p.prompt), job.n_cached)
         if resume.logits is not None and p.max_tokens == 0:    # the prompt alone, cached whole
@@ -725,6 +729,23 @@ class Worker:
             self._checkpoint(job.seq, logits if end == n else None)
         if end == n:                      # work ahead: its prompt is all it evaluates
             self._release(job)
+
+    def _choice_zero(self, p: GenParams) -> Job | None:
+        """For a later choice of a group: its choice 0 when it reads the prompt, or has just read it
+        from the cache (its seq holds the prompt, whose end checkpoint keeps the logits, and its
+        first token is not evaluated yet); else None (the choice reads the prompt itself)."""
+        if not p.choice or p.group is None:
+            return None
+        n = len(p.prompt)
+        for j in self._active:
+            if j.params.group != p.group or j.params.choice != 0:
+                continue
+            if j.state == "prefill":
+                return j
+            end = self.cache.seqs[j.seq].checkpoints.get(n) if j.state == "decode" else None
+            if end is not None and end.logits is not None and self.model.n_past(j.seq) == n:
+                return j
+        return None
 
     def _fork(self, job: Job, logits: np.ndarray, tail: tuple[np.ndarray, int] | None) -> None:
         """`job` (choice 0) has read its prompt: each choice waiting for it starts from a copy of its
