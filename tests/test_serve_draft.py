@@ -163,7 +163,9 @@ def test_drafts_are_verified_under_a_json_schema_and_penalties(tiny_model_path, 
 
 def _mtp_rows(h: ServeHandle, tokens: list[int]) -> tuple[int, list[np.ndarray]]:
     """The MTP block's KV rows of the seq holding `tokens` (positions 0..len-2: the last pairs with
-    a token the seq has not evaluated)."""
+    a token the seq has not evaluated), once the worker has settled: an answer's last MTP rows are
+    completed as its job is released, after the client has the answer."""
+    h.wait_settled()
     m = h.worker.model
     seq = max(range(m.memory.n_seq_max), key=lambda s: common_prefix_length(m.tokens(s), tokens))
     n = common_prefix_length(m.tokens(seq), tokens)
@@ -362,6 +364,7 @@ def test_mtp_rows_after_a_resume_from_host_ram(tiny_model_path):
                      {"role": "user", "content": "more"}]
         r = c.chat.completions.create(model="tiny", messages=a, max_tokens=6, temperature=0, **kw)
         assert h.worker.cache.n_evictions >= 2 and r.usage.prompt_tokens_details.cached_tokens > 10
+        h.wait_settled()      # the answer's MTP rows are completed as its job is released, after the answer
         held = h.worker.model.tokens(0)
         n, rows = _mtp_rows(h, held)
     with _server(path, draft="mtp", parallel=1, chunk=32) as fresh:

@@ -191,10 +191,6 @@ class PromptCache:
         """Make `seq` hold the first r.pos tokens of the request's prompt; with keep_tail, what a
         rollback or checkpoint resume replaces goes aside (see the module docstring)."""
         model, info = self.model, self.seqs[seq]
-        if r.how == "host":
-            # taken out first: the eviction below makes room in host RAM, least recently used first,
-            # and this entry may well be the least recently used one
-            self.host.remove(r.entry)
         if r.how in ("fresh", "host") and model.n_past(seq) > 0:
             self._evict(seq)
         if r.how == "fresh":
@@ -234,6 +230,10 @@ class PromptCache:
             self.seqs[seq] = CellInfo({p: c for p, c in e.checkpoints.items() if p <= r.pos},
                                         min(e.answer_start, r.pos),
                                         hidden={p: h for p, h in e.hidden.items() if p <= r.pos})
+            # (the eviction above may have pushed it out already: it made room, least recently used
+            # first, and brought it up to date when it was this seq's copy made ahead)
+            if e in self.host:
+                self.host.remove(e)
         self.seqs[seq].last_used = time.monotonic()
 
     def _set_aside(self, seq: int, start: int) -> None:
