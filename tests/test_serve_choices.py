@@ -9,13 +9,17 @@ choice's index and one usage chunk at the end; a client that leaves frees every 
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 import time
 
 import httpx
 import openai
 import pytest
 
+from deltarun.apps.serve.protocol import parse_chat
 from deltarun.apps.serve.server import ServeHandle, ServeSettings
+from deltarun.apps.serve.worker import Job
 from deltarun.runner.model import Model
 
 N_CTX = 512
@@ -131,3 +135,22 @@ def test_choices_beyond_the_limit_are_a_400(path):
     with _server(path, 2) as h:
         with pytest.raises(openai.BadRequestError):
             _chat(_client(h), n=17)
+
+
+def test_a_later_choice_forks_from_a_choice_0_that_went_on(path, single):
+    """The choices' jobs reach the worker one by one: a later one admitted after choice 0 has
+    decoded a few tokens still starts from its seq (the prompt's KV rows and the prompt-end
+    checkpoint's state), evaluating nothing."""
+    with _server(path, 4) as h:
+        params = h.state.builder.chat(parse_chat({"messages": MSG, "temperature": 0, "ignore_eos": True}))
+        events: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+        first = Job(dataclasses.replace(params, max_tokens=300, group="g", choice=0), events[0].put)
+        h.state.worker.submit(first)
+        for _ in range(4):                # choice 0 goes past its prompt
+            assert events[0].get(timeout=30).error is None
+        later = Job(dataclasses.replace(params, max_tokens=12, group="g", choice=1), events[1].put)
+        h.state.worker.submit(later)
+        while (ev := events[1].get(timeout=30)).finish_reason is None:
+            assert ev.error is None
+        first.cancel()
+        assert ev.result["content"] == single and ev.result["n_evaluated"] == 0

@@ -731,9 +731,10 @@ class Worker:
             self._release(job)
 
     def _choice_zero(self, p: GenParams) -> Job | None:
-        """For a later choice of a group: its choice 0 when it reads the prompt, or has just read it
-        from the cache (its seq holds the prompt, whose end checkpoint keeps the logits, and its
-        first token is not evaluated yet); else None (the choice reads the prompt itself)."""
+        """For a later choice of a group: its choice 0 when it reads the prompt, or has read it (its
+        seq holds the prompt, whose end checkpoint keeps the logits: the later choices may come a
+        step or more after it, their submissions are not one); else None (the choice reads the
+        prompt itself)."""
         if not p.choice or p.group is None:
             return None
         n = len(p.prompt)
@@ -743,21 +744,29 @@ class Worker:
             if j.state == "prefill":
                 return j
             end = self.cache.seqs[j.seq].checkpoints.get(n) if j.state == "decode" else None
-            if end is not None and end.logits is not None and self.model.n_past(j.seq) == n:
+            if end is not None and end.logits is not None and self.model.tokens(j.seq)[:n] == p.prompt:
                 return j
         return None
 
     def _fork(self, job: Job, logits: np.ndarray, tail: tuple[np.ndarray, int] | None) -> None:
         """`job` (choice 0) has read its prompt: each choice waiting for it starts from a copy of its
         seq (KV rows, MTP KV rows and recurrent state at the prompt's end; sampling the first token
-        evaluated nothing), the prompt-end checkpoint shared, and samples its own first token."""
+        evaluated nothing; past the prompt, the KV rows of the prompt's positions and the prompt-end
+        checkpoint's state), the checkpoint shared, and samples its own first token."""
         forks, job.forks = job.forks, []
         n = len(job.params.prompt)
+        memory = self.model.memory
         end = self.cache.seqs[job.seq].checkpoints.get(n)
         for f in forks:
             if f.state != "fork":
                 continue
-            self.model.memory.copy_seq(job.seq, f.seq)
+            if end is None and self.model.n_past(job.seq) != n:
+                f.state = "prefill"       # (nothing to copy: it reads the prompt itself)
+                continue
+            memory.copy_seq(job.seq, f.seq)
+            if self.model.n_past(job.seq) != n:
+                memory.write_recurrent(f.seq, end.state)
+                memory.set_tokens(f.seq, list(job.params.prompt))
             if end is not None:
                 self.cache.seqs[f.seq].checkpoints[n] = end
             f.pos = f.n_cached = n
