@@ -154,3 +154,17 @@ def test_a_later_choice_forks_from_a_choice_0_that_went_on(path, single):
             assert ev.error is None
         first.cancel()
         assert ev.result["content"] == single and ev.result["n_evaluated"] == 0
+
+
+def test_choices_past_the_queue_are_a_503_and_none_of_them_runs(path):
+    def open_model():
+        return Model(path, n_ctx=N_CTX, n_seq_max=1, n_ubatch=64, n_threads=1, kv_type="f32")
+    with ServeHandle(open_model, ServeSettings(parallel=1, max_queue=1, prefill_ahead=False)) as h:
+        with pytest.raises(openai.APIStatusError) as e:
+            _chat(_client(h), n=3, max_tokens=200)
+        assert e.value.status_code == 503
+        deadline = time.monotonic() + 30
+        while "deltarun_requests_processing 0.0" not in httpx.get(h.base_url + "/metrics").text.splitlines():
+            assert time.monotonic() < deadline, "a choice of the refused request runs"
+            time.sleep(0.05)
+        assert _predicted(h) < 200
