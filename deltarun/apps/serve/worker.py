@@ -77,7 +77,7 @@ from deltarun.runner.engine import Engine, Outcome, Running
 from deltarun.runner.model import PromptChunk
 from deltarun.runner.reasoning import ThinkingBudget, ThinkingTags
 from deltarun.runner.multimodal import PlacedImage, eval_step, vision_token_ids
-from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams, k_best
+from deltarun.runner.sampling import LogitsProcessors, Sampler, SamplingParams, k_best, log_softmax
 from deltarun.runner.speculative import (DraftLength, DraftSource, ModelDraft, MtpDraft, MtpFeed, NgramDraft,
                                          check_draft_vocab, draft_limit, text_tokens)
 from deltarun.runner.vision import VisionEncoder
@@ -678,7 +678,7 @@ class Worker:
                                    captures=[c - job.pos for c in inside])
             # row i is the distribution of the token after position job.pos + i
             for t, row in zip(p.prompt[job.pos + 1:end + 1], rows):
-                job.prompt_entries.append(_logprob_entry(self.model.tokenizer, t, _log_softmax(row),
+                job.prompt_entries.append(_logprob_entry(self.model.tokenizer, t, log_softmax(row),
                                                          p.prompt_logprobs))
             logits = rows[-1]
         else:
@@ -963,7 +963,7 @@ class Worker:
         r = job.params.req
         if not r.logprobs:
             return None
-        return _logprob_entry(self.model.tokenizer, token, _log_softmax(logits), r.top_logprobs)
+        return _logprob_entry(self.model.tokenizer, token, log_softmax(logits), r.top_logprobs)
 
     def _take(self, job: Job, token: int, info: dict[str, Any] | None) -> bool:
         """Stream one kept token; True when the job goes on."""
@@ -1022,13 +1022,6 @@ def _server_error(e: Exception) -> ApiError:
         traceback.print_exception(e)
     return ApiError(str(e) if isinstance(e, DeltarunError) else f"{type(e).__name__}: {e}", status=500,
                     type="server_error")
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    """A row's log-probabilities (in float64: a row of 151,936 logits)."""
-    lp = np.asarray(logits, dtype=np.float32).astype(np.float64)
-    lp -= lp.max()
-    return lp - np.log(np.exp(lp).sum())
 
 
 def _logprob_entry(tok: Any, token: int, logprobs: np.ndarray | None, top: int) -> dict[str, Any]:
