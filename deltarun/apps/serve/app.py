@@ -268,7 +268,7 @@ def create_app(state: ServerState) -> Starlette:
                 results[i] = ev.result
                 last = _chunk(cid, model, created, {"index": i, "delta": {}, "logprobs": None,
                                                     "finish_reason": ev.finish_reason}, "chat.completion.chunk")
-                for chunk in _final_chunks(last, results, i, len(relays), include_usage):
+                for chunk in _final_chunks(last, results, len(relays), include_usage):
                     yield _sse(json.dumps(chunk))
         yield _sse("[DONE]")
 
@@ -312,7 +312,7 @@ def create_app(state: ServerState) -> Starlette:
                     yield _sse(json.dumps(out))
                 else:
                     results[i] = ev.result
-                    for chunk in _final_chunks(out, results, i, len(relays), include_usage, timings_on_finish=True):
+                    for chunk in _final_chunks(out, results, len(relays), include_usage, timings_on_finish=True):
                         yield _sse(json.dumps(chunk))
         yield _sse("[DONE]")
 
@@ -495,11 +495,11 @@ def _merged_result(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return r
 
 
-def _final_chunks(finish: dict[str, Any], results: dict[int, dict[str, Any]], index: int, n_choices: int,
+def _final_chunks(finish: dict[str, Any], results: dict[int, dict[str, Any]], n_choices: int,
                   include_usage: bool, timings_on_finish: bool = False) -> list[dict[str, Any]]:
-    """What a stream sends when choice `index` finishes: its finish chunk; after the last choice's,
-    the usage chunk (with include_usage) and llama-server's timings of the whole request, on the
-    last chunk (or, for /v1/completions, on the finish chunk, as before `n`)."""
+    """What a stream sends when a choice finishes (`results` holds it): its finish chunk; after the
+    last choice's, the usage chunk (with include_usage) and llama-server's timings of the whole
+    request, on the last chunk (or, for /v1/completions, on the finish chunk, as before `n`)."""
     if len(results) < n_choices:
         return [finish]
     r = _merged_result(results)
