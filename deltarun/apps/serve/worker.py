@@ -127,8 +127,9 @@ class GenParams:
     prompt_logprobs: int | None = None
     #: a request's choices (OpenAI's `n`): jobs of one group share its prompt. Choice 0 reads it;
     #: a later choice admitted while choice 0 still reads it takes a seq and waits (state "fork"),
-    #: then starts from a copy of choice 0's seq at the prompt's end (`Worker._fork`): the prompt is
-    #: evaluated once. Admitted later (no seq was free), it reads the prompt as any request does.
+    #: then starts from a copy of choice 0's seq at the prompt's end (`Worker._fork`; admitted once
+    #: choice 0 has read it, at once): the prompt is evaluated once. Admitted when choice 0 no
+    #: longer runs (no seq was free), it reads the prompt as any request does.
     group: str | None = None
     choice: int = 0
 
