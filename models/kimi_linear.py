@@ -20,14 +20,17 @@ checkpoint holds (moonshotai's names, which llama.cpp's tensor_mapping.py maps: 
 Norm weights are stored as they are (Kimi's RMSNorm multiplies by w, not 1 + w). Types follow the
 converter's rule (1-D tensors, norms, the router and the conv kernels stay F32). The vocabulary is
 the packaged tiny cut of the Qwen2 BPE, or (`vocab="tiny-kimi-k2"`) a small one in the layout the
-converter writes from Kimi-K2's tiktoken ranks, with the `kimi-k2` pre-tokenizer (models/vocab.py);
-the chat template is the Qwen3 one.
+converter writes from Kimi-K2's tiktoken ranks, with the `kimi-k2` pre-tokenizer (models/vocab.py).
+The chat template is the one a converted file carries with that vocabulary, Kimi-Linear-48B-A3B-
+Instruct's (models/data/NOTICE.md); the Qwen2 vocabulary has none of its special tokens, so those
+files get the Qwen3 template.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import gguf
@@ -37,6 +40,8 @@ from deltarun.model_files.generate import (_FILE_TYPES, chat_template, config_an
                                            write_gguf_file)
 
 ARCH = "kimi-linear"
+#: moonshotai/Kimi-Linear-48B-A3B-Instruct's chat_template.jinja (models/data/NOTICE.md)
+CHAT_TEMPLATE_RESOURCE = "data/kimi-linear-chat-template.jinja"
 GATING_SIGMOID = 2   # gguf.ExpertGatingFuncType.SIGMOID
 
 
@@ -307,8 +312,14 @@ def write_model(path: str | Path, config: KimiLinearConfig | str = "tiny-kimi-li
     """Write a synthetic Kimi-Linear GGUF to `path` and return the path."""
     cfg, vocab = config_and_vocab(config, PRESETS, wtype)
     tensors = model_tensors(cfg, vocab.n_vocab, seed)
+    template = kimi_chat_template() if vocab.pre == "kimi-k2" else chat_template()
     return write_gguf_file(path, ARCH, name, lambda w: _add_metadata(w, cfg, vocab.n_vocab, wtype), tensors, wtype,
-                           (vocab, vocab.pre, chat_template()))
+                           (vocab, vocab.pre, template))
+
+
+def kimi_chat_template() -> str:
+    """Kimi-Linear-48B-A3B-Instruct's chat template, as the converter copies it into the GGUF."""
+    return resources.files("deltarun.model_files").joinpath(CHAT_TEMPLATE_RESOURCE).read_text(encoding="utf-8")
 
 
 def config_with(preset: str = "tiny-kimi-linear", **changes: object) -> KimiLinearConfig:

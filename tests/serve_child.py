@@ -13,11 +13,14 @@ import httpx
 import pytest
 
 
-
 def start_serve(args: list[str], log: Path, port: int, timeout: float = 120) -> subprocess.Popen:
     """`python -m deltarun serve ARGS --port PORT`, its stdout and stderr in `log`; returns once
     /health answers, or fails the test with the log's tail."""
-    cmd = [sys.executable, "-m", "deltarun", "serve", *args, "--port", str(port)]
+    return start_server([sys.executable, "-m", "deltarun", "serve", *args, "--port", str(port)], log, port, timeout)
+
+
+def start_server(cmd: list[str], log: Path, port: int, timeout: float = 120) -> subprocess.Popen:
+    """Any server command listening on 127.0.0.1:PORT (deltarun's, llama-server), as `start_serve`."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stderr=out, stdout=out, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.monotonic() + timeout

@@ -24,7 +24,7 @@ from test_serve import _server
 
 from test_thinking_budget import _decode, _Oracle
 
-from deltarun.apps.serve.grammar import GrammarFactory
+from deltarun.apps.serve.grammar import CallSyntax, GrammarFactory
 from deltarun.apps.serve.worker import end_of_generation_ids
 from deltarun.base.chat_template import ChatTemplate
 from deltarun.base.gguf_file import GGUFFile
@@ -33,7 +33,12 @@ from deltarun.runner.reasoning import THINK_CLOSE, ThinkingTags
 from deltarun.runner.sampling import LogitsProcessors
 from deltarun.runner.speculative import Draft
 
-TEMPLATES = {"qwen3": "tiny", "qwen35": "tiny-qwen35"}
+TEMPLATES = {"qwen3": "tiny", "qwen35": "tiny-qwen35", "kimi": "tiny-kimi-linear-k2vocab"}
+#: the token a template's call block opens with (the lazy grammar's trigger), and the texts that
+#: open and close each call in it (Kimi-Linear's template: a section of calls)
+CALL_MARKS = {"qwen3": ("<tool_call>", "<tool_call>", "</tool_call>"),
+              "qwen35": ("<tool_call>", "<tool_call>", "</tool_call>"),
+              "kimi": ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_end|>")}
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                                    "unit": {"enum": ["c", "f"]}},
                   "required": ["city", "unit"], "additionalProperties": False}
@@ -44,7 +49,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
 def served(request, tiny_model_path):
-    """(template name, server, tokenizer, template) for one tiny model."""
+    """(template name, server, tokenizer, template) for one tiny model (Kimi-Linear's with its own
+    template and vocabulary)."""
     path = tiny_model_path(TEMPLATES[request.param], "f32")
     f = GGUFFile(path)
     tmpl = ChatTemplate(f.get("tokenizer.chat_template")) if f.get("tokenizer.chat_template") else ChatTemplate.builtin()
@@ -101,8 +107,8 @@ def test_a_budget_of_n_thinks_n_tokens_then_the_marker(served, n):
     """Thinking on, a budget of n: the reference's first n tokens (more only to finish a character),
     then the template's marker token by token; reasoning and content split there."""
     name, h, tok, tmpl = served
-    if name == "qwen3":
-        pytest.skip("the Qwen3 template's generation prompt does not open the think block and the tiny "
+    if name != "qwen35":
+        pytest.skip(f"the {name} template's generation prompt does not open the think block and the tiny "
                     "model never writes <think>: nothing to count")
     encode = lambda s: tok.encode(s, add_special=False, parse_special=True)  # noqa: E731
     marker = [tok.token_bytes(t) for t in ThinkingTags.of(encode, tmpl.reasoning_separator()).forced]
@@ -149,16 +155,18 @@ def test_bad_budgets_are_400(served):
 
 
 # ------------------------------------------------------------------------------------- lazy grammar
-def _trigger_bias(h, tok, prompt: list[int]) -> tuple[int, float, list[str]]:
-    """A logit bias on <tool_call> that makes the unconstrained model write some text first and
-    then the trigger: (trigger id, bias, the unconstrained tokens)."""
-    trigger = tok.encode("<tool_call>", add_special=False, parse_special=True)
+def _trigger_bias(h, tok, prompt: list[int], name: str) -> tuple[int, float, list[str]]:
+    """A logit bias on the call block's opening token (<tool_call>, Kimi's section) that makes the
+    unconstrained model write some text first and then the trigger: (trigger id, bias, the
+    unconstrained tokens)."""
+    opening = CALL_MARKS[name][0]
+    trigger = tok.encode(opening, add_special=False, parse_special=True)
     assert len(trigger) == 1
     for bias in (6, 7, 8, 9, 10, 11, 12):
         free = _free(h, prompt, 40, logit_bias={str(trigger[0]): bias})
-        if "<tool_call>" in free[1:]:
+        if opening in free[1:]:
             return trigger[0], bias, free
-    pytest.fail("no bias makes the tiny model write <tool_call> after some text")
+    pytest.fail(f"no bias makes the tiny model write {opening} after some text")
 
 
 def _valid_call(call: dict) -> None:
@@ -167,19 +175,19 @@ def _valid_call(call: dict) -> None:
 
 
 def test_auto_tool_calls_follow_the_schema_after_the_trigger(served):
-    """tool_choice auto: the text before <tool_call> is the model's own (token for token the
+    """tool_choice auto: the text before the trigger is the model's own (token for token the
     unconstrained answer), and from the trigger on each call parses and validates against its
     schema, where the unconstrained model's text after the trigger is no such call."""
     name, h, tok, tmpl = served
     prompt = _prompt(tok, tmpl, ASK, tools=[WEATHER], enable_thinking=False)
-    trigger, bias, free = _trigger_bias(h, tok, prompt)
-    at = free.index("<tool_call>")
+    trigger, bias, free = _trigger_bias(h, tok, prompt, name)
+    at = free.index(CALL_MARKS[name][0])
     got = _chat(h, {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 120,
                     "logit_bias": {str(trigger): bias}, "chat_template_kwargs": {"enable_thinking": False}})
     pieces = _texts(got)
     assert pieces[:at + 1] == free[:at + 1] and pieces[at + 1:] != free[at + 1:]
     calls = got["message"]["tool_calls"]
-    closed = pieces.count("</tool_call>")          # the last call may be cut by max_tokens
+    closed = pieces.count(CALL_MARKS[name][2])     # the last call may be cut by max_tokens
     assert closed >= 1 and len(calls) >= closed
     for call in calls[:closed]:
         _valid_call(call)
@@ -195,10 +203,10 @@ def test_a_trigger_while_thinking_is_not_a_call(served):
     """A <tool_call> inside the think block is reasoning: nothing is constrained, the answer is the
     unconstrained model's token for token."""
     name, h, tok, tmpl = served
-    if name == "qwen3":
-        pytest.skip("the Qwen3 template's generation prompt does not open the think block")
+    if name != "qwen35":
+        pytest.skip(f"the {name} template's generation prompt does not open the think block")
     prompt = _prompt(tok, tmpl, ASK, tools=[WEATHER], enable_thinking=True)
-    trigger, bias, free = _trigger_bias(h, tok, prompt)
+    trigger, bias, free = _trigger_bias(h, tok, prompt, name)
     got = _chat(h, {"messages": ASK, "tools": [WEATHER], "max_tokens": 40, "ignore_eos": True,
                     "logit_bias": {str(trigger): bias}, "chat_template_kwargs": {"enable_thinking": True}})
     assert _texts(got) == free and not got["message"].get("tool_calls")
@@ -208,7 +216,7 @@ def test_anthropic_auto_tool_use_validates(served):
     """The Messages API's tool_choice auto takes the same lazy grammar: tool_use inputs validate."""
     name, h, tok, tmpl = served
     prompt = _prompt(tok, tmpl, ASK, tools=[WEATHER], enable_thinking=False)
-    trigger, bias, _ = _trigger_bias(h, tok, prompt)
+    trigger, bias, _ = _trigger_bias(h, tok, prompt, name)
     c = anthropic.Anthropic(base_url=h.base_url, api_key="x", max_retries=0, timeout=120)
     tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER_SCHEMA}
     r = c.messages.create(model="tiny", max_tokens=120, messages=ASK, tools=[tool], tool_choice={"type": "auto"},
@@ -228,7 +236,7 @@ def test_drafts_with_a_lazy_grammar_keep_the_answer(tiny_model_path):
     with Model(path, n_ctx=512, kv_type="f32", n_seq_max=1, rs_slots=4) as m:
         tok = m.tokenizer
         grammars = GrammarFactory(tok, m.hp.n_vocab, end_of_generation_ids(m))
-        grammar, trigger = grammars.lazy_tool_call([WEATHER], xml=False)
+        grammar, trigger = grammars.lazy_tool_call([WEATHER], CallSyntax.JSON)
         prompt = _prompt(tok, ChatTemplate.builtin(), ASK, tools=[WEATHER], enable_thinking=False)
 
         def processors() -> LogitsProcessors:
@@ -263,8 +271,8 @@ def test_responses_take_the_budget_as_an_extra(served):
     """The Responses API has no token budget: llama-server's `reasoning_budget_tokens` extra is
     passed on, and the reasoning item and message are the chat request's."""
     name, h, _, _ = served
-    if name == "qwen3":
-        pytest.skip("the Qwen3 template's generation prompt does not open the think block")
+    if name != "qwen35":
+        pytest.skip(f"the {name} template's generation prompt does not open the think block")
     body = {"model": "tiny", "input": ASK[0]["content"], "max_output_tokens": 16, "temperature": 0,
             "ignore_eos": True, "reasoning": {"effort": "high"}, "reasoning_budget_tokens": 3, "store": False}
     r = httpx.post(h.base_url + "/v1/responses", json=body, timeout=120)
@@ -281,7 +289,7 @@ def test_matchers_of_one_grammar_are_independent(tiny_model_path):
     request's at the grammar's start."""
     tok = GGUFFile(tiny_model_path("tiny", "f32")).tokenizer()
     grammars = GrammarFactory(tok, tok.n_vocab, [tok.eos_id])
-    grammar, trigger = grammars.lazy_tool_call([WEATHER], xml=False)
+    grammar, trigger = grammars.lazy_tool_call([WEATHER], CallSyntax.JSON)
     x = np.zeros(tok.n_vocab, dtype=np.float32)
     first = grammars.matcher(grammar)
     assert np.flatnonzero(np.isfinite(first.mask(x))).tolist() == [trigger]
@@ -311,7 +319,7 @@ def test_mtp_drafts_with_a_budget_keep_the_answer(tiny_model_path):
 
 
 # ------------------------------------------------------------- constrained answers while thinking
-ANSWER_SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+ANSWER_SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False}
 ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": ANSWER_SCHEMA}}
 
 
@@ -332,8 +340,8 @@ def test_a_response_format_constrains_the_answer_after_the_think_block(served):
     the think block is the unconstrained model's token for token up to its closing tag, and the
     answer after it is the JSON, in `content` (it was all written inside the block, as reasoning)."""
     name, h, tok, tmpl = served
-    if name == "qwen3":
-        pytest.skip("the Qwen3 template's generation prompt does not open the think block")
+    if name != "qwen35":
+        pytest.skip(f"the {name} template's generation prompt does not open the think block")
     prompt = _prompt(tok, tmpl, ASK, enable_thinking=True)
     close, bias, free = _close_bias(h, tok, prompt)
     at = free.index(THINK_CLOSE)
@@ -392,20 +400,24 @@ def test_a_budget_ends_the_thinking_before_a_constrained_answer(served, api):
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_a_call_renders_back_as_it_was_generated(served, choice):
-    """The call's text (JSON with the template's separators, or Qwen3.5's XML) is what the template
-    writes when the call comes back in the history, so the next turn's prompt shares it."""
-    _, h, tok, tmpl = served
-    trigger = tok.encode("<tool_call>", add_special=False, parse_special=True)[0]
+    """The call's text (JSON with the template's separators, or Qwen3.5's XML; Kimi's with its id)
+    is what the template writes when the call comes back in the history, so the next turn's prompt
+    shares it."""
+    name, h, tok, tmpl = served
+    opening, call_open, call_close = CALL_MARKS[name]
+    trigger = tok.encode(opening, add_special=False, parse_special=True)[0]
     body = {"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 120,
             "chat_template_kwargs": {"enable_thinking": False}}
     if choice == "auto":
         body["logit_bias"] = {str(trigger): 9}
     got = _chat(h, body)
     text = b"".join(_bytes(got)).decode("utf-8", errors="replace")
-    generated = text[text.index("<tool_call>"):text.index("</tool_call>") + len("</tool_call>")]
-    call = got["message"]["tool_calls"][0]["function"]
+    generated = text[text.index(call_open):text.index(call_close) + len(call_close)]
+    first = got["message"]["tool_calls"][0]
+    call = first["function"]
     history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}]}]
+        {"id": first["id"], "type": "function",
+         "function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}]}]
     rendered = tmpl.render(history, add_generation_prompt=False, tools=[WEATHER], enable_thinking=False)
     assert generated in rendered
 
@@ -422,10 +434,42 @@ def test_a_forced_call_without_a_tool_call_token_writes_the_tag_as_text():
     tok = GGUFFile(path).tokenizer()
     assert len(tok.encode("<tool_call>", add_special=False, parse_special=True)) > 1
     grammars = GrammarFactory(tok, tok.n_vocab, [tok.eos_id])
-    m = grammars.matcher(grammars.tool_call([WEATHER], xml=False))
+    m = grammars.matcher(grammars.tool_call([WEATHER], CallSyntax.JSON))
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
     x = np.zeros(tok.n_vocab, dtype=np.float32)
     for t in tok.encode(text, add_special=False, parse_special=True):
         assert np.isfinite(m.mask(x)[t]), tok.token_bytes(t)
         m.accept(t)
     assert m.done and not m.matcher.is_error()
+
+
+def test_kimi_call_grammars(tiny_model_path):
+    """Kimi's call grammar token by token on the kimi-k2 vocabulary: a section with one call of an
+    offered tool, `functions.NAME:INDEX` and arguments that follow its schema; a forced call's
+    section holds one call, the lazy grammar's (the model chose to call) as many as it writes;
+    an unknown name, an index with a leading zero or arguments off the schema are refused."""
+    tok = GGUFFile(tiny_model_path("tiny-kimi-linear-k2vocab", "f32")).tokenizer()
+    grammars = GrammarFactory(tok, tok.n_vocab, [tok.eos_id])
+    lazy, trigger = grammars.lazy_tool_call([WEATHER], CallSyntax.KIMI)
+    assert tok.token_bytes(trigger).decode() == "<|tool_calls_section_begin|>"
+
+    def call(i: int, args: str = '{"city": "Paris", "unit": "c"}', name: str = "get_weather") -> str:
+        return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+
+    def walk(grammar: str, text: str) -> str:
+        m, x = grammars.matcher(grammar), np.zeros(tok.n_vocab, dtype=np.float32)
+        for t in tok.encode(text, add_special=False, parse_special=True):
+            if not np.isfinite(m.mask(x)[t]):
+                return "refused"
+            m.accept(t)
+        return "done" if m.done else "open"
+
+    forced = grammars.tool_call([WEATHER], CallSyntax.KIMI)
+    one = "<|tool_calls_section_begin|>" + call(0) + "<|tool_calls_section_end|>"
+    two = "<|tool_calls_section_begin|>" + call(0) + call(1) + "<|tool_calls_section_end|>"
+    assert walk(forced, one) == "done" and walk(lazy, one) == "done"
+    assert walk(forced, two) == "refused" and walk(lazy, two) == "done"
+    assert walk(forced, "<|tool_calls_section_begin|>" + call(12)) == "open"
+    for bad in (call(0, name="get_time"), call("01"), call(0, '{"city": "Paris", "unit": "k"}'),
+                call(0, '{"city": "Paris"}'), call(0, '{"city":"Paris","unit":"c"}')):
+        assert walk(forced, "<|tool_calls_section_begin|>" + bad) == "refused", bad

@@ -33,7 +33,7 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city",
 LOOKUP = {"name": "lookup", "description": "Look a word up",
           "input_schema": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}},
                            "required": ["word"], "additionalProperties": False}}
-TEMPLATES = {"qwen3": "tiny", "qwen35": "tiny-qwen35"}
+TEMPLATES = {"qwen3": "tiny", "qwen35": "tiny-qwen35", "kimi": "tiny-kimi-linear-k2vocab"}
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))

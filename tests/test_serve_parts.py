@@ -93,6 +93,14 @@ def test_kimi_tool_calls():
                                       '<|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}'
                                       '<|tool_call_end|>', KIMI_TOOLS)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    # the answer cut inside its section (max_tokens): the complete calls are calls, the cut one's
+    # text is content, streamed or whole (before, the whole section was content)
+    complete = KIMI_ANSWER[:KIMI_ANSWER.rindex("<|tool_call_begin|>")]
+    for cut in ('<|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>{"a":', "<|tool_cal"):
+        for content, calls in (parse_tool_calls(complete + cut, KIMI_TOOLS),
+                               _stream(complete + cut, tools=True, tool_format=KIMI_TOOLS)[::2]):
+            assert content == "Let me check." + cut
+            assert [(c["id"], c["function"]["arguments"]) for c in calls] == [("functions.get_weather:0", '{"city": "Paris"}')]
     # an id without the functions. prefix, or arguments that are not a JSON object: content
     for bad in ('<|tool_calls_section_begin|><|tool_call_begin|>f:0<|tool_call_argument_begin|>{}'
                 '<|tool_call_end|><|tool_calls_section_end|>',

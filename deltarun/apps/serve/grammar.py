@@ -6,11 +6,14 @@ vocabulary is handed over as the bytes of every token, special tokens marked wit
 (as llguidance's own llama.cpp bridge does), so grammars can name them (`<tool_call>`).
 
 A forced tool call (`tool_choice` required or a function) constrains the answer from its first
-token (`Constraint`). With `tool_choice: auto` the same grammar waits for its trigger, the
-`<tool_call>` token, as llama.cpp's lazy grammars do (`LazyConstraint`): the text before it is the
-model's own, and from the trigger to the call's closing tag every token follows the grammar of the
-offered tools' calls; then the text is free again (another call, or the end). A `<tool_call>`
-inside the think block is reasoning, not a call: it does not trigger.
+token (`Constraint`), in the call syntax the model's template teaches (`CallSyntax`): Qwen3's JSON
+or Qwen3-Coder/Qwen3.5's XML in a `<tool_call>` block, or Kimi's section of calls. With
+`tool_choice: auto` the same grammar waits for its trigger, the block's opening token
+(`<tool_call>`, `<|tool_calls_section_begin|>`), as llama.cpp's lazy grammars do
+(`LazyConstraint`): the text before it is the model's own, and from the trigger to the block's
+closing tag every token follows the grammar of the offered tools' calls; then the text is free
+again (another block, or the end). A trigger inside the think block is reasoning, not a call: it
+does not trigger.
 
 When the prompt opens a think block (Qwen3.5's generation prompt ends with `<think>\n`), a
 `response_format` or a forced call constrains the answer after the block, not the block
@@ -31,6 +34,8 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from deltarun.apps.serve.output import (KIMI_ARGS, KIMI_CALL_CLOSE, KIMI_CALL_OPEN, KIMI_SECTION_CLOSE,
+                                        KIMI_SECTION_OPEN, TOOL_CLOSE, TOOL_OPEN)
 from deltarun.apps.serve.protocol import ApiError
 from deltarun.runner.reasoning import ThinkingState, ThinkingTags
 
@@ -41,7 +46,9 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 #: past it (and a real model writes it as it was trained to)
 _CALL_JSON_OPTIONS = {**_JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 TOKEN_TYPE_NORMAL = 1
-TOOL_CALL_TRIGGER = "<tool_call>"
+#: a Kimi call's index (`functions.NAME:INDEX`, the call's number in the answer: 0, 1, ...):
+#: digits without a leading zero, at most two (random weights could write digits forever)
+KIMI_INDEX = "/0|[1-9][0-9]?/"
 #: tool-call grammars kept, by their tools (an agent sends the same tools on every turn), and
 #: compiled matchers kept, by their grammar: a request's matcher is a copy of one (llguidance's
 #: deep_copy: 0.06 ms where compiling 20 tools' call grammar takes about 10 ms on the Xeon)
@@ -78,6 +85,18 @@ class _Vocabulary:
         return self._tok.encode(text, parse_special=False)
 
 
+class CallSyntax:
+    """How a template's model writes one tool call, for its grammar: JSON (Qwen3, Qwen3-Next) or
+    XML (Qwen3-Coder, Qwen3.5) in a `<tool_call>` block, or Kimi's section of calls."""
+
+    JSON, XML, KIMI = "json", "xml", "kimi"   # Kimi: output.KIMI_* markers, `functions.NAME:INDEX` ids
+
+    @staticmethod
+    def trigger(syntax: str) -> str:
+        """The token a call block opens with (a lazy grammar's trigger)."""
+        return KIMI_SECTION_OPEN if syntax == CallSyntax.KIMI else TOOL_OPEN
+
+
 class GrammarFactory:
     """Builds one matcher per request from the model's tokenizer (converted once, on first use)."""
 
@@ -88,16 +107,17 @@ class GrammarFactory:
         self._matchers = _Kept(MATCHERS)               # compiled, never advanced (the worker's thread)
         self._blank: np.ndarray | None = None
 
-    def lazy_tool_call(self, tools: list[dict[str, Any]], xml: bool) -> tuple[str, int] | None:
-        """The grammar of a call of one of `tools` and the `<tool_call>` token it starts at, for
-        `tool_choice: auto` (see the module). None, and the calls unconstrained as before, when the
-        vocabulary has no single `<tool_call>` special token or a tool's schema has no grammar
-        (an agent's request is not refused for what `tool_choice: required` would refuse)."""
-        ids = self._tokenizer.encode(TOOL_CALL_TRIGGER, add_special=False, parse_special=True)
+    def lazy_tool_call(self, tools: list[dict[str, Any]], syntax: str) -> tuple[str, int] | None:
+        """The grammar of a call block of `tools` in `syntax` (a `CallSyntax`) and the token it starts
+        at, for `tool_choice: auto` (see the module). None, and the calls unconstrained as before,
+        when the vocabulary has no single special token for the block's opening or a tool's schema
+        has no grammar (an agent's request is not refused for what `tool_choice: required` would
+        refuse)."""
+        ids = self._tokenizer.encode(CallSyntax.trigger(syntax), add_special=False, parse_special=True)
         if len(ids) != 1 or self._tokenizer.token_type(ids[0]) == TOKEN_TYPE_NORMAL:
             return None
         try:
-            return self.tool_call(tools, xml, "tools"), ids[0]
+            return self.tool_call(tools, syntax, "tools", several=True), ids[0]
         except ApiError:
             return None
 
@@ -117,26 +137,34 @@ class GrammarFactory:
             raise ApiError(f"invalid JSON schema: {e}", param=param) from e
         return self._checked(grammar, param)
 
-    def tool_call(self, tools: list[dict[str, Any]], xml: bool, param: str = "tool_choice") -> str:
-        """A grammar that forces one call of one of `tools` in the model's tool-call format.
+    def tool_call(self, tools: list[dict[str, Any]], syntax: str, param: str = "tool_choice",
+                  several: bool = False) -> str:
+        """A grammar that forces a block of one call of `tools` in `syntax` (a `CallSyntax`, the
+        model's), or, `several` (a lazy grammar's block, where the model chose to call), of as many
+        as the model writes where the syntax puts several calls in one block (Kimi's section).
 
-        JSON form: the arguments follow the function's parameter schema. XML form: the parameters
-        in the schema's order, the required ones always, each at most once; a value is one of a string `enum`, else text without `<` (at most
-        `maxLength` characters when the schema says so), since XML values carry no JSON types.
-        The grammars of the last TOOL_GRAMMARS tool lists are kept.
+        JSON: the arguments follow the function's parameter schema. XML: the parameters in the
+        schema's order, the required ones always, each at most once; a value is one of a string
+        `enum`, else text without `<` (at most `maxLength` characters when the schema says so),
+        since XML values carry no JSON types. Kimi: `functions.NAME:INDEX` and JSON arguments
+        following the schema. The grammars of the last TOOL_GRAMMARS tool lists are kept.
         """
-        key = json.dumps([tools, xml], sort_keys=True)
+        key = json.dumps([tools, syntax, several], sort_keys=True)
         grammar = self._tool_grammars.get(key)
         if grammar is None:
-            grammar = self._tool_grammars.put(key, self._tool_call(tools, xml, param))
+            grammar = self._tool_grammars.put(key, self._tool_call(tools, syntax, param, several))
         return grammar
 
-    def _tool_call(self, tools: list[dict[str, Any]], xml: bool, param: str) -> str:
+    def _tool_call(self, tools: list[dict[str, Any]], syntax: str, param: str, several: bool) -> str:
         alternatives = []
         for i, tool in enumerate(tools):
             fn = tool["function"]
             name, params = fn["name"], fn.get("parameters") or {"type": "object"}
-            if xml:
+            if syntax == CallSyntax.KIMI:
+                arguments = {**params, "x-guidance": _CALL_JSON_OPTIONS}
+                alternatives.append(f'{json.dumps(f"functions.{name}:")} {KIMI_INDEX} '
+                                    f'{self._tag(KIMI_ARGS)} %json {json.dumps(arguments)}')
+            elif syntax == CallSyntax.XML:
                 props = params.get("properties") or {}
                 required = params.get("required") or []
                 if not isinstance(props, dict) or not isinstance(required, list) \
@@ -152,8 +180,13 @@ class GrammarFactory:
                           "required": ["name", "arguments"], "additionalProperties": False,
                           "x-guidance": _CALL_JSON_OPTIONS}
                 alternatives.append(f"%json {json.dumps(schema)}")
-        lines = [f'start: {self._tag(TOOL_CALL_TRIGGER)} "\\n" call "\\n" {self._tag("</tool_call>")}',
-                 "call: " + " | ".join(alternatives)]
+        if syntax == CallSyntax.KIMI:
+            lines = [f"start: {self._tag(KIMI_SECTION_OPEN)} call{'+' if several else ''} {self._tag(KIMI_SECTION_CLOSE)}",
+                     f"call: {self._tag(KIMI_CALL_OPEN)} function {self._tag(KIMI_CALL_CLOSE)}",
+                     "function: " + " | ".join(alternatives)]
+        else:
+            lines = [f'start: {self._tag(TOOL_OPEN)} "\\n" call "\\n" {self._tag(TOOL_CLOSE)}',
+                     "call: " + " | ".join(alternatives)]
         grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
         return self._checked(grammar, param)
 

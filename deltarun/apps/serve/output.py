@@ -139,17 +139,20 @@ def _qwen_calls(block: str) -> list[dict[str, Any]] | None:
 @dataclass(frozen=True)
 class ToolFormat:
     """How a template's model writes tool calls: the texts that open a block, the one that closes
-    it (a block the answer ends in is read as it is), and the block (opener included) to calls
-    ({"name", "arguments"}, and "id" where the model writes one) or None."""
+    it (a block the answer ends in is read as it is), the one that closes each call in a block, and
+    the block (opener included) to calls ({"name", "arguments"}, and "id" where the model writes
+    one) or None."""
 
     name: str
     opens: tuple[str, ...]
     close: str
+    call_close: str
     parse: Callable[[str], list[dict[str, Any]] | None]
 
 
-QWEN_TOOLS = ToolFormat("qwen", (TOOL_OPEN,), TOOL_CLOSE, _qwen_calls)
-KIMI_TOOLS = ToolFormat("kimi", (KIMI_SECTION_OPEN, KIMI_CALL_OPEN), KIMI_SECTION_CLOSE, parse_kimi_tool_calls)
+QWEN_TOOLS = ToolFormat("qwen", (TOOL_OPEN,), TOOL_CLOSE, TOOL_CLOSE, _qwen_calls)
+KIMI_TOOLS = ToolFormat("kimi", (KIMI_SECTION_OPEN, KIMI_CALL_OPEN), KIMI_SECTION_CLOSE, KIMI_CALL_CLOSE,
+                        parse_kimi_tool_calls)
 
 
 def tool_format_of(template_source: str) -> ToolFormat:
@@ -178,10 +181,15 @@ class ToolCallStream:
         self.n_calls = 0
 
     def _calls(self, block: str, closed: bool) -> Delta:
-        calls = self.fmt.parse(block)
+        calls, rest = self.fmt.parse(block), ""
+        if calls is None and not closed and (end := block.rfind(self.fmt.call_close)) >= 0:
+            # the answer ended inside a block of several calls (Kimi's section): its complete
+            # calls are calls, the cut one's text is content, as a cut block of one call is
+            end += len(self.fmt.call_close)
+            calls, rest = self.fmt.parse(block[:end]), block[end:]
         if calls is None:
             return Delta(content=block + (self.fmt.close if closed else ""))
-        out = Delta()
+        out = Delta(content=rest)
         for call in calls:
             index, self.n_calls = self.n_calls, self.n_calls + 1
             call_id = call.get("id") or new_call_id()

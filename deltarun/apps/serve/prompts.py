@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_turn, opens_thinking, tokens_before
-from deltarun.apps.serve.output import QWEN_TOOLS, tool_format_of
+from deltarun.apps.serve.grammar import CallSyntax
+from deltarun.apps.serve.output import KIMI_TOOLS, tool_format_of
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.base.chat_template import ChatTemplate
@@ -56,9 +57,11 @@ class PromptBuilder:
         self.template = template
         self.grammars = grammars
         self.checkpoint_every = checkpoint_every
-        self.xml_tools = "<function=" in template.source and "<parameter=" in template.source
         #: the tool-call format the template teaches (Qwen's or Kimi's): the answers are parsed in it
         self.tool_format = tool_format_of(template.source)
+        #: the calls' syntax in that format, for their grammars
+        self.call_syntax = CallSyntax.KIMI if self.tool_format is KIMI_TOOLS else \
+            CallSyntax.XML if "<function=" in template.source and "<parameter=" in template.source else CallSyntax.JSON
         #: the think block's tags and the end-of-thinking marker a reasoning budget forces
         self.thinking_tags = ThinkingTags.of_tokenizer(self.tokenizer, template.reasoning_separator())
         #: the budget of a request that names none (`serve --reasoning-budget`; None: no limit)
@@ -197,18 +200,12 @@ class PromptBuilder:
         grammar, trigger = None, None
         if req.response_format is not None:
             grammar = self.grammars.json_schema(req.response_format["schema"], "response_format")
-        elif use_tools and self.tool_format is not QWEN_TOOLS:
-            # the call grammars are written in Qwen's format: Kimi's calls are parsed, not constrained
-            if req.tool_choice != "auto":
-                raise ApiError(f"tool_choice {json.dumps(req.tool_choice)} needs a grammar of this model's "
-                               f"{self.tool_format.name} tool-call format, which deltarun does not build; "
-                               "use tool_choice \"auto\"", param="tool_choice")
         elif use_tools and req.tool_choice != "auto":
             chosen = req.tools if req.tool_choice == "required" else \
                 [t for t in req.tools if t["function"]["name"] == req.tool_choice["function"]["name"]]
-            grammar = self.grammars.tool_call(chosen, self.xml_tools)
-        elif use_tools:                    # auto: a lazy grammar, from the <tool_call> token on
-            grammar, trigger = self.grammars.lazy_tool_call(req.tools, self.xml_tools) or (None, None)
+            grammar = self.grammars.tool_call(chosen, self.call_syntax)
+        elif use_tools:                    # auto: a lazy grammar, from the call block's first token on
+            grammar, trigger = self.grammars.lazy_tool_call(req.tools, self.call_syntax) or (None, None)
         return GenParams(prompt=prompt, max_tokens=self._max_tokens(req.max_tokens, len(prompt)), req=req,
                          grammar=grammar, trigger=trigger, thinking_tags=self.thinking_tags,
                          thinking_budget=req.reasoning_budget if req.reasoning_budget is not None
