@@ -9,12 +9,15 @@
   default; scripts/install.sh turns it on, as llama.cpp does). It inherits the system
   site-packages (deltarun, numpy, gguf, ...) and shadows only `ggml`, so that
   `compare_llamacpp.py --ggml-builds installed,stock` shows what llamafile's kernels are worth.
+- TRANSFORMERS: torch and Hugging Face transformers (5.24 has Kimi-Linear), for the tests that run
+  a synthetic checkpoint through transformers itself (tests/transformers_ref.py). About 5 GB with
+  torch's CUDA libraries (PyPI's only build); a few minutes from the package index.
 - llama-server: the `llama-server` binary of the same sdist's vendored llama.cpp (`tools/server`),
   CPU only, with the same ggml options as LLAMACPP, for `bench/serve_load.py`. Only that target is
   built (about 200 compile steps rather than the whole tree's), out of the source tree, without the
   web UI (no npm, no download: the server then embeds no UI assets, its API is unchanged).
 
-    python bench/bench_envs.py llamacpp|ggml-stock     # build (if needed) and print the python
+    python bench/bench_envs.py llamacpp|ggml-stock|transformers   # build (if needed) and print the python
     python bench/bench_envs.py llama-server [--source SDIST/vendor/llama.cpp] [--build-dir DIR] [--jobs N]
                                                        # build (if needed) and print the binary
 """
@@ -112,7 +115,14 @@ GGML_STOCK = BuildEnv(
     system_site_packages=True,
 )
 
-ENVS = {"llamacpp": LLAMACPP, "ggml-stock": GGML_STOCK}
+TRANSFORMERS = BuildEnv(
+    name="transformers",
+    check="import torch, transformers, safetensors, numpy",
+    packages=["torch", "transformers>=5.24", "safetensors", "numpy"],
+    cmake_args="",
+)
+
+ENVS = {"llamacpp": LLAMACPP, "ggml-stock": GGML_STOCK, "transformers": TRANSFORMERS}
 
 LLAMA_SERVER_CMAKE_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON",

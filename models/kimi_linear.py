@@ -191,6 +191,33 @@ def hf_weights(cfg: KimiLinearConfig, n_vocab: int, seed: int = 0) -> dict[str, 
     return w
 
 
+def hf_config(cfg: KimiLinearConfig, n_vocab: int) -> dict[str, object]:
+    """The config.json of a checkpoint with `hf_weights`, in the published model's fields (what
+    transformers' `KimiLinearConfig` and llama.cpp's converter read). No bos/eos/pad ids: the
+    tiny vocabularies are smaller than the published model's ids."""
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": n_vocab,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "mla_use_nope": True,
+        "intermediate_size": cfg.intermediate_size, "first_k_dense_replace": cfg.first_k_dense_replace,
+        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
+        "moe_intermediate_size": cfg.moe_intermediate_size, "num_shared_experts": cfg.num_shared_experts,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
+        "model_max_length": cfg.max_position_embeddings, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None,
+        "linear_attn_config": {
+            "full_attn_layers": list(cfg.full_attn_layers),
+            "kda_layers": [i + 1 for i, recurrent in enumerate(cfg.recurrent) if recurrent],
+            "num_heads": cfg.num_attention_heads, "head_dim": cfg.kda_head_dim,
+            "short_conv_kernel_size": cfg.short_conv_kernel_size,
+        },
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Conversion (conversion/kimi_linear.py + gguf-py's tensor map)
 # --------------------------------------------------------------------------------------------
