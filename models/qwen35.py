@@ -163,6 +163,33 @@ PRESETS["bench-qwen35-echo-vocab151k"] = dataclasses.replace(PRESETS["bench-qwen
 # --------------------------------------------------------------------------------------------
 
 
+def hf_config(cfg: Qwen35Config, n_vocab: int) -> dict[str, object]:
+    """The config.json of a text-only checkpoint with `hf_weights` (`Qwen3_5ForCausalLM` /
+    `Qwen3_5MoeForCausalLM`: the published files nest these fields under `text_config`)."""
+    config: dict[str, object] = {
+        "architectures": ["Qwen3_5MoeForCausalLM" if cfg.moe else "Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_moe_text" if cfg.moe else "qwen3_5_text", "vocab_size": n_vocab,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "layer_types": list(cfg.layer_types), "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": "silu", "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor,
+                            "mrope_section": list(cfg.mrope_section), "mrope_interleaved": True},
+    }
+    if cfg.moe:
+        config.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                      moe_intermediate_size=cfg.moe_intermediate_size,
+                      shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    else:
+        config["intermediate_size"] = cfg.intermediate_size
+    return config
+
+
 def hf_weights(cfg: Qwen35Config, n_vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Float32 weights named and shaped as a Hugging Face Qwen3.5 checkpoint (torch shapes).
 

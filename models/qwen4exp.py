@@ -192,6 +192,24 @@ def table_rows(cfg: Qwen4ExpConfig, ple_index: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def hf_config(cfg: Qwen4ExpConfig, n_vocab: int, eos_id: int) -> dict[str, object]:
+    """The config.json of a text-only checkpoint with `hf_weights` (`Qwen4ExpForCausalLM`): Qwen3.5
+    MoE's fields and this family's, under transformers' names. The n-gram embeddings hash ids
+    across `eos_id`, so it is part of the model."""
+    config = qwen35.hf_config(cfg, n_vocab)
+    config.pop("mtp_num_hidden_layers")
+    config.update(
+        architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text", eos_token_id=eos_id,
+        hc_count=cfg.hc_count, hc_lowrank=cfg.hc_lowrank, ple_layer_ids=list(cfg.ple_layer_ids),
+        ple_embed_dim=cfg.ple_embed_dim, ple_conv_kernel_size=cfg.ple_conv_kernel_size, ngram_size=cfg.ngram_size,
+        heads_per_ngram=cfg.heads_per_ngram, ngram_vocab_size_base=cfg.ngram_vocab_size_base,
+        make_ngram_vocab_size_divisible_by=cfg.make_ngram_vocab_size_divisible_by, seed=cfg.seed,
+        indexer_n_heads=cfg.indexer_n_heads, indexer_kv_heads=1, indexer_head_dim=cfg.indexer_head_dim,
+        indexer_budget=cfg.indexer_budget, indexer_compress_ratio=cfg.indexer_compress_ratio,
+        output_gate_type=cfg.output_gate_type)
+    return config
+
+
 def hf_weights(cfg: Qwen4ExpConfig, n_vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Weights named and shaped as a loaded `Qwen4ExpForCausalLM` (float32; the hash buffers int64).
 

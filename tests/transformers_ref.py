@@ -22,22 +22,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# argv: checkpoint folder, prompt ids (comma-separated), torch dtype, out.npy. Every token's logits
-# in one forward pass, no cache; the experts in eager loops (the grouped product takes no float64).
+# argv: checkpoint folder, prompt ids (comma-separated), torch dtype, greedy tokens to generate,
+# out.npz. Every token's logits in one forward pass, no cache; then greedy tokens one at a time, each
+# the argmax of a whole forward pass over the ids so far; the experts in eager loops (the grouped
+# product takes no float64).
 LOGITS_SCRIPT = """
 import json, sys, numpy as np, torch
 from safetensors.numpy import save_file
 from transformers import AutoModelForCausalLM
-folder, ids, dtype, out = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3], sys.argv[4]
+folder, ids, dtype = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3]
+n_gen, out = int(sys.argv[4]), sys.argv[5]
 with np.load(folder + "/weights.npz") as w:
     save_file({k: np.ascontiguousarray(w[k]) for k in w.files}, folder + "/model.safetensors")
 model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), experts_implementation="eager",
                                                    output_loading_info=True)
 left = {k: sorted(v) for k, v in info.items() if v}
 assert not left, f"weights not loaded as they are: {left}"
+model.eval()
 with torch.no_grad():
-    logits = model.eval()(torch.tensor([ids]), use_cache=False).logits[0]
-np.save(out, logits.double().numpy())
+    logits = model(torch.tensor([ids]), use_cache=False).logits[0].double().numpy()
+    greedy = []
+    for _ in range(n_gen):
+        row = model(torch.tensor([ids + greedy]), use_cache=False).logits[0, -1]
+        greedy.append(int(torch.argmax(row)))
+np.savez(out, logits=logits, greedy=np.asarray(greedy, dtype=np.int64))
 """
 
 
@@ -65,10 +73,13 @@ def write_checkpoint(folder: Path, config: dict, weights: dict[str, np.ndarray])
     return folder
 
 
-def logits(folder: Path, toks: list[int], dtype: str = "float64") -> np.ndarray:
-    """transformers' logits for `toks` (one row per token, as float64) from a `write_checkpoint` folder."""
-    out = folder / f"logits-{dtype}.npy"
-    p = subprocess.run([str(PYTHON), "-c", LOGITS_SCRIPT, str(folder), ",".join(map(str, toks)), dtype, str(out)],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+def logits_and_greedy(folder: Path, toks: list[int], n_gen: int, dtype: str = "float64") -> tuple[np.ndarray, list[int]]:
+    """transformers' logits for `toks` (one row per token, as float64) from a `write_checkpoint`
+    folder, and its next `n_gen` greedy tokens."""
+    out = folder / f"logits-{dtype}.npz"
+    p = subprocess.run([str(PYTHON), "-c", LOGITS_SCRIPT, str(folder), ",".join(map(str, toks)), dtype, str(n_gen),
+                        str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
     assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
-    return np.load(out)
+    with np.load(out) as z:
+        return z["logits"], z["greedy"].tolist()
