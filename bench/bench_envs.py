@@ -117,8 +117,8 @@ GGML_STOCK = BuildEnv(
 
 TRANSFORMERS = BuildEnv(
     name="transformers",
-    check="import torch, transformers, safetensors, numpy",
-    packages=["torch", "transformers>=5.24", "safetensors", "numpy"],
+    check="import torch, transformers, safetensors, numpy, PIL",
+    packages=["torch", "transformers>=5.24", "safetensors", "numpy", "pillow"],
     cmake_args="",
 )
 

@@ -213,6 +213,35 @@ def vision_for(text: qwen35.Qwen35Config, preset: str = "tiny-vision", **changes
                                text_rms_norm_eps=text.rms_norm_eps, **changes)
 
 
+def hf_vlm_config(text: qwen35.Qwen35Config, vision: VisionConfig, n_vocab: int, token_ids: dict[str, int]) -> dict[str, object]:
+    """The config.json of a `Qwen3_5ForConditionalGeneration` checkpoint with `hf_vlm_weights`: the
+    text model's fields under `text_config`, the tower's under `vision_config`, and the ids of the
+    vocabulary's `image_pad`, `video_pad`, `vision_start` and `vision_end` tokens."""
+    text_config = {k: v for k, v in qwen35.hf_config(text, n_vocab).items() if k != "architectures"}
+    vision_config = {
+        "model_type": "qwen3_5_vision", "depth": vision.depth, "hidden_size": vision.hidden_size,
+        "intermediate_size": vision.intermediate_size, "num_heads": vision.num_heads, "in_channels": vision.in_channels,
+        "patch_size": vision.patch_size, "spatial_merge_size": vision.spatial_merge_size,
+        "temporal_patch_size": vision.temporal_patch_size, "out_hidden_size": vision.out_hidden_size,
+        "num_position_embeddings": vision.num_position_embeddings, "hidden_act": "gelu_pytorch_tanh",
+    }
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": text_config, "vision_config": vision_config,
+            "image_token_id": token_ids["image_pad"], "video_token_id": token_ids["video_pad"],
+            "vision_start_token_id": token_ids["vision_start"], "vision_end_token_id": token_ids["vision_end"],
+            "tie_word_embeddings": text.tie_word_embeddings}
+
+
+def hf_vlm_weights(text: dict[str, np.ndarray], vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A `Qwen3_5ForConditionalGeneration` checkpoint's weights from the text model's
+    (`qwen35.hf_weights`, whose `model.*` go under `model.language_model.*`; the MTP block, which
+    transformers does not run, left out) and the tower's (`model.visual.*`)."""
+    out = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+           for k, v in text.items() if not k.startswith("mtp.")}
+    out.update(vision)
+    return out
+
+
 def write_vlm(folder: str | Path, text_preset: str = "tiny-qwen35", vision_preset: str = "tiny-vision",
               wtype: str = "f32", mmproj_type: str = "f32", seed: int = 0) -> tuple[Path, Path]:
     """A tiny vision-language pair as Hugging Face publishes it: the text GGUF and `mmproj-*.gguf`.

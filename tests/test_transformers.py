@@ -27,6 +27,12 @@ are still the same. The bound against transformers is 1e-5 (the other F32 tests'
 references; Kimi's 4.8e-6 fits), and "no further than llama.cpp" is taken on the median position
 with 20 % for either side's float32 rounding (4e-7 for Kimi-Linear, about deltarun and
 llama.cpp's median distance from each other there, 2.9e-7).
+
+An image (issue 31): a 96 x 40 JPEG through transformers' own processor (Qwen2VLImageProcessorPil)
+and `Qwen3_5ForConditionalGeneration` against deltarun's preprocessing, tower (mmproj) and text
+model: pixel_values bit for bit equal, the logits after the image 3.8e-7 / 2.7e-7 (max / median),
+greedy tokens equal. With the text after the image continued at +n (as llama.cpp's mtmd does)
+instead of +max(h, w), the error is 1.7e-2.
 """
 
 from __future__ import annotations
@@ -41,16 +47,24 @@ import pytest
 from reference_kimi import KimiReference
 from reference_qwen35 import Qwen35Reference
 from reference_qwen4exp import Qwen4ExpReference
+import reference_vision as rv
+from test_vision_text import _image_file, _prompt
 from transformers_ref import logits_and_greedy as transformers_logits_and_greedy
-from transformers_ref import needs_transformers, write_checkpoint
+from transformers_ref import needs_transformers, vlm_logits_and_greedy, write_checkpoint
 
 from deltarun.model_files import kimi_linear, qwen35, qwen4exp
+from deltarun.model_files import qwen35_vision as qv
 from deltarun.model_files.vocab import vocab_named
+from deltarun.runner import images
 from deltarun.runner.model import Model
+from deltarun.runner.vision import VisionEncoder
 
 PROMPT = [9, 1017, 42, 311, 5, 2047, 88, 1500, 3, 770, 64, 1999, 12, 400, 401, 2200, 17, 905, 23, 1234, 8, 610, 77, 2290]
 BOUND = 1e-5
 N_GREEDY = 8
+#: transformers' pixel_values against deltarun's (both resize the uint8 picture with PIL's bicubic
+#: filter; normalised values near 1)
+PIXEL_BOUND = 1e-6
 
 
 @dataclass(frozen=True)
@@ -108,3 +122,44 @@ def test_logits_are_as_close_to_transformers_as_llama_cpps(preset, tiny_model_pa
         lc = _errors(theirs, tf)
         print(f"{preset}: llama.cpp - transformers max {lc.max():.2e}, median {np.median(lc):.2e}")
         assert np.median(err) <= 1.2 * np.median(lc)
+
+
+@needs_transformers
+def test_an_image_through_transformers_processor_and_model(tmp_path):
+    """A real JPEG through transformers' own image processor and `Qwen3_5ForConditionalGeneration`
+    (issue 31's reference) against deltarun's preprocessing, vision tower and text model on the
+    converted pair (text GGUF + mmproj): the same pixels, the same logits after the image (the
+    text continuing at +max(h, w) of the merged grid), the same greedy tokens."""
+    text_cfg = qwen35.PRESETS["tiny-qwen35"]
+    vocab = vocab_named(text_cfg.vocab)
+    vcfg = qv.vision_for(text_cfg)
+    text_path, mmproj = qv.write_vlm(tmp_path, "tiny-qwen35")
+    image = _image_file(tmp_path)                               # 96 x 40: a merged grid that is not square
+    bounds = {"min_pixels": 64 * 64, "max_pixels": 64 * 128}
+    with Model(str(text_path), n_ctx=256, n_ubatch=16, kv_type="f32") as model, \
+            VisionEncoder(mmproj, backend=model.backend) as enc:
+        prep = images.load_image(image, enc.hp, **bounds)
+        tok = model.tokenizer
+        before, after, pad = _prompt(tok, prep.n_tokens)
+        model.eval(before)
+        model.eval_image(enc.encode(prep), prep.merged_hw, pad)
+        ours = np.asarray(model.eval(after, all_logits=True), dtype=np.float64)
+        greedy = [int(np.argmax(ours[-1]))]
+        while len(greedy) < N_GREEDY:
+            greedy.append(int(np.argmax(np.atleast_2d(model.eval([greedy[-1]]))[-1])))
+        token_ids = {name: tok.encode(f"<|{name}|>")[0] for name in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    ids = before + [pad] * prep.n_tokens + after
+    settings = {"patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
+                "merge_size": vcfg.spatial_merge_size, "image_mean": list(vcfg.image_mean),
+                "image_std": list(vcfg.image_std), **bounds}
+    weights = qv.hf_vlm_weights(qwen35.hf_weights(text_cfg, vocab.n_vocab, 0), qv.hf_weights(vcfg, 0))
+    folder = write_checkpoint(tmp_path / "hf", qv.hf_vlm_config(text_cfg, vcfg, vocab.n_vocab, token_ids), weights)
+    tf = vlm_logits_and_greedy(folder, image, settings, ids, N_GREEDY)
+    patches, grid = rv.to_patches(prep.pixels, vcfg)
+    assert tuple(tf["grid"][0]) == grid
+    pixel_err = np.abs(tf["pixel_values"] - patches).max()
+    err = _errors(ours, tf["logits"][-len(after):])
+    print(f"pixels {pixel_err:.2e}; logits after the image: max {err.max():.2e}, median {np.median(err):.2e}")
+    assert pixel_err < PIXEL_BOUND
+    assert err.max() < BOUND
+    assert greedy == tf["greedy"].tolist()

@@ -55,7 +55,7 @@ def transformers_python() -> Path | None:
                   str(Path(__file__).resolve().parents[1] / "bench" / ".venv-transformers" / "bin" / "python")]
     for c in candidates:
         if c and Path(c).is_file():
-            if subprocess.run([c, "-c", "import torch, transformers, safetensors"], capture_output=True).returncode == 0:
+            if subprocess.run([c, "-c", "import torch, transformers, safetensors, PIL"], capture_output=True).returncode == 0:
                 return Path(c)
     return None
 
@@ -83,3 +83,52 @@ def logits_and_greedy(folder: Path, toks: list[int], n_gen: int, dtype: str = "f
     assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
     with np.load(out) as z:
         return z["logits"], z["greedy"].tolist()
+
+
+# argv: checkpoint folder (a Qwen3_5ForConditionalGeneration), image file, processor settings
+# (JSON: patch_size, temporal_patch_size, merge_size, min_pixels, max_pixels, image_mean,
+# image_std), prompt ids with the image's pad tokens, greedy tokens to generate, out.npz. The
+# image goes through transformers' own processor (the PIL one: Qwen2VLImageProcessorPil); its
+# pixel_values and image_grid_thw come back with the logits of every position and the greedy
+# tokens (each from a whole forward pass, the image included).
+VLM_SCRIPT = """
+import json, sys, numpy as np, torch
+from PIL import Image
+from safetensors.numpy import save_file
+from transformers import Qwen3_5ForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+folder, image, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+ids, n_gen, out = [int(t) for t in sys.argv[4].split(",")], int(sys.argv[5]), sys.argv[6]
+with np.load(folder + "/weights.npz") as w:
+    save_file({k: np.ascontiguousarray(w[k]) for k in w.files}, folder + "/model.safetensors")
+model, info = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64, output_loading_info=True)
+left = {k: sorted(v) for k, v in info.items() if v}
+assert not left, f"weights not loaded as they are: {left}"
+processor = Qwen2VLImageProcessorPil(**settings)
+features = processor(images=[Image.open(image).convert("RGB")], return_tensors="pt")
+pixels, grid = features["pixel_values"].to(torch.float64), features["image_grid_thw"]
+model.eval()
+with torch.no_grad():
+    image_id = model.config.image_token_id              # the processor's token types: text 0, image 1
+    run = lambda toks: model(input_ids=torch.tensor([toks]), pixel_values=pixels, image_grid_thw=grid,
+                             mm_token_type_ids=torch.tensor([[int(t == image_id) for t in toks]]),
+                             use_cache=False).logits[0]
+    logits = run(ids).double().numpy()
+    greedy = []
+    for _ in range(n_gen):
+        greedy.append(int(torch.argmax(run(ids + greedy)[-1])))
+np.savez(out, logits=logits, greedy=np.asarray(greedy, dtype=np.int64), pixel_values=pixels.numpy(),
+         grid=grid.numpy())
+"""
+
+
+def vlm_logits_and_greedy(folder: Path, image: Path, settings: dict, toks: list[int], n_gen: int) -> dict[str, np.ndarray]:
+    """transformers' processor and model on one image and prompt (see VLM_SCRIPT): a dict with
+    `logits` (float64, every position), `greedy`, `pixel_values` and `grid`."""
+    out = folder / "vlm.npz"
+    p = subprocess.run([str(PYTHON), "-c", VLM_SCRIPT, str(folder), str(image), json.dumps(settings),
+                        ",".join(map(str, toks)), str(n_gen), str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
+    with np.load(out) as z:
+        return {k: z[k] for k in z.files}
