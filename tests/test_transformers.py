@@ -22,8 +22,8 @@ kernels cast to float32 (`.to(torch.float32)` in modeling_kimi_linear.py; its fl
 runs are 4.7e-7 apart), and the three others agree among themselves to 2-7e-7. llama.cpp's
 qwen4exp (0.3.36) leaves transformers at the positions where the sparse attention's block
 selection starts to choose (12 tokens and on, budget 8 in blocks of 4: 4e-3 to 1.8e-2 at 10 of
-those 13 positions), where deltarun and the reference stay within 4e-7; its greedy tokens there
-are still the same. The bound against transformers is 1e-5 (the other F32 tests' bound against the
+those 13 positions; its top-k over per-token scores takes partial blocks, docs/qwen4exp-gguf.md),
+where deltarun and the reference stay within 4e-7; its greedy tokens there are still the same. The bound against transformers is 1e-5 (the other F32 tests' bound against the
 references; Kimi's 4.8e-6 fits), and "no further than llama.cpp" is taken on the median position
 with 20 % for either side's float32 rounding (4e-7 for Kimi-Linear, about deltarun and
 llama.cpp's median distance from each other there, 2.9e-7).
@@ -33,6 +33,9 @@ and `Qwen3_5ForConditionalGeneration` against deltarun's preprocessing, tower (m
 model: pixel_values bit for bit equal, the logits after the image 3.8e-7 / 2.7e-7 (max / median),
 greedy tokens equal. With the text after the image continued at +n (as llama.cpp's mtmd does)
 instead of +max(h, w), the error is 1.7e-2.
+
+Chat templates: the six deltarun ships or reads here (Qwen3, Qwen3.5, Qwen3-Coder, Kimi-Linear),
+360 renderings, equal to transformers' `render_jinja_template` (what `apply_chat_template` runs).
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ from reference_qwen4exp import Qwen4ExpReference
 import reference_vision as rv
 from test_vision_text import _image_file, _prompt
 from transformers_ref import logits_and_greedy as transformers_logits_and_greedy
-from transformers_ref import needs_transformers, vlm_logits_and_greedy, write_checkpoint
+from transformers_ref import needs_transformers, render_templates, vlm_logits_and_greedy, write_checkpoint
 
+from deltarun.base.chat_template import ChatTemplate
+from deltarun.base.errors import TokenizerError
 from deltarun.model_files import kimi_linear, qwen35, qwen4exp
 from deltarun.model_files import qwen35_vision as qv
 from deltarun.model_files.vocab import vocab_named
@@ -163,3 +168,60 @@ def test_an_image_through_transformers_processor_and_model(tmp_path):
     assert pixel_err < PIXEL_BOUND
     assert err.max() < BOUND
     assert greedy == tf["greedy"].tolist()
+
+
+SHARED_TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "data" / "templates"
+CALL = {"id": "functions.get_weather:0", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+STRING_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+TEMPLATE_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": 'Weather <of> a city & "more", für heute',
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again, ünïcode 😀"}],
+    [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "rain"}, {"role": "user", "content": "ok"}],
+    [{"role": "user", "content": "Weather?"},
+     {"role": "assistant", "content": "Looking.", "reasoning_content": "They want it.", "tool_calls": [STRING_CALL, CALL]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "sun"},
+     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "rain"}],
+    [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+     {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2", "reasoning_content": "r2"},
+     {"role": "user", "content": [{"type": "text", "text": "q3 "}, {"type": "text", "text": "in parts"}]}],
+]
+
+
+@needs_transformers
+def test_chat_templates_render_as_transformers_renders_them(tmp_path):
+    """Every template deltarun ships or reads in tests (Qwen3, Qwen3.5, Qwen3-Coder, Kimi-Linear)
+    over conversations with tools, calls (arguments as objects and as strings), tool results,
+    reasoning in the history and content in parts, with thinking unset / on / off, with and
+    without the generation prompt: deltarun's rendering (base/chat_template.py, which copies
+    transformers' jinja environment) equals transformers' own, and where the template raises (a
+    list content in Qwen3's, a string of arguments in Qwen3.5's) both raise."""
+    sources = {name: (Path(__file__).resolve().parents[1] / "models" / "data" / f"{name}-chat-template.jinja").read_text()
+               for name in ("qwen3", "qwen35", "kimi-linear")}
+    sources.update((p.stem, p.read_text()) for p in sorted(SHARED_TEMPLATES.glob("*.jinja")))
+    cases = [{"template": src, "messages": msgs, "tools": tools, "add_generation_prompt": gen,
+              "kwargs": {"bos_token": "", "eos_token": "<|im_end|>",
+                         **({} if think is None else {"enable_thinking": think})}}
+             for src in sources.values() for msgs in CONVERSATIONS for tools in (None, TEMPLATE_TOOLS)
+             for think in (None, True, False) for gen in (True, False)]
+    theirs = render_templates(cases, tmp_path)
+    rendered = 0
+    for c, want in zip(cases, theirs):
+        template = ChatTemplate(c["template"], bos_token="", eos_token="<|im_end|>")
+        try:
+            got = template.render(c["messages"], add_generation_prompt=c["add_generation_prompt"],
+                                  enable_thinking=c["kwargs"].get("enable_thinking"), tools=c["tools"])
+        except TokenizerError:
+            got = None
+        if want.startswith("error: "):
+            assert got is None, (want, c)
+        else:
+            assert got == want, c
+            rendered += 1
+    assert rendered >= len(cases) * 3 // 4

@@ -132,3 +132,31 @@ def vlm_logits_and_greedy(folder: Path, image: Path, settings: dict, toks: list[
     assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
     with np.load(out) as z:
         return {k: z[k] for k in z.files}
+
+
+# argv: cases.json ([{"template", "messages", "tools", "kwargs", "add_generation_prompt"}]),
+# out.json: each case's prompt text as transformers renders it (render_jinja_template, what
+# apply_chat_template calls), or "error: <class>" where the template raised.
+TEMPLATE_SCRIPT = """
+import json, sys
+from transformers.utils.chat_template_utils import render_jinja_template
+out = []
+for c in json.load(open(sys.argv[1], encoding="utf-8")):
+    try:
+        text, _ = render_jinja_template([c["messages"]], tools=c["tools"], chat_template=c["template"],
+                                        add_generation_prompt=c["add_generation_prompt"], **c["kwargs"])
+        out.append(text[0])
+    except Exception as e:
+        out.append("error: " + type(e).__name__)
+json.dump(out, open(sys.argv[2], "w", encoding="utf-8"))
+"""
+
+
+def render_templates(cases: list[dict], tmp: Path) -> list[str]:
+    """transformers' rendering of each case (see TEMPLATE_SCRIPT)."""
+    src, out = tmp / "template-cases.json", tmp / "template-renders.json"
+    src.write_text(json.dumps(cases), encoding="utf-8")
+    p = subprocess.run([str(PYTHON), "-c", TEMPLATE_SCRIPT, str(src), str(out)], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
+    return json.loads(out.read_text(encoding="utf-8"))
