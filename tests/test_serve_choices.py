@@ -168,3 +168,29 @@ def test_choices_past_the_queue_are_a_503_and_none_of_them_runs(path):
             assert time.monotonic() < deadline, "a choice of the refused request runs"
             time.sleep(0.05)
         assert _predicted(h) < 200
+
+
+def test_a_failing_choice_fails_the_request_at_once_and_stops_the_others(path, monkeypatch):
+    """A non-streamed request whose choice 1 fails after its first step (an error injected where a
+    request's own error, its grammar's, surfaces): the answer is that error at once, not after
+    the other choices' 400 tokens, and their jobs stop."""
+    from deltarun.apps.serve.protocol import ApiError
+    from deltarun.apps.serve.worker import Worker
+
+    settle = Worker._settle
+
+    def failing(self, job, o):
+        if job.params.choice == 1:
+            raise ApiError("injected failure", code="grammar_error")
+        settle(self, job, o)
+
+    monkeypatch.setattr(Worker, "_settle", failing)
+    with _server(path, 4) as h:
+        r = httpx.post(h.base_url + "/v1/chat/completions", timeout=60,
+                       json={"messages": MSG, "max_tokens": 400, "n": 3, "ignore_eos": True})
+        assert r.status_code == 400 and "injected failure" in r.json()["error"]["message"], r.text
+        deadline = time.monotonic() + 30
+        while "deltarun_requests_processing 0.0" not in httpx.get(h.base_url + "/metrics").text.splitlines():
+            assert time.monotonic() < deadline, "a choice kept its seq"
+            time.sleep(0.05)
+        assert _predicted(h) < 400     # the other two stopped, not run to their 400 tokens each

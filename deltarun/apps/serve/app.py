@@ -219,12 +219,21 @@ def create_app(state: ServerState) -> Starlette:
                     return text, logprobs, ev.finish_reason, ev.result
             return None                   # the client went away
 
-        answers = await asyncio.gather(*(gather(r) for r in relays))
-        for a in answers:
-            if isinstance(a, ApiError):
-                return _error_response(a, request.url.path)
-        if any(a is None for a in answers):
-            return Response(status_code=499)
+        # the first choice to fail fails the request at once, and the others stop (their relays
+        # cancel their jobs as the tasks are cancelled)
+        tasks = [asyncio.ensure_future(gather(r)) for r in relays]
+        try:
+            for done in asyncio.as_completed(tasks):
+                a = await done
+                if isinstance(a, ApiError):
+                    return _error_response(a, request.url.path)
+                if a is None:
+                    return Response(status_code=499)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        answers = [t.result() for t in tasks]
         out = envelope(obj, cid, model, created)
         out["choices"] = [dict(choice(text, lps, reason), index=i) for i, (text, lps, reason, _) in enumerate(answers)]
         r = _merged_result(dict(enumerate(a[3] for a in answers)))
