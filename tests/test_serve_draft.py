@@ -388,3 +388,68 @@ def test_supervised_server_drafts_and_counts(tiny_model_path, plain_answers):
         assert spec["draft"] == "mtp" and spec["draft_max"] == DRAFT_MAX
         assert spec["n_drafted"] == _metric(h, "deltarun_draft_tokens_total") > 0
         assert 0 < spec["n_accepted"] == _metric(h, "deltarun_draft_tokens_accepted_total") <= spec["n_drafted"]
+
+
+class _AnswerDraft:
+    """A draft source that proposes the answer a plain server gave (its tokens after the prompt):
+    every draft is right, so each step keeps draft_max + 1 tokens."""
+
+    needs_hidden = False
+    deferred = False
+
+    def __init__(self, prompt: list[int], answer: list[int]):
+        self.prompt, self.answer = prompt, answer
+
+    def propose(self, history, n, sampler):
+        from deltarun.runner.speculative import Draft
+        j = len(history) - len(self.prompt)
+        if history[:len(self.prompt)] != self.prompt or history[len(self.prompt):] != self.answer[:j]:
+            return Draft([], [])
+        tokens = self.answer[j:j + n]
+        return Draft(tokens, [None] * len(tokens))
+
+    def commit(self, next_tokens, hiddens, start) -> None:
+        pass
+
+
+@pytest.mark.parametrize("preset, body", [
+    ("tiny-kimi-linear-k2vocab", {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                               "unit": {"enum": ["c", "f"]}},
+                                              "required": ["city", "unit"], "additionalProperties": False}}}]}),
+    ("tiny", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "n"], "additionalProperties": False}}}}),
+])
+def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_model_path, monkeypatch, preset, body):
+    """Drafts that are the answer itself (every step keeps 4 tokens): a forced Kimi call or a JSON
+    schema that completes in the middle of a step's kept tokens ends the answer where it completes,
+    with all of them. (The grammar walks the whole step before the tokens are streamed; asking
+    whether it was complete at the step's first token cut the answer there: a Kimi call lost its
+    closing brace and came back as text.)"""
+    import queue
+
+    from deltarun.apps.serve import worker as worker_module
+    from deltarun.apps.serve.protocol import parse_chat
+    from deltarun.apps.serve.worker import Job
+
+    path = tiny_model_path(preset, "f32")
+    request = {"messages": [{"role": "user", "content": "one two three four"}], "temperature": 0, "max_tokens": 60,
+               **body}
+
+    def run(h: ServeHandle) -> dict:
+        params = h.state.builder.chat(parse_chat(request))
+        events: queue.Queue = queue.Queue()
+        h.state.worker.submit(Job(params, events.put))
+        while (ev := events.get(timeout=60)).finish_reason is None:
+            assert ev.error is None, ev.error
+        return dict(ev.result, finish=ev.finish_reason, prompt=list(params.prompt))
+
+    with _server(path, parallel=1) as h:
+        want = run(h)
+    assert want["finish"] in ("stop", "tool_calls") and len(want["tokens"]) > 8
+    monkeypatch.setattr(worker_module, "NgramDraft", lambda: _AnswerDraft(want["prompt"], want["tokens"]))
+    with _server(path, "ngram", parallel=1) as h:
+        got = run(h)
+    assert got["n_drafted"] > 0 and got["n_accepted"] == got["n_drafted"]
+    assert (got["tokens"], got["content"], got["finish"]) == (want["tokens"], want["content"], want["finish"])

@@ -955,8 +955,8 @@ class Worker:
         if job.cancelled:
             self._release(job)
             return
-        for t, row in zip(o.tokens, o.logits):
-            if not self._take(job, t, self._logprobs(job, row, t)):
+        for i, (t, row) in enumerate(zip(o.tokens, o.logits)):
+            if not self._take(job, t, self._logprobs(job, row, t), last=i == len(o.tokens) - 1):
                 return
 
     def _logprobs(self, job: Job, logits: np.ndarray, token: int) -> dict[str, Any] | None:
@@ -966,8 +966,11 @@ class Worker:
             return None
         return _logprob_entry(self.model.tokenizer, token, log_softmax(logits), r.top_logprobs)
 
-    def _take(self, job: Job, token: int, info: dict[str, Any] | None) -> bool:
-        """Stream one kept token; True when the job goes on."""
+    def _take(self, job: Job, token: int, info: dict[str, Any] | None, last: bool = True) -> bool:
+        """Stream one kept token; True when the job goes on. `last`: the last token the step kept.
+        The grammar has already walked every token the step kept (`Engine._keep`), so whether it
+        is complete is asked at the last one only: past the point where it completes, only an
+        end-of-generation token can have been kept, which ends the job before."""
         p, model = job.params, self.model
         if job.t_first == 0.0:
             job.t_first = time.perf_counter()
@@ -977,7 +980,7 @@ class Worker:
         job.generated.append(token)
         delta = job.output.push(token)
         reason = None
-        if job.output.stopped or (job.constraint is not None and job.constraint.done):
+        if job.output.stopped or (last and job.constraint is not None and job.constraint.done):
             reason = "stop"
         elif len(job.generated) >= p.max_tokens or model.n_past(job.seq) + 1 > model.n_ctx:
             reason = "length"
