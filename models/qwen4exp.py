@@ -127,8 +127,8 @@ PRESETS: dict[str, Qwen4ExpConfig] = {
         heads_per_ngram=2, ngram_vocab_size_base=1000, indexer_n_heads=4, indexer_head_dim=16,
         indexer_budget=8, indexer_compress_ratio=4,
     ),
-    # Speed measurements. The published 125B-A6B config is not available here: the per-layer shapes
-    # are transformers' Qwen4ExpTextConfig defaults (hidden 2048, 16 query / 2 KV heads of 256, linear
+    # Speed measurements at transformers' Qwen4ExpTextConfig defaults (bench-qwen4exp-published, below,
+    # takes the published per-layer shapes): the per-layer shapes are the defaults (hidden 2048, 16 query / 2 KV heads of 256, linear
     # 16 key / 32 value heads of 128, experts of 512, shared 512, 4 streams of rank 320, n-grams up
     # to 3 with 8 heads each into 2048) with 4 layers (3 Gated DeltaNet, the second with PLE, 1 QSA),
     # 32 experts (512 there) top-10, a 20,000-row base for the n-gram heads (20,000,000 there), and
@@ -141,25 +141,20 @@ PRESETS: dict[str, Qwen4ExpConfig] = {
         ple_layer_ids=(2,), ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000, indexer_n_heads=16,
         indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4, max_position_embeddings=262144,
     ),
-    # The published Qwen3.8-Flash-Next's per-layer shapes, as several public test fixtures quote its
-    # text_config (find_string '"ngram_vocab_size_base": ', e.g. a "public_text_config" with id
-    # 67354409970; hidden 2560, 48 layers, 512 experts agree across others): hidden 2560, 24 query
-    # / 2 KV heads of 256, linear 16 key / 48 value heads of 128, experts of 640 top-10 and a shared
-    # one of 640, 4 streams of rank 320, PLE on layer 2 into 2560 with n-grams up to 3 of 8 heads,
-    # an indexer of 4 heads of 128 (one key head), a 2048-token budget in blocks of 4, the sigmoid
-    # output gate. As bench-qwen4exp: 4 layers (3 Gated DeltaNet, the second with PLE, 1 QSA), 32
-    # experts (512 there: the 10 a token uses are the same size), a 20,000-row n-gram base
-    # (20,000,000 there: a token reads a few rows of it either way).
-    "bench-qwen4exp-published": Qwen4ExpConfig(
-        hidden_size=2560, num_attention_heads=24, num_key_value_heads=2, head_dim=256,
-        partial_rotary_factor=0.25, mrope_section=(11, 11, 10), linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=32, num_experts_per_tok=10,
-        moe_intermediate_size=640, shared_expert_intermediate_size=640, hc_count=4, hc_lowrank=320,
-        ple_layer_ids=(2,), ple_embed_dim=2560, ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000,
-        indexer_n_heads=4, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
-        output_gate_type="sigmoid", max_position_embeddings=262144,
-    ),
 }
+# The published Qwen3.8-Flash-Next's per-layer shapes, as several public test fixtures quote its
+# text_config (find_string '"ngram_vocab_size_base": ', e.g. a "public_text_config" with id
+# 67354409970; hidden 2560, 48 layers, 512 experts agree across others): hidden 2560, 24 query
+# / 2 KV heads of 256, linear 16 key / 48 value heads of 128, experts of 640 top-10 and a shared
+# one of 640, 4 streams of rank 320, PLE on layer 2 into 2560 with n-grams up to 3 of 8 heads,
+# an indexer of 4 heads of 128 (one key head), a 2048-token budget in blocks of 4, the sigmoid
+# output gate. As bench-qwen4exp: 4 layers (3 Gated DeltaNet, the second with PLE, 1 QSA), 32
+# experts (512 there: the 10 a token uses are the same size), a 20,000-row n-gram base
+# (20,000,000 there: a token reads a few rows of it either way).
+PRESETS["bench-qwen4exp-published"] = dataclasses.replace(
+    PRESETS["bench-qwen4exp"], hidden_size=2560, num_attention_heads=24, linear_num_value_heads=48,
+    moe_intermediate_size=640, shared_expert_intermediate_size=640, ple_embed_dim=2560, indexer_n_heads=4,
+    output_gate_type="sigmoid")
 
 
 # --------------------------------------------------------------------------------------------

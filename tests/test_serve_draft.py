@@ -390,28 +390,6 @@ def test_supervised_server_drafts_and_counts(tiny_model_path, plain_answers):
         assert 0 < spec["n_accepted"] == _metric(h, "deltarun_draft_tokens_accepted_total") <= spec["n_drafted"]
 
 
-class _AnswerDraft:
-    """A draft source that proposes the answer a plain server gave (its tokens after the prompt):
-    every draft is right, so each step keeps draft_max + 1 tokens."""
-
-    needs_hidden = False
-    deferred = False
-
-    def __init__(self, prompt: list[int], answer: list[int]):
-        self.prompt, self.answer = prompt, answer
-
-    def propose(self, history, n, sampler):
-        from deltarun.runner.speculative import Draft
-        j = len(history) - len(self.prompt)
-        if history[:len(self.prompt)] != self.prompt or history[len(self.prompt):] != self.answer[:j]:
-            return Draft([], [])
-        tokens = self.answer[j:j + n]
-        return Draft(tokens, [None] * len(tokens))
-
-    def commit(self, next_tokens, hiddens, start) -> None:
-        pass
-
-
 @pytest.mark.parametrize("preset, body", [
     ("tiny-kimi-linear-k2vocab", {"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -428,6 +406,8 @@ def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_
     whether it was complete at the step's first token cut the answer there: a Kimi call lost its
     closing brace and came back as text.)"""
     import queue
+
+    from test_thinking_budget import _Oracle
 
     from deltarun.apps.serve import worker as worker_module
     from deltarun.apps.serve.protocol import parse_chat
@@ -448,7 +428,8 @@ def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_
     with _server(path, parallel=1) as h:
         want = run(h)
     assert want["finish"] in ("stop", "tool_calls") and len(want["tokens"]) > 8
-    monkeypatch.setattr(worker_module, "NgramDraft", lambda: _AnswerDraft(want["prompt"], want["tokens"]))
+    # drafts that are the answer itself (test_thinking_budget's oracle) in place of the n-gram source
+    monkeypatch.setattr(worker_module, "NgramDraft", lambda: _Oracle(want["prompt"], want["tokens"]))
     with _server(path, "ngram", parallel=1) as h:
         got = run(h)
     assert got["n_drafted"] > 0 and got["n_accepted"] == got["n_drafted"]
