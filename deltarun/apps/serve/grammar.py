@@ -149,6 +149,7 @@ class GrammarFactory:
         since XML values carry no JSON types. Kimi: `functions.NAME:INDEX` and JSON arguments
         following the schema. The grammars of the last TOOL_GRAMMARS tool lists are kept.
         """
+        several = several and syntax == CallSyntax.KIMI          # one grammar for both where a block holds one call
         key = json.dumps([tools, syntax, several], sort_keys=True)
         grammar = self._tool_grammars.get(key)
         if grammar is None:
