@@ -173,7 +173,7 @@ class GrammarFactory:
                     raise ApiError(f"the parameters of tool {name!r} need 'properties' as an object and "
                                    f"'required' as a list of names", param=param)
                 # the tags as JSON strings (Lark reads those): any name, quotes and newlines included
-                body = "".join(f' ({json.dumps(f"<parameter={n}>{NL}")} {_xml_value(v)} "\\n</parameter>\\n")'
+                body = "".join(f' ({json.dumps(f"<parameter={n}>{NL}")} {_xml_value_and_close(v)})'
                                + ("" if n in required else "?") for n, v in props.items())
                 alternatives.append(f'{json.dumps(f"<function={name}>{NL}")}{body} "</function>"')
             else:
@@ -255,16 +255,34 @@ class _Kept:
         return value
 
 
-def _xml_value(schema: Any) -> str:
-    """The Lark expression of one XML parameter value."""
+#: what ends an XML parameter: a newline and the closing tag (the templates write it so)
+XML_PARAMETER_CLOSE = "\n</parameter>\n"
+
+
+def _xml_value_and_close(schema: Any) -> str:
+    """The Lark expression of one XML parameter value and its closing tag: a string's text as it is
+    (one of its `enum`, or without `<`, at most `maxLength` characters); a value of another JSON
+    type (a number, a boolean, an array, an object, or an enum of such) as JSON that follows its
+    schema, which the parser reads back as that type (output._xml_value) and the templates write
+    back with `tojson`'s separators (Qwen3.5: `args_value | tojson` for arrays and objects, the
+    number's text else).
+
+    A free text and its closing are one lexeme: as two, the text's lexeme (newlines allowed in it)
+    took the newline before `</parameter>` greedily and the closing then wanted another one, so
+    `Paris\n</parameter>` was refused at `</` and the value came back as "Paris\n"."""
+    close = json.dumps(XML_PARAMETER_CLOSE)
     if isinstance(schema, dict):
         enum = schema.get("enum")
         if isinstance(enum, list) and enum and all(isinstance(v, str) and "<" not in v for v in enum):
-            return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+            return "(" + " | ".join(json.dumps(v) for v in enum) + f") {close}"
+        kind = schema.get("type")
+        kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
+        if (kinds and "string" not in kinds) or (isinstance(enum, list) and enum and not kinds):
+            return f"%json {json.dumps({**schema, 'x-guidance': _CALL_JSON_OPTIONS})} {close}"
         n = schema.get("maxLength")
         if isinstance(n, int) and n >= 1:
-            return f"/[^<]{{1,{n}}}/"
-    return "/[^<]+/"
+            return f"/[^<]{{1,{n}}}\\n<\\/parameter>\\n/"
+    return "/[^<]+\\n<\\/parameter>\\n/"
 
 
 class Constraint:
