@@ -473,3 +473,36 @@ def test_kimi_call_grammars(tiny_model_path):
     for bad in (call(0, name="get_time"), call("01"), call(0, '{"city": "Paris", "unit": "k"}'),
                 call(0, '{"city": "Paris"}'), call(0, '{"city":"Paris","unit":"c"}')):
         assert walk(forced, "<|tool_calls_section_begin|>" + bad) == "refused", bad
+
+
+def test_xml_call_grammar_takes_what_the_template_writes(tiny_model_path):
+    """Qwen3.5's XML calls token by token: a string value closed as the template writes it
+    (`value\\n</parameter>`, multi-line values too) is accepted (it was refused at `</`: the value's
+    lexeme took the newline, and the closing wanted another), a `maxLength` holds, a non-string
+    parameter is JSON of its schema (an integer's digits; "ten" refused), an enum is one of its
+    values."""
+    tok = GGUFFile(tiny_model_path("tiny-qwen35", "f32")).tokenizer()
+    grammars = GrammarFactory(tok, tok.n_vocab, [tok.eos_id])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 8}, "note": {"type": "string"},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 9}, "unit": {"enum": ["c", "f"]},
+                       "flags": {"type": "array", "items": {"type": "boolean"}}}}}}]
+    grammar = grammars.tool_call(tools, CallSyntax.XML)
+
+    def walk(*params: tuple[str, str]) -> str:
+        text = "<tool_call>\n<function=f>\n" + "".join(f"<parameter={n}>\n{v}\n</parameter>\n" for n, v in params) \
+            + "</function>\n</tool_call>"
+        m, x = grammars.matcher(grammar), np.zeros(tok.n_vocab, dtype=np.float32)
+        for t in tok.encode(text, add_special=False, parse_special=True):
+            if not np.isfinite(m.mask(x)[t]):
+                return "refused"
+            m.accept(t)
+        return "done" if m.done else "open"
+
+    assert walk(("city", "Paris")) == "done"
+    assert walk(("city", "Paris"), ("note", "line one\nline two"), ("days", "3"), ("unit", "f"),
+                ("flags", "[true, false]")) == "done"
+    for bad in ([("city", "Paris is big")], [("city", "Rome"), ("days", "ten")], [("city", "Rome"), ("days", "12")],
+                [("city", "Rome"), ("unit", "k")], [("note", "no city")]):
+        assert walk(*bad) == "refused", bad
