@@ -443,6 +443,17 @@ def test_a_forced_call_without_a_tool_call_token_writes_the_tag_as_text():
     assert m.done and not m.matcher.is_error()
 
 
+def _walk(grammars: GrammarFactory, tok, grammar: str, text: str) -> str:
+    """`text`'s tokens through a matcher of `grammar`: "refused" at the first token its mask forbids,
+    else "done" (complete) or "open"."""
+    m, x = grammars.matcher(grammar), np.zeros(tok.n_vocab, dtype=np.float32)
+    for t in tok.encode(text, add_special=False, parse_special=True):
+        if not np.isfinite(m.mask(x)[t]):
+            return "refused"
+        m.accept(t)
+    return "done" if m.done else "open"
+
+
 def test_kimi_call_grammars(tiny_model_path):
     """Kimi's call grammar token by token on the kimi-k2 vocabulary: a section with one call of an
     offered tool, `functions.NAME:INDEX` and arguments that follow its schema; a forced call's
@@ -457,12 +468,7 @@ def test_kimi_call_grammars(tiny_model_path):
         return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
 
     def walk(grammar: str, text: str) -> str:
-        m, x = grammars.matcher(grammar), np.zeros(tok.n_vocab, dtype=np.float32)
-        for t in tok.encode(text, add_special=False, parse_special=True):
-            if not np.isfinite(m.mask(x)[t]):
-                return "refused"
-            m.accept(t)
-        return "done" if m.done else "open"
+        return _walk(grammars, tok, grammar, text)
 
     forced = grammars.tool_call([WEATHER], CallSyntax.KIMI)
     one = "<|tool_calls_section_begin|>" + call(0) + "<|tool_calls_section_end|>"
@@ -493,12 +499,7 @@ def test_xml_call_grammar_takes_what_the_template_writes(tiny_model_path):
     def walk(*params: tuple[str, str]) -> str:
         text = "<tool_call>\n<function=f>\n" + "".join(f"<parameter={n}>\n{v}\n</parameter>\n" for n, v in params) \
             + "</function>\n</tool_call>"
-        m, x = grammars.matcher(grammar), np.zeros(tok.n_vocab, dtype=np.float32)
-        for t in tok.encode(text, add_special=False, parse_special=True):
-            if not np.isfinite(m.mask(x)[t]):
-                return "refused"
-            m.accept(t)
-        return "done" if m.done else "open"
+        return _walk(grammars, tok, grammar, text)
 
     assert walk(("city", "Paris")) == "done"
     assert walk(("city", "Paris"), ("note", "line one\nline two"), ("days", "3"), ("unit", "f"),

@@ -61,21 +61,30 @@ def _chat(base: str, body: dict, give_up_after: int | None = None, timeout: floa
         assert len(texts) == body.get("n", 1) and len(set(texts)) == 1, texts     # greedy choices agree
         return texts[0], j["usage"]["completion_tokens"] // len(texts)
     text, n = "", 0
-    with httpx.stream("POST", base + "/v1/chat/completions", timeout=timeout,
-                      json={**body, "stream_options": {"include_usage": True}}) as r:
+    for event in _events(base, {**body, "stream_options": {"include_usage": True}}, give_up_after, timeout):
+        if event is None:
+            return None
+        n = (event.get("usage") or {}).get("completion_tokens", n)
+        text += "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
+    return text, n
+
+
+def _events(base: str, body: dict, give_up_after: int | None, timeout: float):
+    """A streamed answer's events (none may be an error), then None if the client gave up after
+    `give_up_after` of them."""
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=timeout, json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
             assert "error" not in event, event
-            n = (event.get("usage") or {}).get("completion_tokens", n)
-            text += "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
+            yield event
             if give_up_after is not None:
                 give_up_after -= 1
                 if give_up_after == 0:
-                    return None
-    return text, n
+                    yield None
+                    return
 
 
 def _references(path, convs) -> dict[tuple[int, int], str]:
@@ -215,24 +224,16 @@ def _agent_chat(base: str, body: dict, give_up_after: int | None = None, timeout
         return m["content"] or "", [(c["id"], c["function"]["name"], c["function"]["arguments"])
                                     for c in m.get("tool_calls") or []]
     content, calls = "", {}
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=timeout) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for ch in event.get("choices", []):
-                content += ch["delta"].get("content") or ""
-                for c in ch["delta"].get("tool_calls") or []:
-                    got = calls.setdefault(c["index"], ["", "", ""])
-                    got[0] = c.get("id") or got[0]
-                    got[1] += (c.get("function") or {}).get("name") or ""
-                    got[2] += (c.get("function") or {}).get("arguments") or ""
-            if give_up_after is not None:
-                give_up_after -= 1
-                if give_up_after == 0:
-                    return None
+    for event in _events(base, body, give_up_after, timeout):
+        if event is None:
+            return None
+        for ch in event.get("choices", []):
+            content += ch["delta"].get("content") or ""
+            for c in ch["delta"].get("tool_calls") or []:
+                got = calls.setdefault(c["index"], ["", "", ""])
+                got[0] = c.get("id") or got[0]
+                got[1] += (c.get("function") or {}).get("name") or ""
+                got[2] += (c.get("function") or {}).get("arguments") or ""
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
