@@ -193,4 +193,5 @@ def test_a_failing_choice_fails_the_request_at_once_and_stops_the_others(path, m
         while "deltarun_requests_processing 0.0" not in httpx.get(h.base_url + "/metrics").text.splitlines():
             assert time.monotonic() < deadline, "a choice kept its seq"
             time.sleep(0.05)
-        assert _predicted(h) < 400     # the other two stopped, not run to their 400 tokens each
+        predicted = _predicted(h)      # the other two stopped, not run to their 400 tokens each (800)
+        assert predicted < 700, predicted
