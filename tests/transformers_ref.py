@@ -26,19 +26,25 @@ import pytest
 # out.npz. Every token's logits in one forward pass, no cache; then greedy tokens one at a time, each
 # the argmax of a whole forward pass over the ids so far; the experts in eager loops (the grouped
 # product takes no float64).
-LOGITS_SCRIPT = """
+# (both model scripts) a checkpoint folder loaded with `from_pretrained`, every weight as it is
+LOAD = """
 import json, sys, numpy as np, torch
 from safetensors.numpy import save_file
+
+def load(cls, folder, dtype, **kw):
+    with np.load(folder + "/weights.npz") as w:
+        save_file({k: np.ascontiguousarray(w[k]) for k in w.files}, folder + "/model.safetensors")
+    model, info = cls.from_pretrained(folder, dtype=dtype, output_loading_info=True, **kw)
+    left = {k: sorted(v) for k, v in info.items() if v}
+    assert not left, f"weights not loaded as they are: {left}"
+    return model.eval()
+"""
+
+LOGITS_SCRIPT = LOAD + """
 from transformers import AutoModelForCausalLM
 folder, ids, dtype = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3]
 n_gen, out = int(sys.argv[4]), sys.argv[5]
-with np.load(folder + "/weights.npz") as w:
-    save_file({k: np.ascontiguousarray(w[k]) for k in w.files}, folder + "/model.safetensors")
-model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), experts_implementation="eager",
-                                                   output_loading_info=True)
-left = {k: sorted(v) for k, v in info.items() if v}
-assert not left, f"weights not loaded as they are: {left}"
-model.eval()
+model = load(AutoModelForCausalLM, folder, getattr(torch, dtype), experts_implementation="eager")
 with torch.no_grad():
     logits = model(torch.tensor([ids]), use_cache=False).logits[0].double().numpy()
     greedy = []
@@ -65,6 +71,13 @@ needs_transformers = pytest.mark.skipif(PYTHON is None, reason="no Python with t
                                         "(python bench/bench_envs.py transformers, or set DELTARUN_TRANSFORMERS_PYTHON)")
 
 
+def run(script: str, *args: object) -> None:
+    """Run one of the scripts here in transformers' Python; a failure shows its stderr."""
+    p = subprocess.run([str(PYTHON), "-c", script, *map(str, args)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
+
+
 def write_checkpoint(folder: Path, config: dict, weights: dict[str, np.ndarray]) -> Path:
     """A checkpoint folder for `logits`: config.json and weights.npz."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,10 +90,7 @@ def logits_and_greedy(folder: Path, toks: list[int], n_gen: int, dtype: str = "f
     """transformers' logits for `toks` (one row per token, as float64) from a `write_checkpoint`
     folder, and its next `n_gen` greedy tokens."""
     out = folder / f"logits-{dtype}.npz"
-    p = subprocess.run([str(PYTHON), "-c", LOGITS_SCRIPT, str(folder), ",".join(map(str, toks)), dtype, str(n_gen),
-                        str(out)], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-    assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
+    run(LOGITS_SCRIPT, folder, ",".join(map(str, toks)), dtype, n_gen, out)
     with np.load(out) as z:
         return z["logits"], z["greedy"].tolist()
 
@@ -91,23 +101,16 @@ def logits_and_greedy(folder: Path, toks: list[int], n_gen: int, dtype: str = "f
 # image goes through transformers' own processor (the PIL one: Qwen2VLImageProcessorPil); its
 # pixel_values and image_grid_thw come back with the logits of every position and the greedy
 # tokens (each from a whole forward pass, the image included).
-VLM_SCRIPT = """
-import json, sys, numpy as np, torch
+VLM_SCRIPT = LOAD + """
 from PIL import Image
-from safetensors.numpy import save_file
 from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 folder, image, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 ids, n_gen, out = [int(t) for t in sys.argv[4].split(",")], int(sys.argv[5]), sys.argv[6]
-with np.load(folder + "/weights.npz") as w:
-    save_file({k: np.ascontiguousarray(w[k]) for k in w.files}, folder + "/model.safetensors")
-model, info = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64, output_loading_info=True)
-left = {k: sorted(v) for k, v in info.items() if v}
-assert not left, f"weights not loaded as they are: {left}"
+model = load(Qwen3_5ForConditionalGeneration, folder, torch.float64)
 processor = Qwen2VLImageProcessorPil(**settings)
 features = processor(images=[Image.open(image).convert("RGB")], return_tensors="pt")
 pixels, grid = features["pixel_values"].to(torch.float64), features["image_grid_thw"]
-model.eval()
 with torch.no_grad():
     image_id = model.config.image_token_id              # the processor's token types: text 0, image 1
     run = lambda toks: model(input_ids=torch.tensor([toks]), pixel_values=pixels, image_grid_thw=grid,
@@ -126,10 +129,7 @@ def vlm_logits_and_greedy(folder: Path, image: Path, settings: dict, toks: list[
     """transformers' processor and model on one image and prompt (see VLM_SCRIPT): a dict with
     `logits` (float64, every position), `greedy`, `pixel_values` and `grid`."""
     out = folder / "vlm.npz"
-    p = subprocess.run([str(PYTHON), "-c", VLM_SCRIPT, str(folder), str(image), json.dumps(settings),
-                        ",".join(map(str, toks)), str(n_gen), str(out)], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-    assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
+    run(VLM_SCRIPT, folder, image, json.dumps(settings), ",".join(map(str, toks)), n_gen, out)
     with np.load(out) as z:
         return {k: z[k] for k in z.files}
 
@@ -156,7 +156,5 @@ def render_templates(cases: list[dict], tmp: Path) -> list[str]:
     """transformers' rendering of each case (see TEMPLATE_SCRIPT)."""
     src, out = tmp / "template-cases.json", tmp / "template-renders.json"
     src.write_text(json.dumps(cases), encoding="utf-8")
-    p = subprocess.run([str(PYTHON), "-c", TEMPLATE_SCRIPT, str(src), str(out)], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-    assert p.returncode == 0, f"transformers exited with {p.returncode}: {p.stderr[-2000:]}"
+    run(TEMPLATE_SCRIPT, src, out)
     return json.loads(out.read_text(encoding="utf-8"))
