@@ -399,6 +399,28 @@ def test_error_queue_full(model_path):
 
 
 # --------------------------------------------------------------------------------------------- parallel
+def test_the_worker_is_not_idle_while_the_step_that_ended_an_answer_goes_on(model_path, monkeypatch):
+    """A job leaves the running ones before its step is done: the step still writes for it (an
+    answer's deferred MTP rows, the prompt cache's record of it, the copy to host RAM ahead), and
+    the client may have its answer by then (an earlier wake of the event loop delivers the answer
+    as soon as it is emitted). `Worker.idle`, which `wait_settled` and the tests that read the
+    model's memory after it rely on, must stay false until that step has ended."""
+    from deltarun.apps.serve.prompt_cache import PromptCache
+    seen: list[bool] = []
+    finished = PromptCache.finished
+
+    def finished_seen(self, seq: int, answer_start: int) -> None:
+        seen.append(h.worker.idle)
+        finished(self, seq, answer_start)
+
+    monkeypatch.setattr(PromptCache, "finished", finished_seen)
+    with _server(model_path, parallel=1) as h:
+        openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60).completions.create(
+            model="tiny", prompt="one two", max_tokens=2, temperature=0)
+        h.wait_settled()
+    assert seen == [False]
+
+
 def test_greedy_same_alone_and_among_others(model_path):
     prompts = [f"Request number {i} says {'hello ' * i}" for i in range(8)]
     with _server(model_path, parallel=8, chunk=16) as h:

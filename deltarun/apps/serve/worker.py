@@ -231,8 +231,9 @@ class Worker:
         self._active: list[Job] = []
         #: prompt starts to evaluate while idle (`prefill_ahead`), newest last; one per sequence at most
         self._ahead: collections.deque[GenParams] = collections.deque(maxlen=n_parallel)
-        self._admitting = False           # jobs taken from the queues, not yet in _active (see `idle`)
-        self._copying = False             # copying a conversation to host RAM ahead (see `idle`)
+        #: a step is under way (see `idle`): the jobs it took may have left `_active` already while it
+        #: still writes for them (an answer's deferred MTP rows, the copy to host RAM ahead)
+        self._stepping = False
         self._calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deltarun-model", daemon=True)
@@ -280,9 +281,8 @@ class Worker:
 
     @property
     def idle(self) -> bool:
-        """Nothing waiting, running, to be prefilled ahead or being copied ahead (a snapshot)."""
-        return (not self._waiting and not self._active and not self._ahead and not self._admitting
-                and not self._copying)
+        """Nothing waiting, running or to be prefilled ahead, and no step under way (a snapshot)."""
+        return not self._waiting and not self._active and not self._ahead and not self._stepping
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(model)` on the model thread between two steps (e.g. a graph dump for /graph)."""
@@ -377,6 +377,16 @@ class Worker:
             while not self._waiting and not self._active and not self._calls and not self._stopping \
                     and not self._ahead:
                 self._cond.wait()
+            self._stepping = True
+        try:
+            return self._step_taken()
+        finally:
+            self._stepping = False
+
+    def _step_taken(self) -> bool:
+        """One step, `_stepping` set: run the calls, admit what fits, evaluate one prompt chunk
+        and/or one decode step, and copy ahead when nothing runs."""
+        with self._cond:
             calls, self._calls = self._calls, []
             if self._stopping:
                 stopping = list(self._waiting)
@@ -396,7 +406,6 @@ class Worker:
                     free -= 1
             if not admitted and not self._active and not self._waiting and self._ahead:
                 admitted.append(Job(self._ahead.popleft(), lambda ev: None))
-            self._admitting = bool(admitted)
             self.metrics.queued.set(len(self._waiting))
         for fn, fut in calls:
             if fut.set_running_or_notify_cancel():
@@ -419,7 +428,6 @@ class Worker:
                 self._release(job)
         for job in admitted:
             self._guard(job, self._admit_ahead if job.params.ahead else self._admit)
-        self._admitting = False
         self.metrics.running.set(self.counts[0])
         waited_for = {id(f) for j in self._active if j.state == "prefill" for f in j.forks}
         for j in self._active:            # never waits for a prompt nobody reads: reads it itself
@@ -445,11 +453,7 @@ class Worker:
         with self._cond:
             if self._waiting or self._ahead or self._calls or self._stopping:
                 return
-            self._copying = True
-        try:
-            self.cache.copy_ahead(list(range(self.n_parallel)))
-        finally:
-            self._copying = False
+        self.cache.copy_ahead(list(range(self.n_parallel)))
 
     def _guard(self, job: Job, fn: Callable[[Job], None]) -> None:
         """Run one job's step; an error ends that job (its ApiError, else HTTP 500; an error event
