@@ -398,3 +398,75 @@ def test_mtp_chains_of_several_sequences_advance_together(tiny_model_path, monke
                 got_row = first_step[level][i]
                 assert np.abs(got_row - want_row).max() / np.abs(want_row).max() < 1e-5
     assert got == want
+
+
+class _Answer:
+    """A grammar stub over the greedy answer: complete after `length` tokens, when only `end` may
+    follow (a real grammar's end of generation)."""
+
+    def __init__(self, length: int, end: int, accepted: int = 0):
+        self.length, self.end, self.accepted = length, end, accepted
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        if not self.done:
+            return logits
+        return np.where(np.arange(logits.shape[0]) == self.end, logits, -np.inf).astype(np.float32)
+
+    def accept(self, token: int) -> None:
+        self.accepted += 1
+
+    def fork(self) -> "_Answer":
+        return _Answer(self.length, self.end, self.accepted)
+
+    @property
+    def done(self) -> bool:
+        return self.accepted >= self.length
+
+
+class _Recorder:
+    """Drafts the greedy answer itself (every draft is kept) and records what each step commits."""
+
+    needs_hidden = False
+
+    def __init__(self, prompt: list[int], answer: list[int]):
+        self.prompt, self.answer, self.commits = prompt, answer, []
+
+    def propose(self, history, n, sampler):
+        from deltarun.runner.speculative import Draft
+        tokens = self.answer[len(history) - len(self.prompt):][:n]
+        return Draft(tokens, [None] * len(tokens))
+
+    def commit(self, next_tokens, hiddens, start) -> None:
+        self.commits.append((start, list(next_tokens)))
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+@pytest.mark.parametrize("length", [4, 5, 6])
+def test_a_draft_that_completes_the_grammar_ends_the_step_there(tiny_model_path, length, ignore_eos):
+    """Drafts that are the greedy answer, under a grammar complete after `length` tokens: at a
+    step's last draft (4: the first token, then 3 drafts), at the token drawn after them (5) or at
+    a step's first draft, drafts after it (6). A draft that completes it ends the step there with no token after
+    it (only the end of generation could follow: with ignore_eos, banned) and the sequence holds
+    every kept token; either way the draft source is handed each kept token at the position of the
+    row it follows (history[start + i + 1] == next_tokens[i])."""
+    path = tiny_model_path("tiny-echo", "f32")
+    prompt = _prompts()[0]
+    answer = _reference_greedy(path, prompt, N_NEW)
+    end = 0                                             # a token the answer does not hold
+    assert end not in answer
+    with Model(path, n_ctx=128, kv_type="f32", rs_slots=4) as m:
+        engine = Engine(m, max_rows=64)
+        source = _Recorder(prompt, answer)
+        processors = LogitsProcessors(banned=[end] if ignore_eos else (), grammar=_Answer(length, end))
+        s = Running(0, Sampler(GREEDY), list(prompt), processors, draft=source, length=DraftLength(3))
+        engine.first(s, m.eval(prompt, 0))
+        while not processors.ended:
+            o, = engine.step([s])
+            assert o.error is None
+        assert s.history == prompt + answer[:length] and len(o.logits) == len(o.tokens)
+        at_draft = len(o.tokens) == o.n_accepted       # no token drawn after the kept drafts
+        assert at_draft == (length != 5)                 # 5: the first token and a step of 3 drafts and the next
+        assert m.tokens(0) == (s.history if at_draft else s.history[:-1])
+    for start, tokens in source.commits:
+        assert tokens == s.history[start + 1:start + 1 + len(tokens)]
+    assert source.commits[-1][0] + len(source.commits[-1][1]) == len(s.history) - 1

@@ -114,21 +114,27 @@ def test_log_softmax_against_the_definition():
 
 # --- the processors the server offers, top-k by partition, the acceptance rule -------------------
 class _Grammar:
-    """A grammar stub: allows a fixed set of tokens, records what it is moved past."""
+    """A grammar stub: allows a fixed set of tokens, records what it is moved past; with `length`,
+    complete after that many tokens, then allows only `end` (a real grammar's end of generation)."""
 
-    def __init__(self, allowed):
-        self.allowed, self.accepted = allowed, []
+    def __init__(self, allowed, length=None, end=None):
+        self.allowed, self.accepted, self.length, self.end = allowed, [], length, end
 
     def mask(self, logits):
-        return np.where(np.isin(np.arange(logits.shape[0]), self.allowed), logits, -np.inf).astype(np.float32)
+        allowed = [self.end] if self.done else self.allowed
+        return np.where(np.isin(np.arange(logits.shape[0]), allowed), logits, -np.inf).astype(np.float32)
 
     def accept(self, token):
         self.accepted.append(token)
 
     def fork(self):
-        twin = _Grammar(self.allowed)
+        twin = _Grammar(self.allowed, self.length, self.end)
         twin.accepted = list(self.accepted)
         return twin
+
+    @property
+    def done(self):
+        return self.length is not None and len(self.accepted) >= self.length
 
 
 class _Alternating(_Grammar):
@@ -382,3 +388,22 @@ def test_drafts_are_verified_as_plain_sampling_draws_under_processors_with_state
     assert all(rejected_at[k] > 20 for k in range(5))
 
 
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_draft_that_completes_the_grammar_ends_the_kept_tokens(params, ignore_eos):
+    """Drafts the target agrees with, the second of which completes the grammar: two are kept and
+    no token is drawn after them (None), since only the end of generation could follow (with
+    ignore_eos, banned: nothing could, and drawing from a row that allows nothing failed the
+    request); the drafts after it are not verified, and the request's processors do not move."""
+    n_vocab, end = 8, 7
+    rows = np.full((5, n_vocab), -5.0, dtype=np.float32)
+    drafts = [2, 4, 1, 3]
+    for i, d in enumerate(drafts):
+        rows[i, d] = 20.0                                # the target agrees with every draft
+    proc = LogitsProcessors(banned=[end] if ignore_eos else (), grammar=_Grammar(list(range(end)), length=2, end=end))
+    n_ok, nxt = accept_draft(Sampler(params), rows, types.SimpleNamespace(tokens=drafts, probs=[None] * 4), [0, 1],
+                             proc)
+    assert (n_ok, nxt) == (2, None)
+    assert proc.grammar.accepted == [] and not proc.counts

@@ -399,12 +399,19 @@ def test_supervised_server_drafts_and_counts(tiny_model_path, plain_answers):
         "type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["a", "n"], "additionalProperties": False}}}}),
 ])
-def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_model_path, monkeypatch, preset, body):
+@pytest.mark.parametrize("ignore_eos, beyond", [(False, 0), (True, 0), (True, 3)])
+def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_model_path, monkeypatch, preset, body,
+                                                                          ignore_eos, beyond):
     """Drafts that are the answer itself (every step keeps 4 tokens): a forced Kimi call or a JSON
     schema that completes in the middle of a step's kept tokens ends the answer where it completes,
     with all of them. (The grammar walks the whole step before the tokens are streamed; asking
     whether it was complete at the step's first token cut the answer there: a Kimi call lost its
-    closing brace and came back as text.)"""
+    closing brace and came back as text.)
+
+    With `ignore_eos` nothing may follow a complete grammar (its one allowed token, the end, is
+    banned): the step ends at the draft that completes it, with no token after it, whether that
+    draft is the step's last or `beyond` more drafts follow it (they were verified against a row
+    that allows nothing, and the request failed with "the grammar cannot go on")."""
     import queue
 
     from test_thinking_budget import _Oracle
@@ -415,7 +422,7 @@ def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_
 
     path = tiny_model_path(preset, "f32")
     request = {"messages": [{"role": "user", "content": "one two three four"}], "temperature": 0, "max_tokens": 60,
-               **body}
+               "ignore_eos": ignore_eos, **body}
 
     def run(h: ServeHandle) -> dict:
         params = h.state.builder.chat(parse_chat(request))
@@ -429,7 +436,7 @@ def test_a_grammar_completed_inside_a_verified_step_keeps_the_steps_tokens(tiny_
         want = run(h)
     assert want["finish"] in ("stop", "tool_calls") and len(want["tokens"]) > 8
     # drafts that are the answer itself (test_thinking_budget's oracle) in place of the n-gram source
-    monkeypatch.setattr(worker_module, "NgramDraft", lambda: _Oracle(want["prompt"], want["tokens"]))
+    monkeypatch.setattr(worker_module, "NgramDraft", lambda: _Oracle(want["prompt"], want["tokens"] + want["tokens"][:beyond]))
     with _server(path, "ngram", parallel=1) as h:
         got = run(h)
     assert got["n_drafted"] > 0 and got["n_accepted"] == got["n_drafted"]

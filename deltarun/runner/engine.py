@@ -84,9 +84,11 @@ class Running:
 class Outcome:
     """What one step kept for one sequence."""
 
-    tokens: list[int] = field(default_factory=list)     # kept tokens (accepted drafts, then the next one)
+    #: kept tokens: accepted drafts, then the next one (none when a draft completed the grammar:
+    #: the output ends there and the sequence holds every kept token)
+    tokens: list[int] = field(default_factory=list)
     logits: np.ndarray | None = None     # [len(tokens), vocab]: the row each kept token was drawn from
-    hidden: np.ndarray | None = None     # [len(tokens), n_embd]: the hidden row each was drawn after
+    hidden: np.ndarray | None = None     # [n_accepted + 1, n_embd]: the hidden rows the sequence kept
     n_drafted: int = 0
     n_accepted: int = 0
     full: bool = False                   # no room left in the context for the pending token
@@ -298,8 +300,8 @@ class Engine:
             if len(rows) > 1:
                 model.rollback(len(rows) - 1, s.seq)
             n_ok, kept = 0, [drawn]
-            commit_kept(s.draft, model, s.seq, kept, hidden)
-        o.tokens, o.logits = kept, rows[:n_ok + 1]
+            commit_kept(s.draft, model, s.seq, kept, hidden, 1)
+        o.tokens, o.logits = kept, rows[:len(kept)]
         o.hidden = hidden[:n_ok + 1] if hidden is not None else None
         o.n_drafted, o.n_accepted = len(proposal.tokens), n_ok
         s.n_steps += 1

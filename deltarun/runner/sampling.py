@@ -75,6 +75,10 @@ class Grammar(Protocol):
         """A copy whose state moves on its own: drafted tokens are verified on one, each row masked
         as it would be after the drafts before it."""
 
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but the end of generation may follow."""
+
 
 @dataclass
 class LogitsProcessors:
@@ -124,6 +128,11 @@ class LogitsProcessors:
         if self.budget is not None:
             x = self.budget.force(x)
         return x
+
+    @property
+    def ended(self) -> bool:
+        """The output is complete (its grammar is): no token may follow but the end of generation."""
+        return self.grammar is not None and self.grammar.done
 
     def accept(self, token: int) -> None:
         """A token was kept: it counts for the penalties from now on, the grammar and the budget
@@ -402,9 +411,11 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequ
 
 
 def accept_draft(sampler: Sampler, logits: np.ndarray, draft: Proposal, history: list[int],
-                 processors: LogitsProcessors | None = None) -> tuple[int, int]:
+                 processors: LogitsProcessors | None = None) -> tuple[int, int | None]:
     """Speculative decoding's acceptance rule: how many of `draft`'s tokens the target keeps and
-    the token that follows them (a correction, or the bonus token after all of them).
+    the token that follows them (a correction, or the bonus token after all of them); None when a
+    kept draft completes the grammar: the output ends at it (as plain sampling's does), so nothing
+    after it is verified or drawn (with the end of generation banned, ignore_eos, nothing could be).
 
     `logits` holds the target's rows for the last kept token and each drafted one. Greedy: a draft
     is kept while it is the target's argmax. Sampled: draft d (drawn from q) is kept with
@@ -431,4 +442,6 @@ def accept_draft(sampler: Sampler, logits: np.ndarray, draft: Proposal, history:
         local.append(d)
         if walk is not None:
             walk.accept(d)
+            if walk.ended:
+                return i + 1, None
     return len(draft.tokens), sampler.sample(logits[len(draft.tokens)], local, walk)

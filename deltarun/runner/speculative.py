@@ -464,7 +464,7 @@ def verify(model: Model, seq: int, logits: np.ndarray, draft: Draft, sampler: Sa
     """Settle one sequence's verification: the drafts the target accepts (`sampling.accept_draft`)
     and the token after them; `seq` rolled back over the rows past the kept ones; `length` told
     what was kept; `source` handed the kept rows (`commit_kept`). Returns (drafts accepted, the
-    kept tokens: those drafts and the next token).
+    kept tokens: those drafts and the next token, none after a draft that completes the grammar).
 
     `logits` (and `hidden`, the hidden states) are the rows the sequence's last ubatch evaluated:
     its last kept token, the drafts, and in a server's shared ubatch filler after them.
@@ -473,18 +473,19 @@ def verify(model: Model, seq: int, logits: np.ndarray, draft: Draft, sampler: Sa
     model.rollback(len(logits) - 1 - n_ok, seq)
     if length is not None:
         length.update(len(draft.tokens), n_ok)
-    kept = draft.tokens[:n_ok] + [nxt]
-    commit_kept(source, model, seq, kept, hidden)
+    kept = draft.tokens[:n_ok] + ([] if nxt is None else [nxt])
+    commit_kept(source, model, seq, kept, hidden, n_ok + 1)
     return n_ok, kept
 
 
 def commit_kept(source: DraftSource | None, model: Model, seq: int, kept: list[int],
-                hidden: np.ndarray | None) -> None:
-    """Hand the draft source the rows a step kept, once `seq` holds exactly them: row i's hidden
-    state (when the source needs them) and kept[i], the token that follows it."""
+                hidden: np.ndarray | None, n_rows: int) -> None:
+    """Hand the draft source the rows a step kept, once `seq` holds exactly them (its last
+    `n_rows`): row i's hidden state (when the source needs them) and kept[i], the token that
+    follows it (the last row has none when the output ended at it: `accept_draft`)."""
     if source is not None:
         n = len(kept)
-        source.commit(kept, hidden[:n] if source.needs_hidden else None, model.n_past(seq) - n)
+        source.commit(kept, hidden[:n] if source.needs_hidden else None, model.n_past(seq) - n_rows)
 
 
 @dataclass
