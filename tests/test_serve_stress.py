@@ -185,7 +185,9 @@ def test_abandoned_and_concurrent_requests_leave_every_answer_exact_long(stress_
 # drafts copy the history's calls; a stress of this kind found answers cut where their grammar
 # completed inside a verified step, test_serve_draft.py has that case alone: with it reverted, the
 # `-m slow` run of 300 requests fails, the default 30 do not reliably) and on Qwen3.5's with MTP
-# drafts (thinking off).
+# drafts (thinking off). Half the conversations ask for ignore_eos: a forced call's grammar then
+# ends the answer, and a step whose draft completes it must keep nothing after that draft (a
+# token drawn after it failed the request: test_serve_draft.py and test_engine.py have the case).
 AGENT_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
@@ -212,7 +214,7 @@ def _agent_body(convs, answers, ci: int, turn: int, stream: bool) -> dict:
             messages += [{"role": "tool", "tool_call_id": i, "content": f"{f} done"} for i, f, _ in calls]
     return {"model": "x", "messages": messages, "max_tokens": AGENT_MAX_TOKENS, "temperature": 0, "stream": stream,
             "tools": AGENT_TOOLS, "tool_choice": AGENT_CHOICES[(ci + turn) % len(AGENT_CHOICES)],
-            "chat_template_kwargs": {"enable_thinking": False}}
+            "chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": ci % 2 == 1}
 
 
 def _agent_chat(base: str, body: dict, give_up_after: int | None = None, timeout: float = 120):
