@@ -427,9 +427,11 @@ def test_greedy_same_alone_and_among_others(model_path):
         c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
         kw = dict(max_tokens=12, ignore_eos=True)
         alone = [_ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content for p in prompts]
+        h.wait_settled()             # (every seq taken: the worker copies one to host RAM while idle)
         h.worker.model.reset()
         for info in h.worker.cache.seqs:
             info.checkpoints.clear()
+        h.worker.cache.host.clear()
         calls_before = h.worker.model.stats.n_eval_calls
         with AdmissionGate(h.worker, 8) as gate, cf.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(lambda p: _ask(c, [{"role": "user", "content": p}], **kw).choices[0].message.content,
