@@ -603,6 +603,17 @@ REGRESSIONS: dict[str, tuple[str, str, Any, str]] = {
         "input": "hi", "max_output_tokens": 2, "tool_choice": "required",
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": [1]}}]},
         "need 'properties' as an object"),
+    # a parameter's type a list holding a non-string (TypeError: unhashable type: 'list'; found by
+    # a random-mutation sweep of every endpoint's body), or a number (taken as no type: free text)
+    "XML parameter type [[]], messages": ("tiny-qwen35", MESSAGES, {
+        "messages": HI, "max_tokens": 2, "tool_choice": {"type": "any"},
+        "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": [[]]}}}}]},
+        "'type' must be a string or a list of strings"),
+    "XML parameter type 5": ("tiny-qwen35", CHAT, {
+        "messages": HI, "max_tokens": 2, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": 5}}}}}]},
+        "'type' must be a string or a list of strings"),
 }
 
 
@@ -625,8 +636,11 @@ def test_xml_tool_choice_auto_with_a_bad_schema_is_answered(servers, preset):
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                                     "properties": "abc",
                                                                                     "required": 5}}}]}
+    unhashable = copy.deepcopy(body)
+    unhashable["tools"][0]["function"]["parameters"] = {"type": "object", "properties": {"a": {"type": [[]]}}}
     with httpx.Client(base_url=s.base, timeout=REQUEST_TIMEOUT_S) as client:
         assert send(s, client, CHAT, body)[0] == 200
+        assert send(s, client, CHAT, unhashable)[0] == 200
 
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])

@@ -173,7 +173,7 @@ class GrammarFactory:
                     raise ApiError(f"the parameters of tool {name!r} need 'properties' as an object and "
                                    f"'required' as a list of names", param=param)
                 # the tags as JSON strings (Lark reads those): any name, quotes and newlines included
-                body = "".join(f' ({json.dumps(f"<parameter={n}>{NL}")} {_xml_value_and_close(v)})'
+                body = "".join(f' ({json.dumps(f"<parameter={n}>{NL}")} {_xml_value_and_close(v, param)})'
                                + ("" if n in required else "?") for n, v in props.items())
                 alternatives.append(f'{json.dumps(f"<function={name}>{NL}")}{body} "</function>"')
             else:
@@ -259,7 +259,7 @@ class _Kept:
 XML_PARAMETER_CLOSE = "\n</parameter>\n"
 
 
-def _xml_value_and_close(schema: Any) -> str:
+def _xml_value_and_close(schema: Any, param: str) -> str:
     """The Lark expression of one XML parameter value and its closing tag: a string's text as it is
     (one of its `enum`, or without `<`, at most `maxLength` characters); a value of another JSON
     type (a number, a boolean, an array, an object, or an enum of such) as JSON that follows its
@@ -276,11 +276,15 @@ def _xml_value_and_close(schema: Any) -> str:
         if isinstance(enum, list) and enum and all(isinstance(v, str) and "<" not in v for v in enum):
             return "(" + " | ".join(json.dumps(v) for v in enum) + f") {close}"
         kind = schema.get("type")
+        if kind is not None and not isinstance(kind, str) and not (
+                isinstance(kind, list) and all(isinstance(k, str) for k in kind)):
+            raise ApiError(f"invalid JSON schema: 'type' must be a string or a list of strings, not {json.dumps(kind)}",
+                           param=param)
         kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
         if (kinds and "string" not in kinds) or (isinstance(enum, list) and enum and not kinds):
             return f"%json {json.dumps({**schema, 'x-guidance': _CALL_JSON_OPTIONS})} {close}"
         n = schema.get("maxLength")
-        if isinstance(n, int) and n >= 1:
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
             return f"/[^<]{{1,{n}}}\\n<\\/parameter>\\n/"
     return "/[^<]+\\n<\\/parameter>\\n/"
 
