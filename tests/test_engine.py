@@ -445,10 +445,10 @@ class _Recorder:
 def test_a_draft_that_completes_the_grammar_ends_the_step_there(tiny_model_path, length, ignore_eos):
     """Drafts that are the greedy answer, under a grammar complete after `length` tokens: at a
     step's last draft (4: the first token, then 3 drafts), at the token drawn after them (5) or at
-    a step's first draft, drafts after it (6). A draft that completes it ends the step there with no token after
-    it (only the end of generation could follow: with ignore_eos, banned) and the sequence holds
-    every kept token; either way the draft source is handed each kept token at the position of the
-    row it follows (history[start + i + 1] == next_tokens[i])."""
+    a step's first draft, drafts after it (6). A draft that completes it ends the step there with
+    no token after it (only the end of generation could follow: with ignore_eos, banned) and the
+    sequence holds every kept token; either way the draft source is handed each kept token at the
+    position of the row it follows (history[start + i + 1] == next_tokens[i])."""
     path = tiny_model_path("tiny-echo", "f32")
     prompt = _prompts()[0]
     answer = _reference_greedy(path, prompt, N_NEW)
@@ -460,9 +460,11 @@ def test_a_draft_that_completes_the_grammar_ends_the_step_there(tiny_model_path,
         processors = LogitsProcessors(banned=[end] if ignore_eos else (), grammar=_Answer(length, end))
         s = Running(0, Sampler(GREEDY), list(prompt), processors, draft=source, length=DraftLength(3))
         engine.first(s, m.eval(prompt, 0))
-        while not processors.ended:
+        for _ in range(N_NEW):
             o, = engine.step([s])
             assert o.error is None
+            if processors.ended:
+                break
         assert s.history == prompt + answer[:length] and len(o.logits) == len(o.tokens)
         at_draft = len(o.tokens) == o.n_accepted       # no token drawn after the kept drafts
         assert at_draft == (length != 5)                 # 5: the first token and a step of 3 drafts and the next

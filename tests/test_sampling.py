@@ -388,8 +388,6 @@ def test_drafts_are_verified_as_plain_sampling_draws_under_processors_with_state
     assert all(rejected_at[k] > 20 for k in range(5))
 
 
-
-
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_a_draft_that_completes_the_grammar_ends_the_kept_tokens(params, ignore_eos):
