@@ -127,12 +127,13 @@ PRESETS: dict[str, Qwen4ExpConfig] = {
         heads_per_ngram=2, ngram_vocab_size_base=1000, indexer_n_heads=4, indexer_head_dim=16,
         indexer_budget=8, indexer_compress_ratio=4,
     ),
-    # Speed measurements at transformers' Qwen4ExpTextConfig defaults (bench-qwen4exp-published, below,
-    # takes the published per-layer shapes): the per-layer shapes are the defaults (hidden 2048, 16 query / 2 KV heads of 256, linear
-    # 16 key / 32 value heads of 128, experts of 512, shared 512, 4 streams of rank 320, n-grams up
-    # to 3 with 8 heads each into 2048) with 4 layers (3 Gated DeltaNet, the second with PLE, 1 QSA),
-    # 32 experts (512 there) top-10, a 20,000-row base for the n-gram heads (20,000,000 there), and
-    # the indexer the defaults leave unset: 16 heads of 128, a 2048-token budget in blocks of 4.
+    # Speed measurements at transformers' Qwen4ExpTextConfig defaults (bench-qwen4exp-published,
+    # below, takes the published per-layer shapes): the per-layer shapes are the defaults (hidden
+    # 2048, 16 query / 2 KV heads of 256, linear 16 key / 32 value heads of 128, experts of 512,
+    # shared 512, 4 streams of rank 320, n-grams up to 3 with 8 heads each into 2048) with 4 layers
+    # (3 Gated DeltaNet, the second with PLE, 1 QSA), 32 experts (512 there) top-10, a 20,000-row
+    # base for the n-gram heads (20,000,000 there), and the indexer the defaults leave unset: 16
+    # heads of 128, a 2048-token budget in blocks of 4.
     "bench-qwen4exp": Qwen4ExpConfig(
         hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
         partial_rotary_factor=0.25, mrope_section=(11, 11, 10), linear_num_key_heads=16, linear_num_value_heads=32,

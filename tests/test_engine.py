@@ -13,6 +13,7 @@ from deltarun.runner.sampling import GREEDY, LogitsProcessors, Sampler
 from deltarun.runner.speculative import DraftLength, MtpDraft, NgramDraft
 
 from reference import ReferenceModel
+from test_sampling import _Grammar
 
 N_NEW = 12
 
@@ -400,46 +401,6 @@ def test_mtp_chains_of_several_sequences_advance_together(tiny_model_path, monke
     assert got == want
 
 
-class _Answer:
-    """A grammar stub over the greedy answer: complete after `length` tokens, when only `end` may
-    follow (a real grammar's end of generation)."""
-
-    def __init__(self, length: int, end: int, accepted: int = 0):
-        self.length, self.end, self.accepted = length, end, accepted
-
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        if not self.done:
-            return logits
-        return np.where(np.arange(logits.shape[0]) == self.end, logits, -np.inf).astype(np.float32)
-
-    def accept(self, token: int) -> None:
-        self.accepted += 1
-
-    def fork(self) -> "_Answer":
-        return _Answer(self.length, self.end, self.accepted)
-
-    @property
-    def done(self) -> bool:
-        return self.accepted >= self.length
-
-
-class _Recorder:
-    """Drafts the greedy answer itself (every draft is kept) and records what each step commits."""
-
-    needs_hidden = False
-
-    def __init__(self, prompt: list[int], answer: list[int]):
-        self.prompt, self.answer, self.commits = prompt, answer, []
-
-    def propose(self, history, n, sampler):
-        from deltarun.runner.speculative import Draft
-        tokens = self.answer[len(history) - len(self.prompt):][:n]
-        return Draft(tokens, [None] * len(tokens))
-
-    def commit(self, next_tokens, hiddens, start) -> None:
-        self.commits.append((start, list(next_tokens)))
-
-
 @pytest.mark.parametrize("ignore_eos", [False, True])
 @pytest.mark.parametrize("length", [4, 5, 6])
 def test_a_draft_that_completes_the_grammar_ends_the_step_there(tiny_model_path, length, ignore_eos):
@@ -449,6 +410,18 @@ def test_a_draft_that_completes_the_grammar_ends_the_step_there(tiny_model_path,
     no token after it (only the end of generation could follow: with ignore_eos, banned) and the
     sequence holds every kept token; either way the draft source is handed each kept token at the
     position of the row it follows (history[start + i + 1] == next_tokens[i])."""
+    from test_thinking_budget import _Oracle     # (it imports this module)
+
+    class Recorder(_Oracle):
+        """Drafts the answer itself (every draft is kept) and records what each step commits."""
+
+        def __init__(self, prompt: list[int], answer: list[int]):
+            super().__init__(prompt, answer)
+            self.commits: list[tuple[int, list[int]]] = []
+
+        def commit(self, next_tokens, hiddens, start) -> None:
+            self.commits.append((start, list(next_tokens)))
+
     path = tiny_model_path("tiny-echo", "f32")
     prompt = _prompts()[0]
     answer = _reference_greedy(path, prompt, N_NEW)
@@ -456,8 +429,9 @@ def test_a_draft_that_completes_the_grammar_ends_the_step_there(tiny_model_path,
     assert end not in answer
     with Model(path, n_ctx=128, kv_type="f32", rs_slots=4) as m:
         engine = Engine(m, max_rows=64)
-        source = _Recorder(prompt, answer)
-        processors = LogitsProcessors(banned=[end] if ignore_eos else (), grammar=_Answer(length, end))
+        source = Recorder(prompt, answer)
+        others = [t for t in range(m.hp.n_vocab) if t != end]
+        processors = LogitsProcessors(banned=[end] if ignore_eos else (), grammar=_Grammar(others, length, end))
         s = Running(0, Sampler(GREEDY), list(prompt), processors, draft=source, length=DraftLength(3))
         engine.first(s, m.eval(prompt, 0))
         for _ in range(N_NEW):

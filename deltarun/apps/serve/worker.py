@@ -973,8 +973,8 @@ class Worker:
     def _take(self, job: Job, token: int, info: dict[str, Any] | None, last: bool = True) -> bool:
         """Stream one kept token; True when the job goes on. `last`: the last token the step kept.
         The grammar has already walked every token the step kept (`Engine._keep`), so whether it
-        is complete is asked at the last one only: past the point where it completes, only an
-        end-of-generation token can have been kept, which ends the job before."""
+        is complete is asked at the last one only: a step keeps no token past the point where it
+        completes (`sampling.accept_draft`)."""
         p, model = job.params, self.model
         if job.t_first == 0.0:
             job.t_first = time.perf_counter()
