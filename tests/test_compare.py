@@ -180,6 +180,29 @@ def test_nan_fails_and_infinities_must_match():
     assert cmp.compare_arrays(None, a, "q8_0", 1).status == "not_read"
 
 
+def test_top_k_rows_are_sets_up_to_ties():
+    """ggml leaves the order of TOP_K's indices open (its CPU kernel swaps the first two), and a
+    tie at the k-th largest score may go either way; any other difference is a failure."""
+    scores = np.array([[0.1, 0.9, 0.5, 0.3], [0.2, 0.2, 0.7, 0.1], [-1e30, -1e30, -1e30, 0.4]], np.float32)
+    a = np.array([[1, 2], [2, 0], [3, 1]], np.int32)
+    assert cmp.compare_top_k(a, a.copy(), scores, 0.0).status == "ok"
+    d = cmp.compare_top_k(a, a[:, ::-1].copy(), scores, 0.0)                  # another order
+    assert d.status == "ok" and d.note == "3 of 3 rows in another order or tie"
+    assert cmp.compare_top_k(a, a[:, ::-1].copy(), None, None).status == "ok"
+    tie = np.array([[2, 1], [1, 2], [0, 3]], np.int32)                      # rows 2 and 3: equal scores
+    assert cmp.compare_top_k(a, tie, scores, 0.0).status == "ok"
+    assert cmp.compare_top_k(a, tie, None, None).status == "index_mismatch"  # without scores: sets only
+    other = np.array([[1, 3], [2, 0], [3, 1]], np.int32)                    # 0.3 is not the 2nd largest
+    d = cmp.compare_top_k(a, other, scores, 0.0)
+    assert d.status == "index_mismatch" and d.n_diff == 1
+    near = scores.copy()
+    near[0, 3] = 0.49                                                        # within 2 x 0.006 of 0.5
+    assert cmp.compare_top_k(a, other, near, 0.006).status == "ok"
+    assert cmp.compare_top_k(a, other, near, 0.004).status == "index_mismatch"
+    assert cmp.compare_top_k(a, np.array([[1, 7], [2, 0], [3, 1]], np.int32), scores, 1e9).status == "index_mismatch"
+    assert cmp.compare_top_k(a, a[:2], scores, 0.0).status == "shape_mismatch"
+
+
 def _rec(id, op, src=(), is_memory=False, is_weight=False, is_input=False, name=None):
     return SimpleNamespace(id=id, op=op, src_ids=list(src), view_of_id=None, is_memory=is_memory,
                            is_weight=is_weight, is_input=is_input, name=name or id)

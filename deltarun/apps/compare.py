@@ -13,7 +13,8 @@ runs, on each side, from the same weights file(s) and the same token inputs:
 Per node, in graph order, the error of side b against side a (the reference) is the normalised
 mean squared error NMSE = sum((a - b)^2) / sum(a^2), as ggml's test-backend-ops measures it. A NaN
 in either side fails; infinities must be at the same places with the same signs (NMSE is taken
-over the finite elements); integer outputs (top-k expert indices) must be equal.
+over the finite elements); integer outputs (top-k expert indices) must be equal, but for TOP_K's,
+whose order within a row ggml leaves open (`compare_top_k`).
 
 Per-op limits
 -------------
@@ -35,7 +36,10 @@ predecessors' outputs, so an op's limit is the largest of:
   must agree to 1e-7. Weights and graph inputs are exact; the KV cache and recurrent state read
   by a decode graph were written by a previous graph and carry the matmul limit.
 
-Integer nodes (I32/I64) are exact. The logits are held to `LOGITS_LIMIT` (the matmul limit). Over
+Integer nodes (I32/I64) are exact; a TOP_K row (qwen4exp's indexer picks its blocks with one) is a
+set: ggml leaves the order of the k indices open (the CPU swaps the first two on purpose, Vulkan
+returns them in another order), and where scores tie at the k-th largest either side may take
+either. The logits are held to `LOGITS_LIMIT` (the matmul limit). Over
 the logits the report adds top-1 agreement per position, the KL divergence KL(a || b) of the
 softmax distributions, and whether the greedy continuations are equal.
 
@@ -164,6 +168,40 @@ class NodeDiff:
     max_abs_err: float | None = None
     n_diff: int | None = None
     note: str | None = None
+
+
+def compare_top_k(a: np.ndarray | None, b: np.ndarray | None, scores: np.ndarray | None,
+                  score_error: float | None) -> NodeDiff:
+    """A TOP_K node's indices: per row the same set, but for indices whose score (side a's source
+    values, when read) lies within twice the source's largest error (`score_error`, 0 when not
+    compared) of the row's k-th largest score, which either side may take in a tie."""
+    if a is None or b is None:
+        return NodeDiff("not_read", note="unallocated: not read")
+    if a.shape != b.shape:
+        return NodeDiff("shape_mismatch", note=f"shapes {a.shape} vs {b.shape}")
+    k = a.shape[-1]
+    rows_a, rows_b = a.reshape(-1, k), b.reshape(-1, k)
+    if scores is not None and (scores.size % rows_a.shape[0] or scores.size // rows_a.shape[0] < k):
+        scores = None                                  # not laid out as this node's rows: sets only
+    rows_s = None if scores is None else np.asarray(scores, dtype=np.float64).reshape(rows_a.shape[0], -1)
+    tolerance = 2 * (score_error or 0.0)
+    n_diff = reordered = 0
+    for i, (ra, rb) in enumerate(zip(rows_a.tolist(), rows_b.tolist())):
+        differ = set(ra) ^ set(rb)
+        if not differ:
+            reordered += ra != rb
+            continue
+        if rows_s is not None:
+            row = rows_s[i]
+            kth = np.partition(row, row.size - k)[row.size - k]
+            if all(0 <= j < row.size and abs(row[j] - kth) <= tolerance for j in differ):
+                reordered += 1
+                continue
+        n_diff += 1
+    if n_diff:
+        return NodeDiff("index_mismatch", n_diff=n_diff, note=f"{n_diff} of {rows_a.shape[0]} rows chose other indices")
+    return NodeDiff("ok", n_diff=0, note=f"{reordered} of {rows_a.shape[0]} rows in another order or tie"
+                    if reordered else None)
 
 
 def compare_arrays(a: np.ndarray | None, b: np.ndarray | None, type_name: str, limit: float) -> NodeDiff:
@@ -377,6 +415,10 @@ def compare_graph(a: GraphCapture, b: GraphCapture) -> dict[str, Any]:
             d = NodeDiff("only_a", note="no node of this name on side b")
         elif not (x.values and x.values.observed) or not (y.values and y.values.observed):
             d = NodeDiff("not_observed", note="the scheduler did not show it to the eval callback")
+        elif x.op == "TOP_K":
+            src = x.src_ids[0] if x.src_ids else None
+            d = compare_top_k(a.arrays.get(x.id), b.arrays.get(y.id), a.arrays.get(src),
+                              (results.get(src) or {}).get("max_abs_err"))
         else:
             d = compare_arrays(a.arrays.get(x.id), b.arrays.get(y.id), x.type, limit)
         row.update({"status": d.status, "nmse": _num(d.nmse), "max_abs_err": d.max_abs_err, "n_diff": d.n_diff,
