@@ -124,30 +124,41 @@ def test_graphs_coming_back_give_the_same_logits(tiny_model_path):
     assert p.stdout.split() == ["0.0", "0.0"]
 
 
-def test_rollback_slots_match_the_cpu(tiny_model_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen4exp"])
+def test_rollback_slots_match_the_cpu(tiny_model_path, preset):
     """The states are read in place and slot 0 is overwritten by the snapshot store after the
     start state was copied to slot n (n < K): the node order carries that, also on Vulkan (whose
-    graph optimiser reorders nodes). Slots after a 2-token ubatch with K = 4 equal the CPU's."""
+    graph optimiser reorders nodes). Slots after a 2-token ubatch with K = 4 equal the CPU's: the
+    delta net's conv windows and states, and qwen4exp's n-gram conv state kept beside them."""
     script = (
         "import sys, numpy as np\n"
         "from deltarun.runner.model import Model\n"
+        "from deltarun.base.ggml_util import tensor_to_numpy\n"
         "slots = {}\n"
         "for be in ('cpu', 'vulkan'):\n"
         "    for dn in ('fused', 'primitive'):\n"
         "        with Model(sys.argv[1], backend=be, n_ctx=64, n_threads=1, kv_type='f32', rs_slots=4, delta_net=dn) as m:\n"
         "            m.eval(list(range(5, 13))); m.eval([40, 41])\n"
-        "            slots[be, dn] = [np.concatenate([m.memory.conv_slots(il)[:3].ravel(), m.memory.ssm_slots(il)[:3].ravel()])\n"
-        "                             for il in m.hp.linear_layers]\n"
+        "            extra = [m.memory._conv_slot_views(tensor_to_numpy(m.memory.conv[il]).reshape(m.memory.n_seq_max, -1)[0])[1][:3]\n"
+        "                     for il in m.hp.linear_layers]\n"
+        "            slots[be, dn] = [np.concatenate([m.memory.conv_slots(il)[:3].ravel(), m.memory.ssm_slots(il)[:3].ravel(),\n"
+        "                                             x.ravel()]) for il, x in zip(m.hp.linear_layers, extra)]\n"
+        "            if be == 'cpu' and dn == 'fused':\n"
+        "                print(sum(x.size for x in extra))\n"
         "for dn in ('fused', 'primitive'):\n"
         "    print(max(float(np.abs(a - b).max()) for a, b in zip(slots['cpu', dn], slots['vulkan', dn])))\n")
-    p = _run_script(script, tiny_model_path("tiny", "f32"))
-    assert all(float(x) < 1e-4 for x in p.stdout.split()), p.stdout
+    p = _run_script(script, tiny_model_path(preset, "f32"))
+    n_extra, *errors = p.stdout.split()
+    assert (int(n_extra) > 0) == (preset == "tiny-qwen4exp"), p.stdout
+    assert all(float(x) < 1e-4 for x in errors), p.stdout
 
 
-def test_capture_points_match_the_cpu(tiny_model_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen4exp"])
+def test_capture_points_match_the_cpu(tiny_model_path, preset):
     """Model.eval(captures=) on Vulkan (what `serve` does with a prompt's checkpoints): the delta
-    rule split at the points, the states copied to the capture slots, for K = 1 and K = 3 (a point
-    among the last K states read from a snapshot), fused and primitive, equal the CPU's."""
+    rule split at the points, the states copied to the capture slots (conv windows, qwen4exp's
+    n-gram conv state with them, SSM states), for K = 1 and K = 3 (a point among the last K states
+    read from a snapshot), fused and primitive, equal the CPU's."""
     script = (
         "import sys, numpy as np\n"
         "from deltarun.runner.model import Model\n"
@@ -159,12 +170,13 @@ def test_capture_points_match_the_cpu(tiny_model_path):
         "                       capture_slots=3) as m:\n"
         "                m.eval(list(range(5, 13)))\n"
         "                lg = m.eval(list(range(30, 50)), captures=[3, 11, 18], all_logits=True)\n"
-        "                got[be, dn, k] = [lg.ravel()] + [np.frombuffer(st.ssm[il], np.float32) for st in\n"
-        "                    (m.last_captures[p] for p in (11, 19, 26)) for il in m.hp.linear_layers]\n"
+        "                got[be, dn, k] = [lg.ravel()] + [np.frombuffer(part[il], np.float32) for st in\n"
+        "                    (m.last_captures[p] for p in (11, 19, 26)) for part in (st.conv, st.ssm)\n"
+        "                    for il in m.hp.linear_layers]\n"
         "for dn in ('fused', 'primitive'):\n"
         "    for k in (1, 3):\n"
         "        print(max(float(np.abs(a - b).max()) for a, b in zip(got['cpu', dn, k], got['vulkan', dn, k])))\n")
-    p = _run_script(script, tiny_model_path("tiny", "f32"))
+    p = _run_script(script, tiny_model_path(preset, "f32"))
     assert len(p.stdout.split()) == 4 and all(float(x) < 1e-3 for x in p.stdout.split()), p.stdout
 
 
