@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # For a machine with an NVIDIA GPU: build the CUDA variant (scripts/install-cuda.sh, cached),
 # then compare CPU against CUDA with `deltarun compare` and measure both with `deltarun bench` on
-# the tiny and bench-preset models; prints one markdown table (and keeps the JSON reports).
+# the tiny models of every family and the bench-preset ones; prints one markdown table (and keeps
+# the JSON reports).
 #
 #   scripts/cuda-check.sh [--venv DIR] [--out DIR] [--skip-install]
 #
@@ -29,7 +30,9 @@ echo "[cuda-check] reports in $OUT" >&2
 "${DR[@]}" devices | tee "$OUT/devices.txt" >&2
 
 MODELS=()
-for spec in tiny:f32 tiny:q8_0 tiny:q4_k tiny-tied:f32 bench:f32 bench:q8_0; do
+# every family: qwen3next (tiny, bench), qwen35, qwen35moe, kimi-linear, qwen4exp
+for spec in tiny:f32 tiny:q8_0 tiny:q4_k tiny-tied:f32 tiny-qwen35:f32 tiny-qwen35moe:f32 tiny-kimi-linear:f32 \
+            tiny-qwen4exp:f32 bench:f32 bench:q8_0; do
   preset=${spec%%:*}; type=${spec##*:}
   f=$OUT/$preset-$type.gguf
   [ -f "$f" ] || "${DR[@]}" make-tiny "$f" --preset "$preset" --type "$type" >/dev/null
