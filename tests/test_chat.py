@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,9 +19,11 @@ import jinja2
 import jinja2.ext
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from deltarun.apps.chat import ChatSession, StopMatcher, ThinkingSplitter, common_prefix_length
+from deltarun.apps.chat import ChatSession, StopMatcher, ThinkingSplitter, common_prefix_length, common_text_prefix
 from deltarun.base.chat_template import ChatTemplate, qwen3_template_source
 from deltarun.base.errors import ContextFullError, TokenizerError
 from deltarun.cli.main import cli
@@ -97,6 +100,15 @@ CONVERSATION = [
 
 
 # --- template ------------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab\u00e9\U0001f600", max_size=40), st.text(alphabet="ab\u00e9\U0001f600", max_size=40),
+       st.text(alphabet="ab", max_size=40))
+def test_common_text_prefix_is_the_longest_shared_start(shared, a, b):
+    """Against the definition (os.path.commonprefix, which the serve and chat boundaries used)."""
+    x, y = shared + a, shared + b
+    assert common_text_prefix(x, y) == len(os.path.commonprefix([x, y])) == common_text_prefix(y, x)
+
+
 def test_template_renders_like_plain_jinja2(model):
     source = model.file.get("tokenizer.chat_template")
     assert source == QWEN3_TEMPLATE.read_text(encoding="utf-8")

@@ -213,6 +213,21 @@ def test_parallel_tool_calls_false_keeps_one_call():
         assert len(answer.splitter.blocks) == kept
 
 
+def test_a_response_object_serializes_as_json_dumps_writes_it():
+    """`_Answer.to_json` splices in the request's fields serialized once: the same text as
+    json.dumps of the whole object, at every stage (the tests over HTTP read the fields back)."""
+    from deltarun.apps.serve.responses_api import _Answer
+
+    tools = [{"type": "function", "name": "f", "description": "é \"quoted\"", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}]
+    answer = _Answer(ResponsesRequest({"input": "x", "instructions": "Sé brief.\n", "tools": tools,
+                                       "metadata": {"k": "v"}, "temperature": 0.5}), "m")
+    for r in (answer.response("in_progress", []), answer.response("failed", [], error={"code": "c", "message": "m"}),
+              answer.response("completed", [{"type": "message", "content": []}], usage={"input_tokens": 3})):
+        assert answer.to_json(r) == json.dumps(r)
+        assert json.loads(answer.to_json(r))["tools"] == tools and json.loads(answer.to_json(r))["status"] == r["status"]
+
+
 # --------------------------------------------------------------------------------------------- stored responses
 def test_previous_response_id_get_and_delete(qwen3_server):
     c = _client(qwen3_server)

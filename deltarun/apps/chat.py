@@ -38,7 +38,6 @@ interrupt before the first token cancels the turn: the user message is removed a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -140,6 +139,21 @@ def followed_by_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the prompt's generation prompt (Qwen3 without thinking puts an empty think block into the
     latter only)."""
     return messages + [{"role": "assistant", "content": STAND_IN}, {"role": "user", "content": STAND_IN}]
+
+
+def common_text_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two texts, found by comparing halving slices (each
+    character compared about once, in C): os.path.commonprefix compares them one by one in Python,
+    1.3 ms for two renderings of an 8,000-token agent prompt, and `serve` compares up to 9 pairs a
+    request (9 us each this way)."""
+    lo, hi = 0, min(len(a), len(b))          # a[:lo] == b[:lo]; the prefix is at most hi long
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def tokens_before(tokenize: Callable[[str], list[int]], text: str, end: int, tokens: Sequence[int]) -> int:
@@ -807,7 +821,7 @@ class ChatSession:
             text = self.render(followed_by_a_turn(self.messages), add_generation_prompt=False)
         except (jinja2.TemplateError, DeltarunError):
             return None
-        same = len(os.path.commonprefix([prompt_text, text]))
+        same = common_text_prefix(prompt_text, text)
         if same == len(prompt_text):
             return len(prompt)
         return tokens_before(self.tokenize, prompt_text, same, prompt) if same else None

@@ -21,13 +21,13 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from deltarun.apps.chat import STAND_IN, followed_by_a_message, followed_by_a_turn, opens_thinking, tokens_before
+from deltarun.apps.chat import (STAND_IN, common_text_prefix, followed_by_a_message, followed_by_a_turn, opens_thinking,
+                                tokens_before)
 from deltarun.apps.serve.grammar import CallSyntax
 from deltarun.apps.serve.output import KIMI_TOOLS, tool_format_of
 from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -134,7 +134,7 @@ class PromptBuilder:
     def _boundary(self, text: str, other: str, prompt: list[int], ends: np.ndarray | None) -> int:
         """Tokens of the prompt up to where `other` (another rendering) stops agreeing with `text`:
         those whose bytes end there or before (the text is not tokenized again)."""
-        k = len(os.path.commonprefix([text, other]))
+        k = common_text_prefix(text, other)
         if k == len(text):
             return len(prompt)
         if ends is None:

@@ -42,10 +42,14 @@ class ResponseStore:
             self._entries.move_to_end(rid)
         return e
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> None:
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_messages: list[dict[str, Any]],
+            response_size: int | None = None) -> None:
         """Keep `response` (its "id" is the key) and its conversation, of which `new_messages` are
-        the ones no earlier entry holds."""
-        size = len(json.dumps(response, default=str)) + len(json.dumps(new_messages, default=str))
+        the ones no earlier entry holds; `response_size`: its JSON's length, when the caller has it
+        (it repeats the request's tools: a dump of 100 us for an agent's)."""
+        if response_size is None:
+            response_size = len(json.dumps(response, default=str))
+        size = response_size + len(json.dumps(new_messages, default=str))
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, size)
         self.nbytes += size
