@@ -97,6 +97,33 @@ def test_llama_cpp_vectors(real: Tokenizer, text: str, expected: list[int]) -> N
     assert real.decode(expected) == text
 
 
+def test_long_fragments_tokenize_the_same_again_and_after_the_memory_fills(real: Tokenizer, monkeypatch) -> None:
+    """Texts between special tokens of 256+ characters are remembered (`Tokenizer._fragments`):
+    again, among others, and after the memory was dropped when full, each gives the ids it gave
+    the first time (llama.cpp's for its one long vector), also between special tokens."""
+    from deltarun.base import tokenizer as tokenizer_module
+
+    texts = ["".join(t for t, _ in VECTORS[i::5]) * 5 for i in range(5)]     # 295-2,090 characters
+    assert all(len(t) >= 256 for t in texts)
+    want = []
+    for t in texts:                                    # the word-by-word path, nothing remembered
+        ids: list[int] = []
+        real._encode_ordinary(t, ids)
+        want.append(ids)
+    (vector, vector_ids), = [(t, ids) for t, ids in VECTORS if len(t) >= 256]
+    monkeypatch.setattr(real, "_fragments", {})
+    monkeypatch.setattr(real, "_fragment_chars", 0)
+    monkeypatch.setattr(tokenizer_module, "_FRAGMENT_CACHE_CHARS", 2 * max(map(len, texts)))
+    start, end = real.token_id("<|im_start|>"), real.token_id("<|im_end|>")
+    for _ in range(3):
+        assert real.encode(vector) == vector_ids
+        for text, ids in zip(texts, want):
+            assert real.encode(text) == ids
+            assert real.encode("<|im_start|>" + text + "<|im_end|>") == [start, *ids, end]
+    kept = real._fragments                            # dropped when full: not all 6 texts are held
+    assert sum(map(len, kept)) == real._fragment_chars <= tokenizer_module._FRAGMENT_CACHE_CHARS and len(kept) < 6
+
+
 def test_real_metadata(real: Tokenizer) -> None:
     assert real.n_vocab == 151936
     assert real.bos_id == real.eos_id == real.pad_id == 151643
