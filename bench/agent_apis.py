@@ -3,7 +3,9 @@
     python bench/agent_apis.py                       # the built-in model, in this process
     python bench/agent_apis.py model.gguf --requests 300 --json out.json
 
-Two measurements on one `deltarun serve` (started here, 127.0.0.1, one slot):
+Two measurements on one `deltarun serve` (127.0.0.1, one slot; for `overhead` a process of its own,
+as users run it: in this process it would share the GIL with the client, whose parsing of the
+Responses stream's 38 KB showed up as server time, 1 ms of it):
 
 - `overhead`: one agent-sized request (a system prompt, `--tools` tools with JSON schemas, a
   conversation of `--messages` messages with tool calls and results) sent as its Chat Completions,
@@ -22,8 +24,11 @@ Numbers depend on the machine and its load: say both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from importlib import resources
@@ -92,19 +97,52 @@ def _time(client: httpx.Client, path: str, body: dict, stream: bool) -> float:
     return time.perf_counter() - t0
 
 
-def overhead(model: Path, n_requests: int, n_tools: int, n_messages: int) -> dict:
-    from test_serve import _server
+@contextlib.contextmanager
+def _serve_process(model: Path, n_ctx: int):
+    """`deltarun serve MODEL` on a free loopback port, one slot, no prefill ahead; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model), "--host", "127.0.0.1", "--port",
+                          str(port), "--parallel", "1", "--ctx", str(n_ctx), "--no-prefill-ahead"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if p.poll() is not None:
+                raise SystemExit(f"deltarun serve exited: {p.stderr.read()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit("deltarun serve did not come up within 120 s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        p.terminate()
+        p.wait(30)
 
+
+def _prompt_tokens(name: str, usage: dict) -> int:
+    """The prompt's tokens as each API reports them (Anthropic's cached ones apart)."""
+    if name == "chat":
+        return usage["prompt_tokens"]
+    if name == "messages":
+        return usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+    return usage["input_tokens"]
+
+
+def overhead(model: Path, n_requests: int, n_tools: int, n_messages: int) -> dict:
     from deltarun.apps.serve.messages_api import parse_messages
     from deltarun.apps.serve.protocol import parse_chat
     from deltarun.apps.serve.responses_api import ResponsesRequest
 
     bodies = dict(zip(("chat", "messages", "responses"), agent_request(n_tools, n_messages)))
     out: dict = {"n_requests": n_requests, "n_tools": n_tools, "n_messages": n_messages}
-    with _server(model, parallel=1, n_ctx=32768) as h, httpx.Client(base_url=h.base_url, timeout=120) as client:
-        prompts = {name: len(h.state.builder.chat(req).prompt) for name, req in (
-            ("chat", parse_chat(bodies["chat"])), ("messages", parse_messages(bodies["messages"])),
-            ("responses", ResponsesRequest(bodies["responses"]).chat))}
+    with _serve_process(model, 32768) as base, httpx.Client(base_url=base, timeout=120) as client:
+        prompts = {name: _prompt_tokens(name, client.post(PATHS[name], json=bodies[name]).json()["usage"])
+                   for name in PATHS}
         assert len(set(prompts.values())) == 1, prompts          # one conversation, three shapes
         out["prompt_tokens"] = prompts["chat"]
         for stream in (False, True):
