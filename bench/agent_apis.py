@@ -1,6 +1,6 @@
 """What the agent APIs cost over Chat Completions: per-request overhead, and evaluated tokens of an agent loop.
 
-    python bench/agent_apis.py                       # the built-in model, in this process
+    python bench/agent_apis.py                       # the built-in model
     python bench/agent_apis.py model.gguf --requests 300 --json out.json
 
 Two measurements on one `deltarun serve` (127.0.0.1, one slot; for `overhead` a process of its own,
@@ -24,12 +24,10 @@ Numbers depend on the machine and its load: say both.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -37,6 +35,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_turns_llama_server import Server, free_port  # noqa: E402  (one server process per port)
 
 
 def _schema(i: int) -> dict:
@@ -97,33 +97,6 @@ def _time(client: httpx.Client, path: str, body: dict, stream: bool) -> float:
     return time.perf_counter() - t0
 
 
-@contextlib.contextmanager
-def _serve_process(model: Path, n_ctx: int):
-    """`deltarun serve MODEL` on a free loopback port, one slot, no prefill ahead; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "deltarun", "serve", str(model), "--host", "127.0.0.1", "--port",
-                          str(port), "--parallel", "1", "--ctx", str(n_ctx), "--no-prefill-ahead"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if p.poll() is not None:
-                raise SystemExit(f"deltarun serve exited: {p.stderr.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("deltarun serve did not come up within 120 s")
-            time.sleep(0.2)
-        yield base
-    finally:
-        p.terminate()
-        p.wait(30)
-
-
 def _prompt_tokens(name: str, usage: dict) -> int:
     """The prompt's tokens as each API reports them (Anthropic's cached ones apart)."""
     if name == "chat":
@@ -140,23 +113,29 @@ def overhead(model: Path, n_requests: int, n_tools: int, n_messages: int) -> dic
 
     bodies = dict(zip(("chat", "messages", "responses"), agent_request(n_tools, n_messages)))
     out: dict = {"n_requests": n_requests, "n_tools": n_tools, "n_messages": n_messages}
-    with _serve_process(model, 32768) as base, httpx.Client(base_url=base, timeout=120) as client:
-        prompts = {name: _prompt_tokens(name, client.post(PATHS[name], json=bodies[name]).json()["usage"])
-                   for name in PATHS}
-        assert len(set(prompts.values())) == 1, prompts          # one conversation, three shapes
-        out["prompt_tokens"] = prompts["chat"]
-        for stream in (False, True):
-            times: dict[str, list[float]] = {k: [] for k in PATHS}
-            for name in PATHS:                                    # first: evaluates the prompt; then cached
-                _time(client, PATHS[name], bodies[name], stream)
-            for _ in range(n_requests):
-                for name in PATHS:
-                    times[name].append(_time(client, PATHS[name], bodies[name], stream))
-            key = "stream" if stream else "json"
-            out[key] = {name: {"median_ms": 1e3 * statistics.median(t),
-                               "p90_ms": 1e3 * sorted(t)[int(0.9 * len(t))]} for name, t in times.items()}
-            for name in ("messages", "responses"):
-                out[key][name]["over_chat_ms"] = out[key][name]["median_ms"] - out[key]["chat"]["median_ms"]
+    server = Server("deltarun serve", [sys.executable, "-m", "deltarun", "serve", str(model), "--parallel", "1",
+                                       "--ctx", "32768", "--no-prefill-ahead"], free_port(),
+                    Path(tempfile.gettempdir()) / "agent_apis-serve.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            prompts = {name: _prompt_tokens(name, client.post(PATHS[name], json=bodies[name]).json()["usage"])
+                       for name in PATHS}
+            assert len(set(prompts.values())) == 1, prompts          # one conversation, three shapes
+            out["prompt_tokens"] = prompts["chat"]
+            for stream in (False, True):
+                times: dict[str, list[float]] = {k: [] for k in PATHS}
+                for name in PATHS:                                    # first: evaluates the prompt; then cached
+                    _time(client, PATHS[name], bodies[name], stream)
+                for _ in range(n_requests):
+                    for name in PATHS:
+                        times[name].append(_time(client, PATHS[name], bodies[name], stream))
+                key = "stream" if stream else "json"
+                out[key] = {name: {"median_ms": 1e3 * statistics.median(t),
+                                   "p90_ms": 1e3 * sorted(t)[int(0.9 * len(t))]} for name, t in times.items()}
+                for name in ("messages", "responses"):
+                    out[key][name]["over_chat_ms"] = out[key][name]["median_ms"] - out[key]["chat"]["median_ms"]
+    finally:
+        server.stop()
     out["translation_us"] = {}
     for name, fn in (("chat", lambda: parse_chat(bodies["chat"])), ("messages", lambda: parse_messages(bodies["messages"])),
                      ("responses", lambda: ResponsesRequest(bodies["responses"]).chat)):
