@@ -444,8 +444,9 @@ def test_agent_loop_evaluates_only_new_tokens_as_chat_completions_does(template_
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
         {"type": "tool_use", "name": "f", "input": {}}]}, {"role": "user", "content": "b"}]}, "tool_use"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
-     "prefill"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}], "tools": [WEATHER]},
+     "cannot be continued"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
       "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"}}, "tools"),

@@ -106,6 +106,11 @@ def _api_key(given: str | None, key_file: Path | None) -> str | None:
 @click.option("--prefill-ahead/--no-prefill-ahead", default=True, show_default=True,
               help="While idle, evaluate what a conversation's next request will start with (the answer as the "
                    "template renders an earlier one), so the next turn evaluates only its new message.")
+@click.option("--prefill-assistant/--no-prefill-assistant", default=True, show_default=True,
+              help="A chat request whose messages end with an assistant message continues that message (its "
+                   "text starts the answer), as llama-server; off: the answer is a new message after it, as "
+                   "OpenAI's API. A request's 'continue_final_message' decides for itself; /v1/messages always "
+                   "continues (Anthropic's prefill).")
 @click.option("--max-body", type=click.IntRange(min=1), default=8, show_default=True, metavar="MiB",
               help="Largest request body accepted.")
 @click.option("--alias", default=None, help="Model id reported by /v1/models [default: the file name].")
@@ -121,7 +126,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
           api_key_file: Path | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
           header_timeout: float, body_timeout: float, keep_alive: float, max_connections: int,
           expose_model_path: bool, max_queue: int, chunk: int | None, checkpoint_every: int, prefill_ahead: bool,
-          max_body: int, alias: str | None, mmproj: Path | None,
+          prefill_assistant: bool, max_body: int, alias: str | None, mmproj: Path | None,
           draft: str | None, draft_max: int, log_level: str, reasoning_budget: int = -1, **opts: object) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...).
 
@@ -157,7 +162,7 @@ def serve(model: Path | None, host: str, port: int, parallel: int, cache_ram: in
                              max_body_mib=max_body, model_name=alias or path.name, draft=draft, draft_max=draft_max,
                              rpc=tuple(parse_endpoints(opts.get("rpc"))), open_draft=open_draft, mmproj=mmproj,
                              prefill_ahead=prefill_ahead, allowed_hosts=_names(allowed_hosts),
-                             reasoning_budget=reasoning_budget,
+                             reasoning_budget=reasoning_budget, prefill_assistant=prefill_assistant,
                              allowed_origins=_names(allowed_origins), expose_model_path=expose_model_path,
                              limits=ConnectionLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                                      keep_alive_s=keep_alive, max_connections=max_connections))

@@ -19,6 +19,8 @@ translation (the one llama-server's `/v1/messages` makes too):
   template's default); enabled's `budget_tokens` -> `reasoning_budget_tokens` (the answer's
   thinking ends with the template's end-of-thinking marker after that many tokens,
   `runner.reasoning.ThinkingBudget`);
+- a last `assistant` message is continued (prefill, `continue_final_message`): the answer's content
+  starts with its text and the response holds what follows it; one with `tool_use` is refused;
 - `stop_sequences` -> `stop`; `temperature`, `top_p`, `top_k`, and llama-server's sampling
   extras (`min_p`, `seed`, ...) as they are: SDKs that no longer have sampling arguments send them
   as extra body fields, else the server's defaults apply.
@@ -230,9 +232,6 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             out += _user_message(m["content"], where)
         else:
             out.append(_assistant_message(m["content"], where))
-    if msgs[-1]["role"] == "assistant":
-        raise _bad("messages: the last message is the assistant's; continuing an assistant turn (prefill) is "
-                   "not supported: end with a user message")
     return out
 
 
@@ -306,6 +305,8 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     out: dict[str, Any] = {"messages": _messages(body)}
+    # a last assistant message is continued: its text starts the answer (Anthropic's prefill)
+    out["continue_final_message"] = out["messages"][-1]["role"] == "assistant"
     out["tools"], out["tool_choice"] = _tools(body)
     if not count_only:
         mt = body.get("max_tokens")

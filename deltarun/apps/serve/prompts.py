@@ -14,6 +14,11 @@ The next turn's start is predicted the same way (`next_turn`): the conversation 
 as the client will send it back, followed by a stand-in message, rendered and cut where the
 stand-in's text begins. The worker evaluates that ahead while idle (`Worker.prefill_ahead`), and
 the rendering is the one the next turn's boundaries are found with, so it is not done twice.
+
+A request that ends with an assistant message may ask the answer to continue it (`continues`): the
+conversation is rendered with that message last and cut right after its text, found by a STAND_IN
+mark appended to it, so the template decides how the message opens (its think block included)
+and only its closing is left out, as transformers' `continue_final_message` does.
 """
 
 from __future__ import annotations
@@ -45,9 +50,21 @@ BOUNDARY_MESSAGES = 8
 RENDER_CACHE = 1024
 
 
+def with_end_marked(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` (an assistant's) with STAND_IN after its text, or after its reasoning when it has
+    reasoning and no text (the answer then continues the thinking)."""
+    marked = dict(message)
+    if message.get("reasoning_content") and not message.get("content"):
+        marked["reasoning_content"] = message["reasoning_content"] + STAND_IN
+    else:
+        marked["content"] = (message.get("content") or "") + STAND_IN
+    return marked
+
+
 class PromptBuilder:
     def __init__(self, model: Any, template: ChatTemplate, grammars: Any, checkpoint_every: int = 1024,
-                 vision: VisionHParams | None = None, reasoning_budget: int = NO_BUDGET):
+                 vision: VisionHParams | None = None, reasoning_budget: int = NO_BUDGET,
+                 prefill_assistant: bool = True):
         self.tokenizer = model.tokenizer
         #: the vision tower's hyper-parameters (serve --mmproj): images are prepared for it; None: refused
         self.vision = vision
@@ -66,6 +83,9 @@ class PromptBuilder:
         self.thinking_tags = ThinkingTags.of_tokenizer(self.tokenizer, template.reasoning_separator())
         #: the budget of a request that names none (`serve --reasoning-budget`; None: no limit)
         self.reasoning_budget = None if check_budget(reasoning_budget) == NO_BUDGET else reasoning_budget
+        #: a request ending with an assistant message continues it unless it says otherwise
+        #: (`serve --prefill-assistant`, llama-server's default)
+        self.prefill_assistant = prefill_assistant
         self._byte_lengths: dict[int, int] = {}     # token id -> bytes (see _token_ends)
         self._renders: collections.OrderedDict[bytes, str] = collections.OrderedDict()   # _stand_in_render
         self._lock = threading.Lock()               # chat() runs in the handlers' thread pool
@@ -156,14 +176,40 @@ class PromptBuilder:
         except ImageError as e:
             raise ApiError(str(e), param="messages", code="invalid_image") from None
 
+    def continues(self, req: ChatRequest) -> bool:
+        """Whether the answer continues the request's final assistant message (its text is the
+        answer's start: llama-server's assistant prefill, Anthropic's Messages API): as the request
+        says (`continue_final_message`), else when the messages end with one and this server
+        prefills. A 400 where that cannot be: the message has tool calls, or a grammar (a JSON
+        schema, a forced tool call) would constrain the answer from before its continued text."""
+        last = req.messages[-1]
+        if not (req.continue_final if req.continue_final is not None
+                else self.prefill_assistant and last["role"] == "assistant"):
+            return False
+        if last.get("tool_calls"):
+            raise ApiError("the final assistant message has tool calls, so it cannot be continued: send the calls' "
+                           "results after it", param="messages", code="invalid_value")
+        if req.response_format is not None or (req.tools and req.tool_choice not in ("auto", "none")):
+            raise ApiError("the final assistant message cannot be continued under response_format or a forced "
+                           "tool_choice: their grammar constrains the whole answer", param="messages",
+                           code="invalid_value")
+        return True
+
     def _prompt_text(self, req: ChatRequest) -> tuple[str, list | None]:
         """The rendered prompt of a chat request, and the tools rendered into it (None: none)."""
         prepare_images(req, self.vision, self.n_ctx - 1)     # first: a 400 for an image without --mmproj
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         try:
-            return self._render(req.messages, req, tools, True), tools
+            if not self.continues(req):
+                return self._render(req.messages, req, tools, True), tools
+            text = self._render(req.messages[:-1] + [with_end_marked(req.messages[-1])], req, tools, False)
         except TokenizerError as e:
             raise ApiError(str(e), param="messages", code="template_error") from e
+        cut = text.rfind(STAND_IN)
+        if cut < 0:
+            raise ApiError("the chat template does not write the final assistant message's text (its reasoning, "
+                           "when it has no text), so it cannot be continued", param="messages", code="template_error")
+        return text[:cut], tools
 
     def prompt_length(self, req: ChatRequest) -> int:
         """Tokens of the prompt `chat(req)` builds, with no limit (token counting endpoints answer
@@ -190,8 +236,9 @@ class PromptBuilder:
                                                  rendered, ends))
             except TokenizerError:
                 pass
-        try:
-            answer_start = self._boundary(text, self._render(followed_by_a_turn(msgs), req, tools, False), rendered,
+        try:             # a continued message is the answer's start: the next turn departs where it does
+            asked = msgs[:-1] if self.continues(req) else msgs
+            answer_start = self._boundary(text, self._render(followed_by_a_turn(asked), req, tools, False), rendered,
                                           ends)
         except TokenizerError:
             answer_start = len(rendered)
@@ -219,7 +266,10 @@ class PromptBuilder:
         answer's text; OpenAI clients do not send reasoning back) and then one more message: up to
         where that message's text begins. None when it cannot be rendered or would not fit."""
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        msgs = req.messages + [{"role": "assistant", "content": content}]
+        if self.continues(req):        # the client sends the continued message back whole
+            msgs = req.messages[:-1] + [{"role": "assistant", "content": req.messages[-1]["content"] + content}]
+        else:
+            msgs = req.messages + [{"role": "assistant", "content": content}]
         try:
             text = self._stand_in_render(self._prefix_keys(msgs, req, tools)[-1], msgs, req, tools)
         except TokenizerError:

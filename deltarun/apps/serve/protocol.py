@@ -285,6 +285,10 @@ class ChatRequest(SamplingRequest):
     reasoning_budget: int | None = None
     #: the messages' images by digest, once prepared (`serve.images.prepare_images`)
     images: dict[str, Any] = field(default_factory=dict)
+    #: the answer continues the final assistant message (`continue_final_message`, as vLLM's and
+    #: llama-server's); None: when the messages end with one and the server prefills
+    #: (`serve --prefill-assistant`, `PromptBuilder.continues`)
+    continue_final: bool | None = None
 
 
 @dataclass
@@ -545,6 +549,11 @@ def parse_chat(body: Any) -> ChatRequest:
     req = ChatRequest()
     _sampling_fields(body, req)
     req.messages = _messages(body)
+    if body.get("continue_final_message") is not None:
+        req.continue_final = _boolean(body, "continue_final_message", False)
+    if req.continue_final and req.messages[-1]["role"] != "assistant":
+        raise ApiError("'continue_final_message' is true but the last message is not the assistant's",
+                       param="continue_final_message", code="invalid_value")
     req.tools, req.tool_choice = _tools(body)
     req.response_format = _response_format(body)
     if req.response_format is not None and req.tool_choice not in ("none", "auto"):

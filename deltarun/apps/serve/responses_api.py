@@ -266,7 +266,8 @@ class ResponsesRequest:
         self.new_messages = input_messages(body["input"])
         self.conversation = (prev.conversation if prev is not None else []) + self.new_messages
         system = [{"role": "system", "content": instructions}] if instructions else []
-        chat: dict[str, Any] = {"messages": system + self.conversation}
+        # an assistant message last is history: the answer is a new message (OpenAI's meaning)
+        chat: dict[str, Any] = {"messages": system + self.conversation, "continue_final_message": False}
         chat["tools"], choice = _tools(body)
         if choice is not None:
             chat["tool_choice"] = choice

@@ -59,6 +59,9 @@ class ServeSettings:
     mmproj: Path | None = None        # the model's vision tower (mmproj GGUF): chat requests may send images
     #: thinking tokens of a request that names no budget (-1: no limit; llama-server's --reasoning-budget)
     reasoning_budget: int = -1
+    #: a chat request ending with an assistant message continues it (llama-server's default;
+    #: --no-prefill-assistant: a new answer after it, as OpenAI's API)
+    prefill_assistant: bool = True
 
 
 def _grammar_factory(m: Any) -> GrammarFactory:      # module level: it pickles (supervisor.py)
@@ -87,7 +90,7 @@ def build(open_model: Callable[[], Any], s: ServeSettings, host: str = "127.0.0.
 
     def make_builder(w: Worker) -> PromptBuilder:
         return PromptBuilder(w.model, ChatTemplate.from_model(w.model), w.grammars, s.checkpoint_every, vision,
-                             reasoning_budget=s.reasoning_budget)
+                             reasoning_budget=s.reasoning_budget, prefill_assistant=s.prefill_assistant)
 
     state = ServerState(worker, make_builder, model_name=s.model_name, api_key=s.api_key,
                         max_body=s.max_body_mib << 20, n_parallel=s.parallel, prefill_ahead=s.prefill_ahead,
