@@ -70,13 +70,14 @@ def test_the_continued_prompt_is_the_generation_prompt_and_the_text(case):
     ]
     for body, expected, thinking in cases:
         req = parse_chat(body)
-        assert builder._prompt_text(req)[0] == expected
+        r = httpx.post(h.base_url + "/apply-template", json=body, timeout=60)       # llama-server's endpoint
+        assert r.status_code == 200 and r.json() == {"prompt": expected}, r.text
         params = builder.chat(req)
         assert params.prompt == builder.tokenize(expected) and params.starts_thinking is thinking
     # not continued: a new answer after the assistant message (the old rendering)
     req = parse_chat(_body(ASKED + [{"role": "assistant", "content": "Sure, "}], continue_final_message=False))
-    assert builder._prompt_text(req)[0] == template.render(ASKED + [{"role": "assistant", "content": "Sure, "}],
-                                                           add_generation_prompt=True)
+    assert builder.prompt_text(req) == template.render(ASKED + [{"role": "assistant", "content": "Sure, "}],
+                                                       add_generation_prompt=True)
 
 
 def test_continued_answers_over_every_api(case):
@@ -133,6 +134,14 @@ def test_what_cannot_be_continued_is_a_400(case, body, needle):
     h = case[0]
     r = _chat(h, body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_apply_template_refuses_what_chat_completions_refuses(case):
+    h = case[0]
+    for body, needle in ((_body(ASKED, continue_final_message=True), "not the assistant's"),
+                         ({"messages": []}, "messages"), ([1, 2], "JSON object")):
+        r = httpx.post(h.base_url + "/apply-template", json=body, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_messages_refuses_to_continue_a_tool_use(case):

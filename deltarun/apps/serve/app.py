@@ -374,6 +374,13 @@ def create_app(state: ServerState) -> Starlette:
             return json.dumps({"content": tok.decode(ids)}, ensure_ascii=False).encode("utf-8")
         return Response(await run_cpu(work), media_type="application/json")
 
+    async def apply_template(request: Request) -> Response:
+        """llama-server's `/apply-template`: the prompt a chat request's body would be answered
+        after (template, tools, thinking switch, a continued assistant message), nothing run."""
+        body = await read_json(request, state.max_body)
+        builder = state.builder
+        return JSONResponse({"prompt": await run_cpu(lambda: builder.prompt_text(parse_chat(body)))})
+
     async def props(request: Request) -> Response:
         b = state.builder
         m = state.worker.model
@@ -428,6 +435,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]), Route("/completions", completions, methods=["POST"]),
         Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]), Route("/props", props),
+        Route("/apply-template", apply_template, methods=["POST"]),
     ]
     # outermost first: host, origin and content type checked (and any error answered) before CORS
     # answers a preflight, and both before the key is asked for (a preflight carries none)

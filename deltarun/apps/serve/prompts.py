@@ -211,6 +211,10 @@ class PromptBuilder:
                            "when it has no text), so it cannot be continued", param="messages", code="template_error")
         return text[:cut], tools
 
+    def prompt_text(self, req: ChatRequest) -> str:
+        """The prompt a chat request is answered after, as text (`POST /apply-template`)."""
+        return self._prompt_text(req)[0]
+
     def prompt_length(self, req: ChatRequest) -> int:
         """Tokens of the prompt `chat(req)` builds, with no limit (token counting endpoints answer
         for prompts longer than the context too)."""
