@@ -86,8 +86,11 @@ PRE_TOKENIZER_PATTERNS: dict[str, str] = {
 }
 
 # Texts of end-of-generation tokens that chat models emit even when metadata omits them, as
-# llama.cpp's vocabulary loader lists them (Qwen's, and Kimi-K2's [EOT] / [EOS]).
-EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "[EOT]", "[EOS]")
+# llama.cpp's vocabulary loader lists them (Qwen's, and Kimi-K2's [EOT] / [EOS]), with Qwen's FIM
+# pad, repo and file-separator tokens (a fill-in-the-middle answer ends with one when the model
+# moves past the hole; llama.cpp ends generation there too).
+EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "[EOT]", "[EOS]", "<|fim_pad|>", "<|repo_name|>", "<|fim_repo|>",
+                   "<|file_sep|>")
 
 # Cap on cached BPE results so pathological inputs (many unique words) cannot grow memory forever.
 _BPE_CACHE_LIMIT = 200_000

@@ -33,7 +33,7 @@ from deltarun.apps.serve.guard import HostPolicy, RequestGuard, error_response
 from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
 from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, check_token_ids, envelope,
-                                          parse_chat, parse_completion, timings,
+                                          parse_chat, parse_completion, parse_infill, timings,
                                           usage)
 from deltarun.apps.serve.relay import (MAX_CHARS_PER_TOKEN, Mailbox, Relay, check_prompt_size, read_json,
                                        run_cpu)
@@ -374,6 +374,43 @@ def create_app(state: ServerState) -> Starlette:
             return json.dumps({"content": tok.decode(ids)}, ensure_ascii=False).encode("utf-8")
         return Response(await run_cpu(work), media_type="application/json")
 
+    async def infill(request: Request) -> Response:
+        """llama-server's `/infill` (editor completion plugins): the fill-in-the-middle prompt
+        (`serve.infill`) completed, answered in llama-server's own completion format: `content`,
+        `stop`, token counts and `timings`; a stream sends a `content` piece per event and ends with
+        the whole record (`stop` true)."""
+        req, relays, _, _, model = await _submit(request, parse_infill, lambda b: b.infill, "")
+
+        def record(content: str, reason: str, r: dict[str, Any]) -> dict[str, Any]:
+            stop_type = "limit" if reason == "length" else "word" if r["stop_word"] else "eos"
+            return {"index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": True, "model": model,
+                    "tokens_predicted": r["n_generated"], "tokens_evaluated": r["n_prompt"],
+                    "tokens_cached": r["n_cached"], "truncated": False, "stop_type": stop_type,
+                    "stopping_word": r["stop_word"], "has_new_line": "\n" in content, "timings": _timings(r)}
+
+        if req.stream:
+            async def events() -> AsyncIterator[bytes]:
+                async for ev in relays[0].events(request):
+                    if ev.error is not None:
+                        yield _sse(json.dumps(ev.error.body()))
+                        return
+                    if ev.delta is not None and ev.delta.content:
+                        yield _sse(json.dumps({"index": 0, "content": ev.delta.content, "tokens": [], "stop": False,
+                                               "id_slot": -1}))
+                    if ev.finish_reason is not None:
+                        yield _sse(json.dumps(record("", ev.finish_reason, ev.result)))
+                        return
+            return EventSourceResponse(events(), shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
+        text = Delta()
+        async for ev in relays[0].events(request):
+            if ev.error is not None:
+                return _error_response(ev.error, request.url.path)
+            if ev.delta is not None:
+                text.add(ev.delta)
+            if ev.finish_reason is not None:
+                return JSONResponse(record(text.content, ev.finish_reason, ev.result))
+        return Response(status_code=499)          # the client went away
+
     async def apply_template(request: Request) -> Response:
         """llama-server's `/apply-template`: the prompt a chat request's body would be answered
         after (template, tools, thinking switch, a continued assistant message), nothing run."""
@@ -435,7 +472,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]), Route("/completions", completions, methods=["POST"]),
         Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]), Route("/props", props),
-        Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]), Route("/infill", infill, methods=["POST"]),
     ]
     # outermost first: host, origin and content type checked (and any error answered) before CORS
     # answers a preflight, and both before the key is asked for (a preflight carries none)

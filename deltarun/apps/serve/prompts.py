@@ -35,7 +35,8 @@ from deltarun.apps.chat import (STAND_IN, common_text_prefix, followed_by_a_mess
                                 tokens_before)
 from deltarun.apps.serve.grammar import CallSyntax
 from deltarun.apps.serve.output import KIMI_TOOLS, tool_format_of
-from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from deltarun.apps.serve.infill import FimTokens, infill_prompt
+from deltarun.apps.serve.protocol import ApiError, ChatRequest, CompletionRequest, InfillRequest
 from deltarun.apps.serve.worker import GenParams
 from deltarun.base.chat_template import ChatTemplate
 from deltarun.runner.reasoning import NO_BUDGET, ThinkingTags, check_budget
@@ -289,6 +290,20 @@ class PromptBuilder:
             return None
         return GenParams(prompt=prompt, max_tokens=0, req=req, checkpoints=self._checkpoints(n, [], placed),
                          answer_start=n, ahead=True, images=placed)
+
+    def infill(self, req: InfillRequest) -> GenParams:
+        """The fill-in-the-middle prompt of an `/infill` request (`infill.infill_prompt`), as a
+        completion of its tokens; a 501 for a vocabulary without FIM tokens (as llama-server)."""
+        fim = FimTokens.of(self.tokenizer)
+        if fim is None:
+            raise ApiError("infill is not supported by this model: its vocabulary has no fill-in-the-middle tokens "
+                           "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)", status=501,
+                           type="not_supported_error")
+        req.prompt = infill_prompt(self.tokenizer, fim, req.input_prefix, req.input_suffix, req.input_extra,
+                                   req.fim_prompt, self.n_ctx, req.max_tokens or 0)
+        if req.max_tokens is None:       # llama-server's n_predict -1: until the end of generation
+            req.max_tokens = self.n_ctx
+        return self.completion(req)
 
     def completion(self, req: CompletionRequest) -> GenParams:
         if isinstance(req.prompt, str):

@@ -590,6 +590,40 @@ def parse_completion(body: Any) -> CompletionRequest:
     return req
 
 
+@dataclass
+class InfillRequest(CompletionRequest):
+    """llama-server's `/infill`: the code between `input_prefix` and `input_suffix`, with other
+    files' snippets (`input_extra`) as context; `fim_prompt` (its `prompt`) continues the prefix."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[tuple[str, str]] = field(default_factory=list)     # (file name, text)
+    fim_prompt: str = ""
+
+
+def parse_infill(body: Any) -> InfillRequest:
+    req = InfillRequest()
+    _sampling_fields(body, req)
+    if req.n != 1:
+        raise ApiError("'n' must be 1 for /infill", param="n", code="invalid_value")
+    for key in ("input_prefix", "input_suffix"):
+        if not isinstance(body.get(key), str):
+            raise ApiError(f"'{key}' is required: a string", param=key, code="invalid_value")
+        setattr(req, key, body[key])
+    if body.get("prompt") is not None and not isinstance(body["prompt"], str):
+        raise _type_error("prompt", "a string")
+    req.fim_prompt = body.get("prompt") or ""
+    extra = body.get("input_extra") or []
+    if not isinstance(extra, list):
+        raise _type_error("input_extra", 'a list of {"filename": string, "text": string}')
+    for i, chunk in enumerate(extra):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str) \
+                or not isinstance(chunk.get("filename", ""), str):
+            raise _type_error(f"input_extra[{i}]", 'an object {"filename": string, "text": string}')
+        req.input_extra.append((chunk.get("filename", "tmp"), chunk["text"]))
+    return req
+
+
 # --------------------------------------------------------------------------------------------- responses
 def usage(n_prompt: int, n_cached: int, n_generated: int) -> dict[str, Any]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated,

@@ -1013,6 +1013,7 @@ class Worker:
         result = {"n_prompt": len(job.params.prompt), "n_cached": job.n_cached, "n_evaluated": job.n_evaluated,
                   "prompt_s": prompt_s, "n_generated": len(job.generated), "generate_s": gen_s,
                   "text": job.output.text, "content": job.output.content, "tokens": list(job.generated),
+                  "stop_word": job.output.stopper.hit or "",
                   "n_drafted": job.running.n_drafted if job.running else 0,
                   "n_accepted": job.running.n_accepted if job.running else 0}
         job.emit(Event(delta=tail if tail else None, finish_reason=reason, result=result))
