@@ -33,7 +33,7 @@ def tok(path):
 
 @pytest.fixture(scope="module")
 def server(path):
-    with _server(path, parallel=2, chunk=32, checkpoint_every=0) as h:
+    with _server(path, parallel=2, chunk=32, checkpoint_every=0, n_ctx=4096) as h:     # extras fit past a batch
         yield h
 
 
@@ -100,6 +100,7 @@ def test_infill_answers_what_completions_writes_after_the_prompt(server, tok):
     c = httpx.post(server.base_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0},
                    timeout=60).json()
     assert got["content"] == c["choices"][0]["text"] and got["stop"] is True
+    assert got["prompt"] == tok.decode(prompt) and got["prompt"].startswith("<|repo_name|>myproject\n<|file_sep|>util.py")
     n = c["usage"]["completion_tokens"]
     assert got["tokens_evaluated"] == len(prompt) and got["tokens_predicted"] == got["timings"]["predicted_n"] == n
     assert got["stop_type"] == {"stop": "eos", "length": "limit"}[c["choices"][0]["finish_reason"]]

@@ -82,15 +82,21 @@ def test_the_continued_prompt_is_the_generation_prompt_and_the_text(case):
 
 def test_continued_answers_over_every_api(case):
     """Chat Completions and Messages answer what /v1/completions writes after the continued prompt
-    (the answer holds only the new text); Responses and `continue_final_message: false` answer
+    (Messages the new text, Chat Completions the message whole, as llama-server); Responses and `continue_final_message: false` answer
     a new message after it, and so does a server started with --no-prefill-assistant."""
     h, template, _ = case
     msgs = ASKED + [{"role": "assistant", "content": "Sure, "}]
     expected = _completion(h, _opened(template, ASKED) + "\n</think>\n\nSure, ")
     assert "think>" not in expected and "<tool_call>" not in expected
-    r = _chat(h, _body(msgs))
+    r = _chat(h, _body(msgs))          # the message comes back whole, as llama-server's
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == expected
+    assert r.json()["choices"][0]["message"]["content"] == "Sure, " + expected
+    o = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    chunks = list(o.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=msgs, stream=True, n=2))
+    for i in range(2):
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == i]
+        assert deltas[0].role == "assistant" and deltas[0].content == "Sure, "
+        assert "".join(d.content or "" for d in deltas) == "Sure, " + expected
 
     a = anthropic.Anthropic(base_url=h.base_url, api_key="x", max_retries=0, timeout=60)
     m = a.messages.create(model="tiny", max_tokens=8, system=ASKED[0]["content"], messages=msgs[1:],
@@ -100,11 +106,10 @@ def test_continued_answers_over_every_api(case):
     off = _completion(h, _opened(template, ASKED) + "Let me")      # continued thinking
     r = _chat(h, _body(ASKED + [{"role": "assistant", "content": "", "reasoning_content": "Let me"}]))
     got = r.json()["choices"][0]["message"]
-    assert got.get("reasoning_content") and off.startswith(got["reasoning_content"].strip()[:8])
+    assert got["reasoning_content"].startswith("Let me") and off.startswith(got["reasoning_content"][6:].strip()[:8])
 
     new_answer = _chat(h, _body(msgs, continue_final_message=False)).json()["choices"][0]["message"]
     assert new_answer.get("content") != expected
-    o = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
     resp = o.responses.create(model="tiny", max_output_tokens=8, temperature=0, instructions=ASKED[0]["content"],
                               input=[{"role": "user", "content": ASKED[1]["content"]},
                                      {"role": "assistant", "content": "Sure, "}])
@@ -113,7 +118,7 @@ def test_continued_answers_over_every_api(case):
     try:
         assert _chat(h, _body(msgs)).json()["choices"][0]["message"] == new_answer
         r = _chat(h, _body(msgs, continue_final_message=True))      # the request still decides
-        assert r.json()["choices"][0]["message"]["content"] == expected
+        assert r.json()["choices"][0]["message"]["content"] == "Sure, " + expected
         m = a.messages.create(model="tiny", max_tokens=8, system=ASKED[0]["content"], messages=msgs[1:],
                               extra_body={"temperature": 0})                      # Anthropic's prefill
         assert m.content[0].text == expected
@@ -170,7 +175,8 @@ def test_the_next_turn_resumes_where_the_continued_message_starts(tiny_model_pat
         first = o.chat.completions.create(model="t", max_tokens=6, temperature=0,
                                           messages=ASKED + [{"role": "assistant", "content": "Sure, "}])
         h.wait_settled()
-        msgs = ASKED + [{"role": "assistant", "content": "Sure, " + first.choices[0].message.content},
+        assert first.choices[0].message.content.startswith("Sure, ")      # sent back as it came
+        msgs = ASKED + [{"role": "assistant", "content": first.choices[0].message.content},
                         {"role": "user", "content": "And another one?"}]
         second = o.chat.completions.create(model="t", max_tokens=6, temperature=0, messages=msgs)
         return msgs, second.usage

@@ -243,22 +243,35 @@ def create_app(state: ServerState) -> Starlette:
 
     async def chat_completions(request: Request) -> Response:
         req, relays, cid, created, model = await _submit(request, parse_chat, lambda b: b.chat, "chatcmpl-")
+        # a continued message comes back whole, its text before the answer's (as llama-server's)
+        continued = req.messages[-1] if state.builder.continues(req) else None
+        prefill = Delta(content=continued.get("content") or "", reasoning=continued.get("reasoning_content") or "") \
+            if continued is not None else None
         if req.stream:
-            return EventSourceResponse(_chat_stream(relays, cid, model, created, req.include_usage),
+            return EventSourceResponse(_chat_stream(relays, cid, model, created, req.include_usage, prefill),
                                        shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
 
         def choice(text: Delta, logprobs: list[dict[str, Any]], reason: str) -> dict[str, Any]:
+            if prefill is not None:
+                text = Delta(content=prefill.content + text.content, reasoning=prefill.reasoning + text.reasoning,
+                             tool_calls=text.tool_calls)
             return {"index": 0, "message": chat_message(text.content, text.reasoning, text.tool_calls),
                     "logprobs": {"content": logprobs} if req.logprobs else None, "finish_reason": reason}
         return await _answer(relays, request, "chat.completion", cid, model, created, choice)
 
     async def _chat_stream(relays: list[Relay], cid: str, model: str, created: int,
-                           include_usage: bool) -> AsyncIterator[bytes]:
+                           include_usage: bool, prefill: Delta | None = None) -> AsyncIterator[bytes]:
         first = [True] * len(relays)
         text_chunks = [_ContentChunk(_chunk(cid, model, created, {"index": i, "delta": {"content": ""}, "logprobs": None,
                                                                   "finish_reason": None}, "chat.completion.chunk"))
                        for i in range(len(relays))]
         results: dict[int, dict[str, Any]] = {}
+        if prefill is not None:           # each choice opens with the continued message's text
+            for i in range(len(relays)):
+                first[i] = False
+                yield _sse(json.dumps(_chunk(cid, model, created, {"index": i, "delta": chat_delta(prefill, True),
+                                                                   "logprobs": None, "finish_reason": None},
+                                             "chat.completion.chunk")))
         async for i, ev in _merged_events(relays):
             if ev.error is not None:
                 yield _sse(json.dumps(ev.error.body()))
@@ -380,10 +393,12 @@ def create_app(state: ServerState) -> Starlette:
         `stop`, token counts and `timings`; a stream sends a `content` piece per event and ends with
         the whole record (`stop` true)."""
         req, relays, _, _, model = await _submit(request, parse_infill, lambda b: b.infill, "")
+        prompt_text = await run_cpu(state.builder.tokenizer.decode, relays[0].job.params.prompt)
 
         def record(content: str, reason: str, r: dict[str, Any]) -> dict[str, Any]:
             stop_type = "limit" if reason == "length" else "word" if r["stop_word"] else "eos"
             return {"index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": True, "model": model,
+                    "prompt": prompt_text,
                     "tokens_predicted": r["n_generated"], "tokens_evaluated": r["n_prompt"],
                     "tokens_cached": r["n_cached"], "truncated": False, "stop_type": stop_type,
                     "stopping_word": r["stop_word"], "has_new_line": "\n" in content, "timings": _timings(r)}
