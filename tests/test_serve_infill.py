@@ -1,5 +1,5 @@
-"""llama-server's `/infill` in `deltarun serve`: the fill-in-the-middle prompt, its budget, the
-answer's format, the FIM end-of-generation tokens.
+"""llama-server's own endpoints in `deltarun serve`: `/infill` (the fill-in-the-middle prompt, its
+budget, the FIM end-of-generation tokens) and `/completion`, answered in llama-server's format.
 
 The expected prompts are spelled out token by token from llama-server's layout (tools/server,
 `format_prompt_infill`); the answers are compared with /v1/completions on those tokens (greedy).
@@ -14,6 +14,7 @@ import pytest
 from test_serve import _server
 
 from deltarun.apps.serve.infill import FIM_BATCH, FimTokens, infill_prompt
+from deltarun.apps.serve.protocol import parse_completion, parse_native_completion
 from deltarun.base.gguf_file import GGUFFile
 
 PREFIX = "def add(a, b):\n    "
@@ -146,3 +147,25 @@ def test_a_vocabulary_without_fim_tokens_is_a_501(tiny_model_path):
     with _server(tiny_model_path("tiny-kimi-linear-k2vocab", "f32"), parallel=1) as h:
         r = httpx.post(h.base_url + "/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
     assert r.status_code == 501 and "fill-in-the-middle" in r.json()["error"]["message"], r.text
+
+
+def test_completion_in_llama_servers_format(server, tok):
+    """/completion answers what /v1/completions writes, in llama-server's record; without
+    n_predict it runs to the end of generation or the context (llama-server's -1), where
+    /v1/completions stops after OpenAI's 16."""
+    body = {"prompt": "Once upon a time", "n_predict": 9, "temperature": 0}
+    got = httpx.post(server.base_url + "/completion", json=body, timeout=60).json()
+    c = httpx.post(server.base_url + "/v1/completions", json={**body, "max_tokens": 9}, timeout=60).json()
+    assert got["content"] == c["choices"][0]["text"] and got["prompt"] == "Once upon a time"
+    assert (got["tokens_predicted"], got["tokens_evaluated"]) == (c["usage"]["completion_tokens"],
+                                                                  c["usage"]["prompt_tokens"])
+    with httpx.stream("POST", server.base_url + "/completion", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == got["content"] and events[-1]["stop"] is True
+    builder = server.state.builder
+    n = len(builder.tokenize("Once upon a time"))
+    assert builder.completion(parse_native_completion({"prompt": "Once upon a time"})).max_tokens == \
+        server.worker.model.n_ctx - n
+    assert builder.completion(parse_completion({"prompt": "Once upon a time"})).max_tokens == 16
+    r = httpx.post(server.base_url + "/completion", json={"prompt": "a", "n": 2}, timeout=60)
+    assert r.status_code == 400 and "'n'" in r.json()["error"]["message"]

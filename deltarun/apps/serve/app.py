@@ -33,8 +33,8 @@ from deltarun.apps.serve.guard import HostPolicy, RequestGuard, error_response
 from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
 from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, check_token_ids, envelope,
-                                          parse_chat, parse_completion, parse_infill, timings,
-                                          usage)
+                                          parse_chat, parse_completion, parse_infill, parse_native_completion,
+                                          timings, usage)
 from deltarun.apps.serve.relay import (MAX_CHARS_PER_TOKEN, Mailbox, Relay, check_prompt_size, read_json,
                                        run_cpu)
 from deltarun.apps.serve.worker import Event, GenParams, Worker
@@ -389,10 +389,18 @@ def create_app(state: ServerState) -> Starlette:
 
     async def infill(request: Request) -> Response:
         """llama-server's `/infill` (editor completion plugins): the fill-in-the-middle prompt
-        (`serve.infill`) completed, answered in llama-server's own completion format: `content`,
-        `stop`, token counts and `timings`; a stream sends a `content` piece per event and ends with
-        the whole record (`stop` true)."""
-        req, relays, _, _, model = await _submit(request, parse_infill, lambda b: b.infill, "")
+        (`serve.infill`), completed."""
+        return await _native(request, parse_infill, lambda b: b.infill)
+
+    async def native_completion(request: Request) -> Response:
+        """llama-server's own `/completion` (clients written for it, such as SillyTavern's)."""
+        return await _native(request, parse_native_completion, lambda b: b.completion)
+
+    async def _native(request: Request, parse: Callable[[Any], Any], build: Callable[[Any], Any]) -> Response:
+        """A completion answered in llama-server's own format: `content`, `stop`, token counts and
+        `timings`; a stream sends a `content` piece per event and ends with the whole record
+        (`stop` true)."""
+        req, relays, _, _, model = await _submit(request, parse, build, "")
         prompt_text = await run_cpu(state.builder.tokenizer.decode, relays[0].job.params.prompt)
 
         def record(content: str, reason: str, r: dict[str, Any]) -> dict[str, Any]:
@@ -488,6 +496,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]), Route("/props", props),
         Route("/apply-template", apply_template, methods=["POST"]), Route("/infill", infill, methods=["POST"]),
+        Route("/completion", native_completion, methods=["POST"]),
     ]
     # outermost first: host, origin and content type checked (and any error answered) before CORS
     # answers a preflight, and both before the key is asked for (a preflight carries none)

@@ -301,8 +301,6 @@ class PromptBuilder:
                            type="not_supported_error")
         req.prompt = infill_prompt(self.tokenizer, fim, req.input_prefix, req.input_suffix, req.input_extra,
                                    req.fim_prompt, self.n_ctx, req.max_tokens or 0)
-        if req.max_tokens is None:       # llama-server's n_predict -1: until the end of generation
-            req.max_tokens = self.n_ctx
         return self.completion(req)
 
     def completion(self, req: CompletionRequest) -> GenParams:
@@ -317,7 +315,7 @@ class PromptBuilder:
         if not prompt:
             raise ApiError("the prompt has no tokens", param="prompt", code="invalid_value")
         self._check_length(prompt, "prompt")
-        max_tokens = self._max_tokens(16 if req.max_tokens is None else req.max_tokens, len(prompt))
+        max_tokens = self._max_tokens(req.default_max_tokens if req.max_tokens is None else req.max_tokens, len(prompt))
         return GenParams(prompt=prompt, max_tokens=max_tokens, req=req,
                          checkpoints=self._checkpoints(len(prompt), []), answer_start=len(prompt),
                          prompt_logprobs=req.top_logprobs if req.echo and req.logprobs else None)

@@ -295,6 +295,9 @@ class ChatRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] = ""
     echo: bool = False
+    #: tokens generated when the request names no max_tokens: OpenAI's legacy 16; None: until the
+    #: end of generation or the context (llama-server's own endpoints, whose n_predict is -1)
+    default_max_tokens: int | None = 16
 
 
 def _sampling_fields(body: dict, req: SamplingRequest, logprobs_is_int: bool = False, least_tokens: int = 1) -> None:
@@ -601,11 +604,25 @@ class InfillRequest(CompletionRequest):
     fim_prompt: str = ""
 
 
+def parse_native_completion(body: Any) -> CompletionRequest:
+    """llama-server's own `/completion`: /v1/completions' fields, one answer, until the end of
+    generation when it names no n_predict."""
+    req = parse_completion(body)
+    _native(req)
+    return req
+
+
+def _native(req: CompletionRequest) -> None:
+    if req.n != 1:
+        raise ApiError("'n' must be 1 here (llama-server's own endpoints answer once)", param="n",
+                       code="invalid_value")
+    req.default_max_tokens = None
+
+
 def parse_infill(body: Any) -> InfillRequest:
     req = InfillRequest()
     _sampling_fields(body, req)
-    if req.n != 1:
-        raise ApiError("'n' must be 1 for /infill", param="n", code="invalid_value")
+    _native(req)
     for key in ("input_prefix", "input_suffix"):
         if not isinstance(body.get(key), str):
             raise ApiError(f"'{key}' is required: a string", param=key, code="invalid_value")
