@@ -101,7 +101,8 @@ def test_infill_answers_what_completions_writes_after_the_prompt(server, tok):
     c = httpx.post(server.base_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0},
                    timeout=60).json()
     assert got["content"] == c["choices"][0]["text"] and got["stop"] is True
-    assert got["prompt"] == tok.decode(prompt) and got["prompt"].startswith("<|repo_name|>myproject\n<|file_sep|>util.py")
+    assert got["prompt"] == tok.decode(prompt)
+    assert got["prompt"].startswith("<|repo_name|>myproject\n<|file_sep|>util.py")
     n = c["usage"]["completion_tokens"]
     assert got["tokens_evaluated"] == len(prompt) and got["tokens_predicted"] == got["timings"]["predicted_n"] == n
     assert got["stop_type"] == {"stop": "eos", "length": "limit"}[c["choices"][0]["finish_reason"]]

@@ -82,8 +82,9 @@ def test_the_continued_prompt_is_the_generation_prompt_and_the_text(case):
 
 def test_continued_answers_over_every_api(case):
     """Chat Completions and Messages answer what /v1/completions writes after the continued prompt
-    (Messages the new text, Chat Completions the message whole, as llama-server); Responses and `continue_final_message: false` answer
-    a new message after it, and so does a server started with --no-prefill-assistant."""
+    (Messages the new text, Chat Completions the message whole, as llama-server); Responses and
+    `continue_final_message: false` answer a new message after it, and so does a server started
+    with --no-prefill-assistant."""
     h, template, _ = case
     msgs = ASKED + [{"role": "assistant", "content": "Sure, "}]
     expected = _completion(h, _opened(template, ASKED) + "\n</think>\n\nSure, ")

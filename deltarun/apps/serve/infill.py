@@ -11,10 +11,11 @@ The repository-level layout (Qwen2.5-Coder, arXiv 2409.12186), token by token:
     [REPO]myproject\\n [SEP]name0\\n text0 ... [SEP]filename\\n [PRE]prefix prompt [SUF]suffix [MID]
 
 The prefix keeps its last 3/4 of a batch of tokens, the suffix its first 1/4 (less the prompt and
-2), the extra chunks what the context leaves after a batch and twice the answer's tokens (`n_predict`,
-0 when the request names none), kept from their end, and never more than leaves the answer its
-room (llama-server would shift its context). Prefix, suffix and extra texts are tokenized as plain text (special-token text in
-a file is not a token); the `prompt` is parsed for special tokens, as in llama-server.
+2), the extra chunks what the context leaves after a batch and twice the answer's tokens
+(`n_predict`, 0 when the request names none), kept from their end, and never more than leaves the
+answer its room (llama-server would shift its context). Prefix, suffix and extra texts are
+tokenized as plain text (special-token text in a file is not a token); the `prompt` is parsed for
+special tokens, as in llama-server.
 """
 
 from __future__ import annotations
