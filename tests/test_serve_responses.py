@@ -436,3 +436,41 @@ def test_ending_reads_stop_strings_and_reasoning_tokens(qwen3_server):
     assert Ending.of(tok, req, "length", result, False).reasoning_tokens == 0
     assert not Ending.of(tok, req, "length", result, False).context_full
     assert Ending.of(tok, ChatRequest(max_tokens=len(tokens) + 1), "length", result, False).context_full
+
+
+# --------------------------------------------------------------------------------------------- input items
+def test_input_items_list_the_requests_own_input(qwen3_server):
+    """GET /v1/responses/{id}/input_items: the request's input items (newest first by default),
+    each with its own id or a new one, messages' text as content parts; pages through `limit` and
+    `after` as the SDK's auto-pagination walks them; a follow-up lists only its own input."""
+    c = _client(qwen3_server)
+    given = [{"role": "user", "content": "hi"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo"}], "id": "m_1"},
+             {"type": "function_call", "call_id": "c1", "name": WEATHER["name"], "arguments": '{"city": "x"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             {"role": "user", "content": "and tomorrow?"}]
+    r = _create(c, input=given, tools=[FN_WEATHER])
+    listed = c.responses.input_items.list(r.id, order="asc", limit=100).model_dump()
+    items = listed["data"]
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output", "message"]
+    assert items[1]["id"] == "m_1" and len({i["id"] for i in items}) == 5
+    assert items[0]["content"][0]["type"] == "input_text" and items[0]["content"][0]["text"] == "hi"
+    assert items[3]["output"] == "sunny" and items[2]["arguments"] == '{"city": "x"}'
+    assert all(i["status"] == "completed" for i in items) and listed["has_more"] is False
+    assert (listed["first_id"], listed["last_id"]) == (items[0]["id"], items[-1]["id"])
+    newest_first = [i.id for i in c.responses.input_items.list(r.id, limit=2)]        # auto-paginated
+    assert newest_first == [i["id"] for i in items][::-1]
+    page = c.responses.input_items.list(r.id, limit=2, after=items[-1]["id"])
+    assert [i.id for i in page.data] == [items[-2]["id"], items[-3]["id"]] and page.has_more
+
+    follow = _create(c, input="thanks", previous_response_id=r.id)
+    own = c.responses.input_items.list(follow.id).data
+    assert len(own) == 1 and own[0].content[0].text == "thanks"
+
+    base = qwen3_server.base_url + f"/v1/responses/{r.id}/input_items"
+    for query, param in (("?limit=0", "limit"), ("?limit=101", "limit"), ("?order=up", "order"),
+                         ("?after=nope", "after")):
+        assert _openai_error(httpx.get(base + query, timeout=30), 400)["param"] == param
+    assert _openai_error(httpx.get(qwen3_server.base_url + "/v1/responses/resp_nope/input_items"), 404)
+    c.responses.delete(follow.id)
+    assert _openai_error(httpx.get(qwen3_server.base_url + f"/v1/responses/{follow.id}/input_items"), 404)

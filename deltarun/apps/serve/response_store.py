@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_RESPONSES = 1024
@@ -24,6 +24,8 @@ class StoredResponse:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     nbytes: int
+    #: the request's own input, as `input_items` lists it (ids, status, content parts)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -43,15 +45,17 @@ class ResponseStore:
         return e
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new_messages: list[dict[str, Any]],
-            response_size: int | None = None) -> None:
+            response_size: int | None = None, input_items: list[dict[str, Any]] | None = None) -> None:
         """Keep `response` (its "id" is the key) and its conversation, of which `new_messages` are
         the ones no earlier entry holds; `response_size`: its JSON's length, when the caller has it
-        (it repeats the request's tools: a dump of 100 us for an agent's)."""
+        (it repeats the request's tools: a dump of 100 us for an agent's); `input_items`: the
+        request's input as `input_items` lists it back."""
         if response_size is None:
             response_size = len(json.dumps(response, default=str))
-        size = response_size + len(json.dumps(new_messages, default=str))
+        size = response_size + len(json.dumps(new_messages, default=str)) + \
+            (len(json.dumps(input_items, default=str)) if input_items else 0)
         self.delete(response["id"])
-        self._entries[response["id"]] = StoredResponse(response, conversation, size)
+        self._entries[response["id"]] = StoredResponse(response, conversation, size, input_items or [])
         self.nbytes += size
         while self._entries and (len(self._entries) > self.max_responses or self.nbytes > self.max_bytes):
             _, old = self._entries.popitem(last=False)

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`) on the chat pipeline.
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items`) on the chat pipeline.
 
 A request is translated into the Chat Completions body it means, checked by `parse_chat` and built
 by `PromptBuilder.chat`: the same template, prompt cache, grammars and tool-call parsing as
@@ -341,6 +342,26 @@ def _new_item_id(b: Block) -> str:
     return _ID_PREFIX.get(b.kind, "fc_") + secrets.token_hex(12)
 
 
+#: ids of the input items a request sends without one, by type (the output items' prefixes)
+_INPUT_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}
+
+
+def listed_input(items: Any) -> list[dict[str, Any]]:
+    """A request's `input` (checked by `input_messages`) as `GET /v1/responses/{id}/input_items`
+    lists it back: items with their type, an id (theirs, or a new one), status, and a message's
+    text as a content part (`input_text`; an assistant's `output_text`)."""
+    out = []
+    for item in ([{"role": "user", "content": items}] if isinstance(items, str) else items):
+        kind = item.get("type", "message")
+        obj = {"id": _INPUT_ID_PREFIX.get(kind, "item_") + secrets.token_hex(12), **item, "type": kind,
+               "status": "completed"}
+        if kind == "message" and isinstance(item.get("content"), str):
+            obj["content"] = [_text_part(item["content"]) if item["role"] == "assistant"
+                              else {"type": "input_text", "text": item["content"]}]
+        out.append(obj)
+    return out
+
+
 def _usage(r: dict[str, Any], end: Ending) -> dict[str, Any]:
     return {"input_tokens": r["n_prompt"], "input_tokens_details": {"cached_tokens": r["n_cached"]},
             "output_tokens": r["n_generated"], "output_tokens_details": {"reasoning_tokens": end.reasoning_tokens},
@@ -417,7 +438,8 @@ class _Answer:
         """Store the finished `response` (`text`: its JSON) when the request asks to."""
         if self.rr.store:
             answer = assistant_message(self.splitter.blocks)
-            store.put(response, self.rr.conversation + [answer], self.rr.new_messages + [answer], len(text))
+            store.put(response, self.rr.conversation + [answer], self.rr.new_messages + [answer], len(text),
+                      listed_input(self.rr.body["input"]))
 
 
 # --------------------------------------------------------------------------------------------- routes
@@ -490,6 +512,31 @@ def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Rou
                            param="response_id", code="not_found")
         return JSONResponse(e.response)
 
+    async def input_items(request: Request) -> Response:
+        """The stored response's input items, a page at a time (`limit` 1-100, default 20; `order`
+        desc, the default, or asc; `after`: the id of the item the page starts after)."""
+        rid = request.path_params["response_id"]
+        e = responses.get(rid)
+        if e is None:
+            raise ApiError(f"No response found with id {rid!r}.", status=404, param="response_id", code="not_found")
+        q = request.query_params
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise _bad(f"'limit' is {limit!r}; expected an integer from 1 to 100", "limit", "invalid_value")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise _bad(f"'order' is {order!r}; expected asc or desc", "order", "invalid_value")
+        items = e.input_items if order == "asc" else e.input_items[::-1]
+        after = q.get("after")
+        if after is not None:
+            at = next((i for i, it in enumerate(items) if it["id"] == after), None)
+            if at is None:
+                raise _bad(f"'after' names no input item of this response: {after!r}", "after", "invalid_value")
+            items = items[at + 1:]
+        page = items[:int(limit)]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
     async def delete(request: Request) -> Response:
         rid = request.path_params["response_id"]
         if not responses.delete(rid):
@@ -498,6 +545,7 @@ def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Rou
 
     return [Route("/v1/responses", create, methods=["POST"]),
             Route("/v1/responses/{response_id}", get, methods=["GET"]),
+            Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete, methods=["DELETE"])]
 
 
