@@ -359,7 +359,7 @@ def test_agent_loop_evaluates_only_new_tokens_as_chat_completions_does(template_
      "input[0].content[0].image_url"),                 # not a data: URL
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
      "input[0].content[0]"),                           # an image, and the server has no --mmproj
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].id"),    # no stored item has it
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": None}]}]},
@@ -474,3 +474,52 @@ def test_input_items_list_the_requests_own_input(qwen3_server):
     assert _openai_error(httpx.get(qwen3_server.base_url + "/v1/responses/resp_nope/input_items"), 404)
     c.responses.delete(follow.id)
     assert _openai_error(httpx.get(qwen3_server.base_url + f"/v1/responses/{follow.id}/input_items"), 404)
+
+
+def test_item_references_name_stored_input_and_output_items(qwen3_server):
+    """An `item_reference` input item stands for the stored item it names (a stored response's
+    input or output item): the same prompt and answer as the items sent whole; a reference to no
+    stored item, or to one of a deleted response, is a 400."""
+    c = _client(qwen3_server)
+    r = _create(c, input="Weather in Paris?", tools=[FN_WEATHER], tool_choice="required", reasoning=NO_THINKING,
+                max_output_tokens=60)
+    call = next(o for o in r.output if o.type == "function_call")
+    asked = c.responses.input_items.list(r.id).data[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    whole = _create(c, tools=[FN_WEATHER], reasoning=NO_THINKING,
+                    input=[{"role": "user", "content": "Weather in Paris?"}]
+                    + [o.model_dump(exclude_none=True) for o in r.output] + [result])
+    named = _create(c, tools=[FN_WEATHER], reasoning=NO_THINKING,
+                    input=[{"type": "item_reference", "id": asked.id}]
+                    + [{"type": "item_reference", "id": o.id} for o in r.output] + [result])
+    assert named.usage.input_tokens == whole.usage.input_tokens and named.output_text == whole.output_text
+    assert [o.model_dump() for o in named.output][0]["type"] == [o.model_dump() for o in whole.output][0]["type"]
+    url = qwen3_server.base_url + "/v1/responses"
+    err = _openai_error(httpx.post(url, json={"input": [{"type": "item_reference", "id": "fc_nope"}]}, timeout=30), 400)
+    assert err["code"] == "item_not_found" and err["param"] == "input[0].id"
+    c.responses.delete(r.id)       # the later two hold the call too (their input), as sent or resolved
+    assert httpx.post(url, json={"input": [{"type": "item_reference", "id": call.id}], "max_output_tokens": 1,
+                                 "store": False}, timeout=30).status_code == 200
+    for rid in (whole.id, named.id):
+        c.responses.delete(rid)
+    err = _openai_error(httpx.post(url, json={"input": [{"type": "item_reference", "id": call.id}]}, timeout=30), 400)
+    assert err["code"] == "item_not_found"
+
+
+def test_the_store_forgets_the_items_of_what_it_drops():
+    """Evicted or deleted responses take their items with them; an id two responses hold stays
+    with the newer one when the older goes."""
+    store = response_store.ResponseStore(max_responses=2)
+
+    def put(rid, item_ids):
+        store.put({"id": rid, "output": [{"id": i, "type": "message"} for i in item_ids]}, [], [],
+                  input_items=[{"id": f"in_{rid}", "type": "message"}])
+    put("r1", ["a", "shared"])
+    put("r2", ["b", "shared"])
+    assert store.item("a") and store.item("in_r1") and store.item("shared")
+    store.delete("r1")
+    assert store.item("a") is None and store.item("in_r1") is None and store.item("shared") is not None
+    put("r3", ["c"])
+    put("r4", ["d"])                                   # r2 evicted (two at most)
+    assert store.item("b") is None and store.item("shared") is None and store.item("in_r2") is None
+    assert store.item("c") and store.item("d") and len(store) == 2

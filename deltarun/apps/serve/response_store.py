@@ -33,6 +33,9 @@ class ResponseStore:
         self.max_responses = MAX_RESPONSES if max_responses is None else max_responses
         self.max_bytes = MAX_BYTES if max_bytes is None else max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        #: item id -> (the response that holds it, the item): its input and output items, which a
+        #: later request may name by an `item_reference` (the newest holder of an id wins)
+        self._items: dict[str, tuple[str, dict[str, Any]]] = {}
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -55,15 +58,28 @@ class ResponseStore:
         size = response_size + len(json.dumps(new_messages, default=str)) + \
             (len(json.dumps(input_items, default=str)) if input_items else 0)
         self.delete(response["id"])
-        self._entries[response["id"]] = StoredResponse(response, conversation, size, input_items or [])
+        e = self._entries[response["id"]] = StoredResponse(response, conversation, size, input_items or [])
+        for item in self._items_of(e):
+            self._items[item["id"]] = (response["id"], item)
         self.nbytes += size
         while self._entries and (len(self._entries) > self.max_responses or self.nbytes > self.max_bytes):
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            self.delete(next(iter(self._entries)))
 
     def delete(self, rid: str) -> bool:
         e = self._entries.pop(rid, None)
         if e is None:
             return False
         self.nbytes -= e.nbytes
+        for item in self._items_of(e):
+            if self._items.get(item["id"], ("",))[0] == rid:
+                del self._items[item["id"]]
         return True
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """A stored response's input or output item by its id (an `item_reference`'s target)."""
+        held = self._items.get(item_id)
+        return held[1] if held is not None else None
+
+    @staticmethod
+    def _items_of(e: StoredResponse) -> list[dict[str, Any]]:
+        return [i for i in e.input_items + list(e.response.get("output") or []) if isinstance(i.get("id"), str)]

@@ -13,6 +13,7 @@ by `PromptBuilder.chat`: the same template, prompt cache, grammars and tool-call
   and tool calls: the order this server answers in, so an answer sent back renders as generated;
 - `previous_response_id` -> the stored conversation of that response, then the new input: the
   prompt extends the previous one, and the prompt cache evaluates only what is new;
+- an `item_reference` input item -> the stored input or output item it names (`ResponseStore.item`);
 - function `tools` (flat: `name`, `parameters`) -> chat tools; `tool_choice` as in chat
   (`{"type": "function", "name"}` names one); `text.format` json_schema / json_object ->
   `response_format` (llguidance); `reasoning.effort` none / minimal -> thinking off, low and up
@@ -234,6 +235,26 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def resolve_references(body: Any, store: ResponseStore) -> Any:
+    """`body` with each `item_reference` input item replaced by the stored item it names (an input
+    or output item of a stored response); a 400 for one that names none. Runs on the event loop,
+    as the store is not shared with threads."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference"
+                                              for i in items):
+        return body
+    resolved = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            target = store.item(item["id"]) if isinstance(item.get("id"), str) else None
+            if target is None:
+                raise _bad(f"'input[{i}]' references item {item.get('id')!r}, which no stored response holds",
+                           f"input[{i}].id", "item_not_found")
+            item = {k: v for k, v in target.items() if k != "status"}
+        resolved.append(item)
+    return {**body, "input": resolved}
+
+
 def previous(body: Any, store: ResponseStore) -> StoredResponse | None:
     """The stored response a request continues (`previous_response_id`), None when it starts anew;
     a 400 when it names one that does not exist, was deleted, evicted, or never stored."""
@@ -452,6 +473,7 @@ def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Rou
     async def create(request: Request) -> Response:
         body = await read_json(request, state.max_body)
         prev = previous(body, responses)          # on the event loop: the store is not shared with threads
+        body = resolve_references(body, responses)
         rr, params, relay = await submit_chat(state, lambda: ResponsesRequest(body, prev), lambda r: r.chat)
         answer = _Answer(rr, rr.chat.model or state.model_name)
         tokenizer = state.builder.tokenizer
