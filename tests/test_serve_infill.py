@@ -14,7 +14,7 @@ import pytest
 from test_serve import _server
 
 from deltarun.apps.serve.infill import FIM_BATCH, FimTokens, infill_prompt
-from deltarun.apps.serve.protocol import parse_completion, parse_native_completion
+from deltarun.apps.serve.protocol import parse_completion, parse_llama_server_completion
 from deltarun.base.gguf_file import GGUFFile
 
 PREFIX = "def add(a, b):\n    "
@@ -165,7 +165,7 @@ def test_completion_in_llama_servers_format(server, tok):
     assert "".join(e["content"] for e in events) == got["content"] and events[-1]["stop"] is True
     builder = server.state.builder
     n = len(builder.tokenize("Once upon a time"))
-    assert builder.completion(parse_native_completion({"prompt": "Once upon a time"})).max_tokens == \
+    assert builder.completion(parse_llama_server_completion({"prompt": "Once upon a time"})).max_tokens == \
         server.worker.model.n_ctx - n
     assert builder.completion(parse_completion({"prompt": "Once upon a time"})).max_tokens == 16
     r = httpx.post(server.base_url + "/completion", json={"prompt": "a", "n": 2}, timeout=60)

@@ -141,6 +141,18 @@ def followed_by_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages + [{"role": "assistant", "content": STAND_IN}, {"role": "user", "content": STAND_IN}]
 
 
+def with_end_marked(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` (an assistant's) with STAND_IN after its text, or after its reasoning when it has
+    reasoning and no text: rendered, it shows where a continuation of that message begins (the
+    answer then continues the text, or the thinking)."""
+    marked = dict(message)
+    if message.get("reasoning_content") and not message.get("content"):
+        marked["reasoning_content"] = message["reasoning_content"] + STAND_IN
+    else:
+        marked["content"] = (message.get("content") or "") + STAND_IN
+    return marked
+
+
 def common_text_prefix(a: str, b: str) -> int:
     """Length of the longest common prefix of two texts, found by comparing halving slices (each
     character compared about once, in C): os.path.commonprefix compares them one by one in Python,

@@ -33,7 +33,7 @@ from deltarun.apps.serve.guard import HostPolicy, RequestGuard, error_response
 from deltarun.apps.serve.metrics import CONTENT_TYPE_LATEST
 from deltarun.apps.serve.output import Delta
 from deltarun.apps.serve.protocol import (ApiError, ChatRequest, chat_delta, chat_message, check_token_ids, envelope,
-                                          parse_chat, parse_completion, parse_infill, parse_native_completion,
+                                          parse_chat, parse_completion, parse_infill, parse_llama_server_completion,
                                           timings, usage)
 from deltarun.apps.serve.relay import (MAX_CHARS_PER_TOKEN, Mailbox, Relay, check_prompt_size, read_json,
                                        run_cpu)
@@ -199,29 +199,32 @@ def create_app(state: ServerState) -> Starlette:
             raise
         return req, relays, prefix + secrets.token_hex(12), int(time.time()), req.model or state.model_name
 
+    async def _gathered(relay: Relay, request: Request) -> tuple[Delta, list[dict[str, Any]], str, dict[str, Any]] \
+            | ApiError | None:
+        """A job's whole answer: its text, logprobs, finish reason and result; its error; or None
+        when the client went away."""
+        text = Delta()
+        logprobs: list[dict[str, Any]] = []
+        async for ev in relay.events(request):
+            if ev.error is not None:
+                return ev.error
+            if ev.delta is not None:
+                text.add(ev.delta)
+            if ev.prompt_logprobs:    # (before any token's)
+                logprobs.extend(ev.prompt_logprobs)
+            if ev.logprobs:
+                logprobs.extend(ev.logprobs)
+            if ev.finish_reason is not None:
+                return text, logprobs, ev.finish_reason, ev.result
+        return None
+
     async def _answer(relays: list[Relay], request: Request, obj: str, cid: str, model: str, created: int,
                       choice: Callable[[Delta, list[dict[str, Any]], str], dict[str, Any]]) -> Response:
         """A non-streaming answer: gather each job's text and logprobs, then one JSON body with a
         `choice(text, logprobs, finish_reason)` per job, usage and timings."""
-        async def gather(relay: Relay) -> tuple[Delta, list[dict[str, Any]], str, dict[str, Any]] | ApiError | None:
-            text = Delta()
-            logprobs: list[dict[str, Any]] = []
-            async for ev in relay.events(request):
-                if ev.error is not None:
-                    return ev.error
-                if ev.delta is not None:
-                    text.add(ev.delta)
-                if ev.prompt_logprobs:    # (before any token's)
-                    logprobs.extend(ev.prompt_logprobs)
-                if ev.logprobs:
-                    logprobs.extend(ev.logprobs)
-                if ev.finish_reason is not None:
-                    return text, logprobs, ev.finish_reason, ev.result
-            return None                   # the client went away
-
         # the first choice to fail fails the request at once, and the others stop (their relays
         # cancel their jobs as the tasks are cancelled)
-        tasks = [asyncio.ensure_future(gather(r)) for r in relays]
+        tasks = [asyncio.ensure_future(_gathered(r, request)) for r in relays]
         try:
             for done in asyncio.as_completed(tasks):
                 a = await done
@@ -390,13 +393,14 @@ def create_app(state: ServerState) -> Starlette:
     async def infill(request: Request) -> Response:
         """llama-server's `/infill` (editor completion plugins): the fill-in-the-middle prompt
         (`serve.infill`), completed."""
-        return await _native(request, parse_infill, lambda b: b.infill)
+        return await _llama_server_answer(request, parse_infill, lambda b: b.infill)
 
-    async def native_completion(request: Request) -> Response:
+    async def llama_server_completion(request: Request) -> Response:
         """llama-server's own `/completion` (clients written for it, such as SillyTavern's)."""
-        return await _native(request, parse_native_completion, lambda b: b.completion)
+        return await _llama_server_answer(request, parse_llama_server_completion, lambda b: b.completion)
 
-    async def _native(request: Request, parse: Callable[[Any], Any], build: Callable[[Any], Any]) -> Response:
+    async def _llama_server_answer(request: Request, parse: Callable[[Any], Any],
+                                   build: Callable[[Any], Any]) -> Response:
         """A completion answered in llama-server's own format: `content`, `stop`, token counts and
         `timings`; a stream sends a `content` piece per event and ends with the whole record
         (`stop` true)."""
@@ -424,15 +428,13 @@ def create_app(state: ServerState) -> Starlette:
                         yield _sse(json.dumps(record("", ev.finish_reason, ev.result)))
                         return
             return EventSourceResponse(events(), shutdown_grace_period=5.0, headers={"Cache-Control": "no-cache"})
-        text = Delta()
-        async for ev in relays[0].events(request):
-            if ev.error is not None:
-                return _error_response(ev.error, request.url.path)
-            if ev.delta is not None:
-                text.add(ev.delta)
-            if ev.finish_reason is not None:
-                return JSONResponse(record(text.content, ev.finish_reason, ev.result))
-        return Response(status_code=499)          # the client went away
+        a = await _gathered(relays[0], request)
+        if isinstance(a, ApiError):
+            return _error_response(a, request.url.path)
+        if a is None:
+            return Response(status_code=499)          # the client went away
+        text, _, reason, result = a
+        return JSONResponse(record(text.content, reason, result))
 
     async def apply_template(request: Request) -> Response:
         """llama-server's `/apply-template`: the prompt a chat request's body would be answered
@@ -496,7 +498,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]), Route("/props", props),
         Route("/apply-template", apply_template, methods=["POST"]), Route("/infill", infill, methods=["POST"]),
-        Route("/completion", native_completion, methods=["POST"]),
+        Route("/completion", llama_server_completion, methods=["POST"]),
     ]
     # outermost first: host, origin and content type checked (and any error answered) before CORS
     # answers a preflight, and both before the key is asked for (a preflight carries none)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from deltarun.apps.chat import (STAND_IN, common_text_prefix, followed_by_a_message, followed_by_a_turn, opens_thinking,
-                                tokens_before)
+                                tokens_before, with_end_marked)
 from deltarun.apps.serve.grammar import CallSyntax
 from deltarun.apps.serve.output import KIMI_TOOLS, tool_format_of
 from deltarun.apps.serve.infill import FimTokens, infill_prompt
@@ -49,17 +49,6 @@ from deltarun.runner.multimodal import PlacedImage, outside_images, place_images
 BOUNDARY_MESSAGES = 8
 #: Stand-in renderings remembered (least recently used dropped): a few per conversation turn.
 RENDER_CACHE = 1024
-
-
-def with_end_marked(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` (an assistant's) with STAND_IN after its text, or after its reasoning when it has
-    reasoning and no text (the answer then continues the thinking)."""
-    marked = dict(message)
-    if message.get("reasoning_content") and not message.get("content"):
-        marked["reasoning_content"] = message["reasoning_content"] + STAND_IN
-    else:
-        marked["content"] = (message.get("content") or "") + STAND_IN
-    return marked
 
 
 class PromptBuilder:
@@ -87,6 +76,8 @@ class PromptBuilder:
         #: a request ending with an assistant message continues it unless it says otherwise
         #: (`serve --prefill-assistant`, llama-server's default)
         self.prefill_assistant = prefill_assistant
+        #: the vocabulary's fill-in-the-middle tokens (`/infill`); None: it has none
+        self.fim = FimTokens.of(self.tokenizer)
         self._byte_lengths: dict[int, int] = {}     # token id -> bytes (see _token_ends)
         self._renders: collections.OrderedDict[bytes, str] = collections.OrderedDict()   # _stand_in_render
         self._lock = threading.Lock()               # chat() runs in the handlers' thread pool
@@ -294,12 +285,11 @@ class PromptBuilder:
     def infill(self, req: InfillRequest) -> GenParams:
         """The fill-in-the-middle prompt of an `/infill` request (`infill.infill_prompt`), as a
         completion of its tokens; a 501 for a vocabulary without FIM tokens (as llama-server)."""
-        fim = FimTokens.of(self.tokenizer)
-        if fim is None:
+        if self.fim is None:
             raise ApiError("infill is not supported by this model: its vocabulary has no fill-in-the-middle tokens "
                            "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)", status=501,
                            type="not_supported_error")
-        req.prompt = infill_prompt(self.tokenizer, fim, req.input_prefix, req.input_suffix, req.input_extra,
+        req.prompt = infill_prompt(self.tokenizer, self.fim, req.input_prefix, req.input_suffix, req.input_extra,
                                    req.fim_prompt, self.n_ctx, req.max_tokens or 0)
         return self.completion(req)
 

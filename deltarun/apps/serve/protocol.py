@@ -604,15 +604,16 @@ class InfillRequest(CompletionRequest):
     fim_prompt: str = ""
 
 
-def parse_native_completion(body: Any) -> CompletionRequest:
+def parse_llama_server_completion(body: Any) -> CompletionRequest:
     """llama-server's own `/completion`: /v1/completions' fields, one answer, until the end of
     generation when it names no n_predict."""
     req = parse_completion(body)
-    _native(req)
+    _llama_server_fields(req)
     return req
 
 
-def _native(req: CompletionRequest) -> None:
+def _llama_server_fields(req: CompletionRequest) -> None:
+    """What llama-server's own endpoints answer: once, until the end without n_predict."""
     if req.n != 1:
         raise ApiError("'n' must be 1 here (llama-server's own endpoints answer once)", param="n",
                        code="invalid_value")
@@ -622,7 +623,7 @@ def _native(req: CompletionRequest) -> None:
 def parse_infill(body: Any) -> InfillRequest:
     req = InfillRequest()
     _sampling_fields(body, req)
-    _native(req)
+    _llama_server_fields(req)
     for key in ("input_prefix", "input_suffix"):
         if not isinstance(body.get(key), str):
             raise ApiError(f"'{key}' is required: a string", param=key, code="invalid_value")
