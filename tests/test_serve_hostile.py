@@ -159,10 +159,14 @@ def test_health_answers_while_heavy_requests_run(srv):
 
     def hammer(path, body):
         with httpx.Client(base_url=srv.base, timeout=60) as c:
-            for _ in range(20):                          # bounded; stops with the probes
+            for i in range(20):                          # bounded; stops with the probes
                 if stop.is_set():
                     return
-                answers.append(c.post(path, content=body, headers={"content-type": "application/json"}).status_code)
+                try:
+                    answers.append(c.post(path, content=body, headers={"content-type": "application/json"}).status_code)
+                except httpx.TransportError as e:        # (say which request, and what the server logged)
+                    raise AssertionError(f"{path} ({len(body)} bytes), request {i + 1}: {e!r}; the server's log "
+                                         f"ends: {srv.log_text()[-1500:]}") from e
 
     with httpx.Client(base_url=srv.base, timeout=60) as c, \
             c.stream("POST", CHAT, json={"messages": HI, "max_tokens": 800, "ignore_eos": True, "stream": True}) as s:
