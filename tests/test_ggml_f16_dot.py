@@ -15,11 +15,12 @@ of its own on AVX-512 CPUs (row lengths that are multiples of 16): tiles of 4 ro
 row by row; x86-one-row-streams.patch: 1-2 columns of at most 12 KB one row at a time, so 1,024
 values and 2 columns or 3,072 and 1 column, longer rows in tiles: 3,584 x 1 and x 2 here), each
 thread one contiguous range of rows, the next tile read ahead, the columns
-rounded to the weights' type as ggml's own path rounds them. x86-widened-half-eight-columns.patch
-gives it F16 weights with 5-8 columns too, in tiles of 3 rows (row counts that leave 1 or 2 rows
-of a thread's range below). BF16 from 5 columns, F16 from 9, and rows whose length is not a
-multiple of 16 go to ggml's conversion and llamafile's tinyBLAS; the shapes below cover both sides,
-and hold for the stock kernels as well.
+rounded to the weights' type as ggml's own path rounds them. x86-widened-half-more-columns.patch
+gives it F16 weights with 5-11 columns too, 5-8 in tiles of 3 rows and 9-11 in tiles of 2 (row
+counts that leave rows of a thread's range past the last tile below). BF16 from 5 columns, F16 from
+12 (where no AMX tiles take them), and rows whose length is not a multiple of 16 go to ggml's
+conversion and llamafile's tinyBLAS; the shapes below cover both sides, and hold for the stock
+kernels as well.
 
 scripts/ggml-patches/widened-half-tiles-amx.patch takes F16 products of 12 or more columns and BF16
 products of 5 or more on CPUs with AMX-BF16 (row counts that are multiples of 16, row lengths that
@@ -74,7 +75,8 @@ def _bf16_values(bits: np.ndarray) -> np.ndarray:
                                             (16, 5, 3), (2048, 33, 3), (1024, 129, 4), (3584, 9, 4), (1040, 66, 5),
                                             (1024, 45, 8), (2049, 30, 4), (512, 300, 7), (3584, 66, 2),
                                             (3072, 9, 1), (16, 4, 5), (1024, 31, 6), (2048, 50, 8), (3584, 17, 7),
-                                            (1024, 40, 9)])
+                                            (1024, 40, 9), (1024, 33, 9), (2048, 18, 10), (512, 31, 11),
+                                            (3584, 21, 11)])
 def test_half_products_match_numpy(k: int, n_rows: int, n_tok: int, wtype: str, threads: int) -> None:
     _check_half_product(k, n_rows, n_tok, wtype, threads)
 
