@@ -428,12 +428,11 @@ class Memory:
         new request's seq is cleared, and zeroing every slot through fresh arrays took 10 ms of a
         server's admission at K = 4 (72 MB at Qwen3.5-0.8B's shapes); slot 0 through the kept
         scratch takes 3 ms."""
-        for il in self.conv:
-            for t in (self.conv[il], self.ssm[il]):     # a cell's conv row; its SSM slot 0
-                size = t.contents.nb[1]
+        for t, block, size in self._cell_regions(0):      # (no positions: the KV rows are not touched)
+            if size:
                 zeros = self._scratch_array(size)
                 zeros[:] = 0
-                self._write_bytes(t, zeros, seq * size)
+                self._write_bytes(t, zeros, seq * block)
         self.set_tokens(seq, [])
 
     def _restore_slot(self, r: int, seq: int) -> None:

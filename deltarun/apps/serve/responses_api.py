@@ -235,6 +235,10 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def _not_found(rid: str) -> ApiError:
+    return ApiError(f"No response found with id {rid!r}.", status=404, param="response_id", code="not_found")
+
+
 def resolve_references(body: Any, store: ResponseStore) -> Any:
     """`body` with each `item_reference` input item replaced by the stored item it names (an input
     or output item of a stored response); a 400 for one that names none. Runs on the event loop,
@@ -527,20 +531,19 @@ def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Rou
             if chunk:
                 yield chunk
 
-    async def get(request: Request) -> Response:
-        e = responses.get(request.path_params["response_id"])
+    def stored(rid: str) -> StoredResponse:
+        e = responses.get(rid)
         if e is None:
-            raise ApiError(f"No response found with id {request.path_params['response_id']!r}.", status=404,
-                           param="response_id", code="not_found")
-        return JSONResponse(e.response)
+            raise _not_found(rid)
+        return e
+
+    async def get(request: Request) -> Response:
+        return JSONResponse(stored(request.path_params["response_id"]).response)
 
     async def input_items(request: Request) -> Response:
         """The stored response's input items, a page at a time (`limit` 1-100, default 20; `order`
         desc, the default, or asc; `after`: the id of the item the page starts after)."""
-        rid = request.path_params["response_id"]
-        e = responses.get(rid)
-        if e is None:
-            raise ApiError(f"No response found with id {rid!r}.", status=404, param="response_id", code="not_found")
+        e = stored(request.path_params["response_id"])
         q = request.query_params
         limit = q.get("limit", "20")
         if not limit.isdigit() or not 1 <= int(limit) <= 100:
@@ -562,7 +565,7 @@ def responses_routes(state: Any, store: ResponseStore | None = None) -> list[Rou
     async def delete(request: Request) -> Response:
         rid = request.path_params["response_id"]
         if not responses.delete(rid):
-            raise ApiError(f"No response found with id {rid!r}.", status=404, param="response_id", code="not_found")
+            raise _not_found(rid)
         return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     return [Route("/v1/responses", create, methods=["POST"]),
