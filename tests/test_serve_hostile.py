@@ -321,6 +321,31 @@ def test_half_sent_bodies_are_cut_and_logged_in_one_line(srv):
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
 
 
+def test_answers_before_the_body_ends_close_the_connection(srv):
+    """An answer given before the request body was read to its end (413 from the declared length,
+    415 from the headers) says `Connection: close`, and the connection closes: the client may go on
+    sending that body after it has the answer while the server, which cannot tell when it ends, may
+    close the connection at the body deadline meanwhile; a client that kept the connection lost its
+    next request ("Server disconnected without sending a response", the heavy-requests test's rare
+    failure). An answer after the whole body keeps the connection."""
+    json_type = {"content-type": "application/json"}
+    with httpx.Client(base_url=srv.base, timeout=60) as c:
+        r = c.post(CHAT, content=b" " * (9 << 20), headers=json_type)           # over --max-body (8 MiB)
+        assert r.status_code == 413 and r.headers.get("connection") == "close", r.headers
+        r = c.post(CHAT, content=b"{}", headers={"content-type": "text/plain"})
+        assert r.status_code == 415 and r.headers.get("connection") == "close", r.headers
+        r = c.post(CHAT, content=b"{not json", headers=json_type)
+        assert r.status_code == 400 and "connection" not in r.headers, r.headers
+        assert c.post(CHAT, json={"messages": HI, "max_tokens": 1}).status_code == 200
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:           # the body mostly still owed
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (64 << 20) + b" " * (64 << 10))
+        start = time.monotonic()
+        closed, got = _wait_closed(s, start + BODY_TIMEOUT + MARGIN)
+    assert got.startswith(b"HTTP/1.1 413 ") and b"\r\nconnection: close\r\n" in got.lower(), got
+    assert closed - start < BODY_TIMEOUT, closed - start                    # at once, not at the deadline
+
+
 def test_connections_beyond_the_cap_are_refused(tiny_model_path):
     limits = ConnectionLimits(max_connections=6, header_timeout_s=5)
     with _handle(tiny_model_path, limits=limits) as h:

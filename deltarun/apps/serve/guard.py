@@ -16,6 +16,10 @@
   one log line (INFO), not a traceback.
 - **Headers**: `nosniff` and no framing on every answer, and a restrictive CSP on HTML that did not
   bring its own (`page_headers` writes the pages' own, with the hashes of their inline scripts).
+  An answer given before the request's body was read to its end (a refusal from the declared
+  length or the headers) says `Connection: close`: the client may finish sending that body after it
+  has the answer, and the server, which cannot tell when, may close the connection meanwhile (the
+  body deadline); a client that kept it for its next request would see that request dropped.
 
 Errors have the shape of the API the path belongs to (`protocol.error_body`).
 """
@@ -149,11 +153,16 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        refusal = self._refusal(scope)
-        if refusal is not None:
-            await self._send_error(refusal, path, scope, receive, send)
-            return
         started = False
+        request_headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        body_owed = _has_body(request_headers)
+
+        async def receive_watched() -> dict:
+            nonlocal body_owed
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_owed = False        # the body's end, or the client gone
+            return message
 
         async def send_with_headers(message: dict) -> None:
             nonlocal started
@@ -165,11 +174,17 @@ class RequestGuard:
                 ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
                 if ctype.startswith(b"text/html") and b"content-security-policy" not in names:
                     headers.append((b"content-security-policy", DEFAULT_CSP))
+                if body_owed and b"connection" not in names:
+                    headers.append((b"connection", b"close"))
                 message = {**message, "headers": headers}
             await send(message)
 
+        refusal = self._refusal(scope, request_headers)
+        if refusal is not None:
+            await error_response(refusal, path)(scope, receive_watched, send_with_headers)
+            return
         try:
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, receive_watched, send_with_headers)
         except ClientDisconnect:
             log.info("%s %s: the connection closed before the request body ended", scope["method"], path)
         except Exception as e:  # noqa: BLE001 - the last stop: logged once, answered without a traceback
@@ -177,10 +192,9 @@ class RequestGuard:
             if not started:
                 err = ApiError(f"internal error ({type(e).__name__}); the server log has the details", status=500,
                                type="server_error")
-                await self._send_error(err, path, scope, receive, send)
+                await error_response(err, path)(scope, receive_watched, send_with_headers)
 
-    def _refusal(self, scope: dict) -> ApiError | None:
-        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+    def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> ApiError | None:
         host = _header(headers, b"host")
         if not self.policy.host_allowed(host):
             return ApiError(f"the Host {host!r} is not one this server answers to; start it with "
@@ -198,12 +212,6 @@ class RequestGuard:
                 return ApiError(f"the request body must be JSON sent with 'Content-Type: application/json' "
                                 f"(not {ctype[:80]!r})", status=415, code="unsupported_media_type")
         return None
-
-    @staticmethod
-    async def _send_error(e: ApiError, path: str, scope: dict, receive: Any, send: Any) -> None:
-        response = error_response(e, path)
-        response.raw_headers += [(k, v) for k, v in COMMON_HEADERS]
-        await response(scope, receive, send)
 
 
 def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
