@@ -15,7 +15,8 @@ Workloads (`--workloads`, default all), each bounded in requests and by `--time-
 
 - `throughput`: concurrency 1/2/4/8 (`--concurrency`), `--requests` requests per level, each a
   distinct short prompt and `--max-tokens` tokens (`ignore_eos`), after one untimed round at that
-  concurrency (deltarun builds a graph per batch shape on first use).
+  concurrency (deltarun builds a graph per batch shape on first use); with `--settle N`, N untimed
+  requests of other conversations before that (the prompt cache at its budget).
 - `multiturn`: one conversation, `--turns` turns, history re-sent each turn with thinking off;
   per turn: new tokens (not in the previous request), evaluated tokens, TTFT, and (deltarun) the
   tokens the server evaluated ahead before the request came (`deltarun_prompt_tokens_ahead_total`
@@ -160,6 +161,9 @@ def throughput(c: Client, args: argparse.Namespace) -> list[dict]:
     rows = []
     for conc in args.concurrency:
         deadline = time.monotonic() + args.time_limit
+        with cf.ThreadPoolExecutor(conc) as pool:      # --settle: other conversations fill the prompt cache first
+            list(pool.map(lambda i: c.chat([{"role": "user", "content": f"earlier request {i}: " + text(i, 12)}],
+                                           args.max_tokens, ignore_eos=True), range(args.settle)))
         with cf.ThreadPoolExecutor(conc) as pool:      # warm-up: the server builds its graphs for this batch shape
             list(pool.map(lambda i: c.chat([{"role": "user", "content": text(i + 7, 12)}], args.max_tokens,
                                            ignore_eos=True), range(conc)))
@@ -448,6 +452,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--settle", type=int, default=0, help="throughput: this many requests of other conversations "
+                    "first, untimed (a server whose prompt cache has reached its --cache-ram budget, as after a "
+                    "while in service: it then reuses the memory of the states it drops)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="of the chat requests (default 0: greedy); > 0 samples with the server's other defaults")
