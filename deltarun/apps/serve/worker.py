@@ -822,8 +822,9 @@ class Worker:
         A prompt starts from what the last prompt's first chunk adapted to where that is more: a
         chat prompt of a few dozen tokens ends before its own chunks can adapt, and at MTP's steps
         (16 rows, 80 ms) a 27-token prompt took two steps of 13 and 14 rows, each leaving the other
-        streams one token instead of four, where one step of 27 adds a third of a step (twenty-
-        seventh session: 64-token answers 1.07x faster with four streams)."""
+        streams one token instead of four, where one step of 30 rows takes about 1.6 steps' time
+        (twenty-seventh session: four MTP streams of 64-token answers 1.05-1.07x faster,
+        bench/RESULTS.md)."""
         if self._ride_chunk is not None:
             return self._ride_chunk
         if not self.engine.max_rows:
