@@ -14,7 +14,8 @@ come from llama-server-style `timings.prompt_n` (both servers send it), cached o
 Workloads (`--workloads`, default all), each bounded in requests and by `--time-limit` seconds:
 
 - `throughput`: concurrency 1/2/4/8 (`--concurrency`), `--requests` requests per level, each a
-  distinct short prompt and `--max-tokens` tokens (`ignore_eos`), after one untimed round at that
+  distinct short prompt (none repeats another of the run) and `--max-tokens` tokens
+  (`ignore_eos`), after one untimed round at that
   concurrency (deltarun builds a graph per batch shape on first use); with `--settle N`, N untimed
   requests of other conversations before that (the prompt cache at its budget).
 - `multiturn`: one conversation, `--turns` turns, history re-sent each turn with thinking off;
@@ -161,18 +162,21 @@ def throughput(c: Client, args: argparse.Namespace) -> list[dict]:
     rows = []
     for conc in args.concurrency:
         deadline = time.monotonic() + args.time_limit
+        def ask(tag: str, i: int) -> Result:
+            # every prompt its own (`text` repeats with a period of len(WORDS)): none resumes another's
+            return c.chat([{"role": "user", "content": f"{tag} {conc}.{i}: " + text(i, 12)}], args.max_tokens,
+                          ignore_eos=True)
+
         with cf.ThreadPoolExecutor(conc) as pool:      # --settle: other conversations fill the prompt cache first
-            list(pool.map(lambda i: c.chat([{"role": "user", "content": f"earlier request {i}: " + text(i, 12)}],
-                                           args.max_tokens, ignore_eos=True), range(args.settle)))
+            list(pool.map(lambda i: ask("earlier request", i), range(args.settle)))
         with cf.ThreadPoolExecutor(conc) as pool:      # warm-up: the server builds its graphs for this batch shape
-            list(pool.map(lambda i: c.chat([{"role": "user", "content": text(i + 7, 12)}], args.max_tokens,
-                                           ignore_eos=True), range(conc)))
+            list(pool.map(lambda i: ask("warm-up", i), range(conc)))
         t0 = time.perf_counter()
 
-        def one(i: int, conc=conc, deadline=deadline) -> Result | None:
+        def one(i: int, deadline=deadline) -> Result | None:
             if time.monotonic() > deadline:
                 return None
-            return c.chat([{"role": "user", "content": text(i + 100 * conc, 12)}], args.max_tokens, ignore_eos=True)
+            return ask("request", i)
 
         with cf.ThreadPoolExecutor(conc) as pool:
             results = [r for r in pool.map(one, range(args.requests)) if r is not None]

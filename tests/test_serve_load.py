@@ -119,3 +119,20 @@ def test_compare_puts_runs_side_by_side_and_decides_the_goals(tmp_path):
     assert goals["prefill-stall: streams' ITL p99 <= 2x idle while a long prompt prefills"] == "yes"
     assert "| 2 | 100 | 60 | 40 | 100 |" in out     # turn 2: growth, evaluated by deltarun, ahead, by llama-server
     assert "| 3 | 100 | 60 | 45 | 100 |" in out
+
+
+def test_throughput_prompts_never_repeat():
+    """The throughput workload's prompts (settling, warm-up and measured, every concurrency level)
+    are all different: one that repeated an earlier one would be answered from the prompt cache
+    without being evaluated, and count as speed (`text` alone repeats every len(WORDS) seeds)."""
+    sent: list[str] = []
+
+    class Recorder:
+        def chat(self, messages: list[dict], max_tokens: int, **extra) -> serve_load.Result:
+            sent.append(messages[-1]["content"])
+            return serve_load.Result(ttft=0.01, itl=[0.01] * (max_tokens - 1), n_generated=max_tokens)
+
+    a = args_of("--url", "http://127.0.0.1:1", "--concurrency", "1,4", "--requests", "40", "--settle", "30")
+    rows = serve_load.throughput(Recorder(), a)
+    assert [r["requests"] for r in rows] == [40, 40]
+    assert len(sent) == 2 * (30 + 40) + 1 + 4 == len(set(sent))
