@@ -162,7 +162,8 @@ def throughput(c: Client, args: argparse.Namespace) -> list[dict]:
     rows = []
     for conc in args.concurrency:
         deadline = time.monotonic() + args.time_limit
-        def ask(tag: str, i: int) -> Result:
+
+        def ask(tag: str, i: int, conc: int = conc) -> Result:
             # every prompt its own (`text` repeats with a period of len(WORDS)): none resumes another's
             return c.chat([{"role": "user", "content": f"{tag} {conc}.{i}: " + text(i, 12)}], args.max_tokens,
                           ignore_eos=True)
