@@ -14,10 +14,10 @@ come from llama-server-style `timings.prompt_n` (both servers send it), cached o
 Workloads (`--workloads`, default all), each bounded in requests and by `--time-limit` seconds:
 
 - `throughput`: concurrency 1/2/4/8 (`--concurrency`), `--requests` requests per level, each a
-  distinct short prompt (none repeats another of the run) and `--max-tokens` tokens
-  (`ignore_eos`), after one untimed round at that
-  concurrency (deltarun builds a graph per batch shape on first use); with `--settle N`, N untimed
-  requests of other conversations before that (the prompt cache at its budget).
+  distinct short prompt (none repeats another of the run) and `--max-tokens` tokens (`ignore_eos`),
+  after one untimed round at that concurrency (deltarun builds a graph per batch shape on first
+  use); with `--settle N`, N untimed requests of other conversations before that (the prompt cache
+  at its budget).
 - `multiturn`: one conversation, `--turns` turns, history re-sent each turn with thinking off;
   per turn: new tokens (not in the previous request), evaluated tokens, TTFT, and (deltarun) the
   tokens the server evaluated ahead before the request came (`deltarun_prompt_tokens_ahead_total`

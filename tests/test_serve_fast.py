@@ -226,9 +226,8 @@ def test_compaction_moves_as_few_cells_as_it_needs(layout, swaps):
     assert len({j.seq for j in jobs}) == len(jobs)
 
 
-
 # --- riding prompt chunks -------------------------------------------------------------------------
-def _riding_worker(decode_s: float) -> tuple[Worker, list[Job]]:
+def _riding_worker(decode_s: float) -> Worker:
     """A worker with three generating jobs, an engine of 16 rows a step and a model whose graphs take
     riding chunks: `_ride` and `_adapt_ride` need no more."""
     w = Worker(lambda: None, 4)
@@ -237,7 +236,7 @@ def _riding_worker(decode_s: float) -> tuple[Worker, list[Job]]:
                                     memory=types.SimpleNamespace(n_capture=4))
     w._active = _jobs({0: "decode", 1: "decode", 2: "decode"})
     w._decode_s = decode_s
-    return w, w._active
+    return w
 
 
 def _reader(n: int) -> Job:
@@ -264,7 +263,7 @@ def test_a_prompt_starts_riding_at_what_the_last_prompts_first_chunk_adapted_to(
     """A short chat prompt ends before its own chunks adapt: its first chunk fills the row budget
     (16 rows less 3 decoding), and the next prompt starts at the size that chunk adapted to, so a
     27-token prompt rides in one step once a cheap first chunk doubled (MTP's 80 ms steps)."""
-    w, _ = _riding_worker(decode_s=0.080)
+    w = _riding_worker(decode_s=0.080)
     assert _read(w, _reader(27), added=0.002) == [13, 14]       # 13 doubled to 26, the rest was cut short
     assert _read(w, _reader(27), added=0.002) == [26, 1]         # started at 26 (doubled again: 52)
     assert _read(w, _reader(27), added=0.002) == [27]
@@ -275,7 +274,7 @@ def test_a_prompt_starts_riding_at_what_the_last_prompts_first_chunk_adapted_to(
 def test_a_prompt_starts_at_its_predecessors_first_chunk_not_its_last():
     """A long prompt's later chunks cost more (attention over its positions): they shrink its own
     chunks, while the next prompt starts where the first chunk left the size."""
-    w, _ = _riding_worker(decode_s=0.080)
+    w = _riding_worker(decode_s=0.080)
     assert _read(w, _reader(100), added=[0.002, 0.070])[:5] == [13, 26, 13, 6, 4]
     assert _read(w, _reader(100), added=0.030)[0] == 26
 
@@ -283,7 +282,7 @@ def test_a_prompt_starts_at_its_predecessors_first_chunk_not_its_last():
 def test_a_costly_first_chunk_does_not_shrink_the_next_prompts_start():
     """Where a chunk filling the row budget costs most of a step (plain decoding's 40 ms steps), the
     halved size is this prompt's, not the next one's: each prompt starts by filling the rows."""
-    w, _ = _riding_worker(decode_s=0.040)
+    w = _riding_worker(decode_s=0.040)
     assert _read(w, _reader(40), added=0.035)[:3] == [13, 6, 4]     # halved down to RIDE_MIN
     assert _read(w, _reader(40), added=0.035)[:2] == [13, 6]
 
